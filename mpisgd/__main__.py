@@ -1,0 +1,5 @@
+import sys
+
+from mpisgd.train import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""The array module ``xp`` (NumPy or CuPy), chosen once at start.
+
+The CPU path never imports CuPy: ``--device cpu`` does not try, and
+:func:`is_device_array` recognises CuPy arrays by their type's module name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mpisgd.config import UsageError
+
+
+@dataclass(frozen=True)
+class Backend:
+    xp: ModuleType  # numpy or cupy
+    device: str  # "cpu" or "gpu"
+    gpu_id: int | None = None  # the GPU this rank is bound to
+    gpu_name: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "gpu"
+
+    def describe(self) -> str:
+        if self.is_gpu:
+            return f"gpu {self.gpu_id} ({self.gpu_name}), CuPy"
+        return "cpu, NumPy"
+
+
+def _gpu_count() -> tuple[ModuleType | None, int, str]:
+    """(cupy, number of GPUs, why not) without failing when CuPy or a GPU is absent."""
+    try:
+        import cupy  # noqa: PLC0415 - lazy on purpose: the CPU path must not import it
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return None, 0, f"CuPy not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return cupy, 0, f"no CUDA device ({exc})"
+    return cupy, n, "" if n else "no CUDA device"
+
+
+def select_backend(device: str, local_rank: int = 0) -> tuple[Backend, str]:
+    """Pick the array module for ``device`` (auto|cpu|gpu) and bind this rank's GPU.
+
+    Returns the backend and a note for the banner (why CPU was chosen, if it was).
+    """
+    if device == "cpu":
+        return Backend(np, "cpu"), ""
+    if device not in ("auto", "gpu"):
+        raise UsageError(f"unknown device {device!r}: use auto, cpu or gpu")
+    cupy, n, why = _gpu_count()
+    if n == 0:
+        if device == "gpu":
+            raise UsageError(f"--device gpu but {why}; use --device cpu or auto")
+        return Backend(np, "cpu"), f"no GPU: {why}; running on CPU with NumPy"
+    gpu_id = local_rank % n
+    cupy.cuda.Device(gpu_id).use()
+    props = cupy.cuda.runtime.getDeviceProperties(gpu_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return Backend(cupy, "gpu", gpu_id, name), ""
+
+
+def is_device_array(a: Any) -> bool:
+    """True for a CuPy array, decided without importing CuPy."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A host copy (or the array itself when it is already NumPy)."""
+    if is_device_array(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def sync_device(backend: Backend) -> None:
+    """Wait for queued GPU work: MPI must not read a device buffer still being written."""
+    if backend.is_gpu:
+        backend.xp.cuda.get_current_stream().synchronize()
+
+
+def set_threads(n: int) -> None:
+    """Limit BLAS/OpenMP threads of this process (ranks sharing cores must not fight)."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415 - only the CLI needs it
+
+    threadpool_limits(n)

@@ -1,0 +1,57 @@
+"""The one interface every all-reduce strategy implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+Array = Any
+
+
+class Handle(Protocol):
+    def test(self) -> bool:
+        """Advance the operation; True once it is complete."""
+
+    def wait(self) -> None:
+        """Block until the buffer holds the result."""
+
+
+class Done:
+    """A handle for an operation that completed at start (blocking strategies, k = 1)."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class Reducer(ABC):
+    """In-place SUM all-reduce of contiguous buffers over a communicator.
+
+    A reducer never sees models or optimizers: only buffers. Every rank must
+    call the same operations on buffers of the same size and dtype, in the
+    same order; implementations may rely on that.
+    """
+
+    name = "base"
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+
+    @abstractmethod
+    def allreduce_(self, buf: Array) -> None:
+        """buf <- sum over ranks of buf, in place; blocks."""
+
+    def start(self, buf: Array) -> Handle:
+        """Non-blocking form; the default runs the blocking one at once."""
+        self.allreduce_(buf)
+        return Done()
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,51 @@
+"""The MPI library's own Allreduce, blocking and non-blocking, host or CUDA-aware."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpisgd.comm.base import Array, Handle, Reducer
+
+
+def mpi_datatype(dtype: Any) -> MPI.Datatype:
+    """The *predefined* MPI datatype of a NumPy dtype (reductions are defined only on those).
+
+    mpi4py.util.dtlib builds a derived (duplicated) type, on which MPICH refuses MPI_SUM.
+    """
+    dtype = np.dtype(dtype)
+    try:
+        return MPI.Datatype.fromcode(dtype.char)
+    except (KeyError, ValueError):
+        raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+
+
+def mpi_buffer(buf: Array) -> list[Any]:
+    """[buffer, MPI datatype] with the datatype derived from the dtype, never a guessed itemsize."""
+    return [buf, mpi_datatype(buf.dtype)]
+
+
+class _Request:
+    def __init__(self, req: MPI.Request) -> None:
+        self.req = req
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+
+class MpiReducer(Reducer):
+    """``MPI_Allreduce(MPI_IN_PLACE, SUM)``: the simplest strategy and the test oracle."""
+
+    name = "mpi"
+
+    def allreduce_(self, buf: Array) -> None:
+        if self.size > 1:
+            self.comm.Allreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM)
+
+    def start(self, buf: Array) -> Handle:
+        return _Request(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM))

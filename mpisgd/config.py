@@ -1,0 +1,189 @@
+"""The run's configuration: one flat dataclass, one line per field, strict parsing.
+
+Every field becomes a command-line flag (``batch_size`` → ``--batch-size``);
+the comment string on its line is the flag's help. Unknown flags and values of
+the wrong type are errors (:class:`UsageError`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line, exit code 2, on every rank."""
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field: its default and its one-line help (and allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # model
+    model: str = opt("mlp", "model: mlp or cnn (LeNet-style)", ("mlp", "cnn"))
+    hidden: tuple[int, ...] = opt((1024, 1024), "hidden widths of the MLP, comma-separated")
+    dtype: str = opt("float32", "parameter and activation dtype", ("float32", "float64"))
+    # data
+    dataset: str = opt("fashion-mnist", "fashion-mnist (IDX files) or synthetic", ("fashion-mnist", "synthetic"))
+    data_dir: str | None = opt(None, "directory of the IDX files (else $MPISGD_DATA, then the Debian path)")
+    limit_train: int | None = opt(None, "use only the first N training samples")
+    limit_test: int | None = opt(None, "use only the first N test samples")
+    synthetic_samples: int = opt(8192, "training samples of the synthetic data set")
+    # optimisation
+    epochs: int = opt(12, "passes over the training set")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (for tests and benchmarks)")
+    batch_size: int = opt(128, "per-rank micro-batch size b")
+    accum_steps: int = opt(1, "micro-batches accumulated locally per step m (no communication between them)")
+    lr: float = opt(0.1, "base learning rate eta0, the rate for a batch of --base-batch")
+    base_batch: int = opt(256, "the batch B0 that --lr belongs to")
+    lr_scaling: str = opt("linear", "how the rate follows the effective batch B", ("linear", "sqrt", "none"))
+    warmup_epochs: float = opt(0.0, "gradual warmup from eta0 to the scaled rate over this many epochs")
+    warmup_steps: int | None = opt(None, "warmup length in steps (overrides --warmup-epochs)")
+    decay: str = opt("cosine", "decay after warmup", ("none", "step", "cosine"))
+    decay_epochs: tuple[int, ...] = opt((), "epochs at which --decay step multiplies the rate by --decay-factor")
+    decay_factor: float = opt(0.1, "factor of each step decay")
+    momentum: float = opt(0.9, "SGD momentum mu")
+    nesterov: bool = opt(False, "Nesterov momentum")
+    momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1)")
+    weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
+    seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
+    # distribution
+    device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
+    threads: int | None = opt(None, "BLAS threads per rank (default: cores per node / ranks per node)")
+    grad_reduction: str = opt("mean", "mean (all-reduce sum / k) or sum (the classic bug, for demos)", ("mean", "sum"))
+    allreduce: str = opt("auto", "all-reduce strategy", ("auto", "mpi", "ring", "hierarchical", "nccl"))
+    bucket_mb: float = opt(25.0, "gradient bucket size in MiB (first bucket: min(1, this))")
+    overlap: bool = opt(True, "start each bucket's all-reduce during backward")
+    deterministic: bool = opt(False, "fixed summation order: bitwise reproducible across bucket sizes")
+    check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")
+    on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
+    stall_timeout: float = opt(0.0, "seconds before a stalled collective is reported (0: never)")
+    stall_abort: bool = opt(False, "abort the job when the stall check fires")
+    # files and output
+    metrics_file: str | None = opt(None, "append one JSON object per epoch to this file (rank 0)")
+    timeline: str | None = opt(None, "write a Chrome-trace JSON timeline, one file per rank (PATH.rankN.json)")
+    save_model: str | None = opt(None, "write the final parameters to this .npz file (rank 0)")
+    checkpoint_dir: str | None = opt(None, "directory of checkpoints (rank 0 writes)")
+    checkpoint_every: int = opt(0, "write a checkpoint every N steps (0: at each epoch end if a dir is set)")
+    checkpoint_keep: int = opt(3, "checkpoints kept")
+    resume: str = opt("no", "no, auto (latest good checkpoint), or a checkpoint path")
+    progress: str = opt("auto", "progress bar on rank 0", ("auto", "on", "off"))
+    fail_at_step: int | None = opt(None, "testing aid: raise an error at this step")
+    fail_rank: int = opt(0, "testing aid: the rank that fails at --fail-at-step")
+
+    def validate(self) -> None:
+        """Raise UsageError naming the first invalid value."""
+        positive = {
+            "epochs": self.epochs, "batch-size": self.batch_size, "accum-steps": self.accum_steps,
+            "base-batch": self.base_batch, "synthetic-samples": self.synthetic_samples,
+            "checkpoint-keep": self.checkpoint_keep,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise UsageError(f"--{name} must be >= 1, got {value}")
+        for name, value in {"max-steps": self.max_steps, "limit-train": self.limit_train,
+                            "limit-test": self.limit_test, "threads": self.threads}.items():
+            if value is not None and value < 1:
+                raise UsageError(f"--{name} must be >= 1, got {value}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise UsageError("--nesterov needs --momentum > 0")
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
+            raise UsageError("warmup length must be >= 0")
+        if not 0 < self.decay_factor <= 1:
+            raise UsageError(f"--decay-factor must be in (0, 1], got {self.decay_factor}")
+        if self.decay == "step" and not self.decay_epochs:
+            raise UsageError("--decay step needs --decay-epochs, e.g. --decay-epochs 6,9")
+        if any(e < 1 for e in self.decay_epochs) or list(self.decay_epochs) != sorted(self.decay_epochs):
+            raise UsageError(f"--decay-epochs must be increasing positive epochs, got {self.decay_epochs}")
+        if any(h < 1 for h in self.hidden):
+            raise UsageError(f"--hidden widths must be >= 1, got {self.hidden}")
+        if self.bucket_mb <= 0:
+            raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+        for name, value in {"check-replicas": self.check_replicas, "checkpoint-every": self.checkpoint_every}.items():
+            if value < 0:
+                raise UsageError(f"--{name} must be >= 0, got {value}")
+        if self.stall_timeout < 0:
+            raise UsageError(f"--stall-timeout must be >= 0, got {self.stall_timeout}")
+        if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
+            raise UsageError("--resume auto needs --checkpoint-dir")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self, exclude: tuple[str, ...] = ()) -> str:
+        """A short hash of the configuration, to compare across ranks."""
+        d = {k: v for k, v in self.to_dict().items() if k not in exclude}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+
+def _parse_int_tuple(text: str) -> tuple[int, ...]:
+    if text.strip() == "":
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing and exiting, and prints only on rank 0."""
+
+    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m mpisgd.train",
+        description="Synchronous data-parallel SGD over MPI. Launch with: mpiexec -n K python -m mpisgd.train",
+        quiet=quiet, allow_abbrev=False,
+    )
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"] + f" (default: {_show(f.default)})"
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif kind.startswith("tuple"):
+            parser.add_argument(flag, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
+        else:
+            base = kind.split("|")[0].strip()
+            conv = {"int": int, "float": float, "str": str}[base]
+            parser.add_argument(flag, type=conv, default=f.default, choices=f.metadata["choices"],
+                                help=help_text, metavar=None if f.metadata["choices"] else base.upper())
+    return parser
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
+    """Parse and validate the command line. Raises UsageError; prints --help unless quiet."""
+    ns = build_parser(quiet).parse_args(argv)
+    cfg = Config(**vars(ns))
+    cfg.validate()
+    return cfg

@@ -1,0 +1,188 @@
+"""Data sets and sharding.
+
+* :func:`read_idx` reads MNIST-format IDX files (optionally gzipped) and rejects
+  bad ones with a message naming the file and the problem.
+* :func:`load_fashion_mnist` finds the four files in ``--data-dir``, then
+  ``$MPISGD_DATA``, then Debian's ``/usr/share/datasets/fashion-mnist``.
+* :class:`GlobalBatches` decides which samples form global batch t: a pure
+  function of (seed, epoch, t, B). Rank r takes its contiguous share of that
+  batch, so k ranks x b and 1 rank x k*b see the same batches in the same order,
+  and every rank runs the same number of steps (the tail that does not fill a
+  global batch is dropped), so no rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpisgd.config import UsageError
+
+DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
+FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+INSTALL_HINT = "install it with: apt-get install dataset-fashion-mnist (Debian), or pass --data-dir DIR"
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+# Fashion-MNIST training-set pixel statistics, used to standardise inputs
+PIXEL_MEAN, PIXEL_STD = 0.2860, 0.3530
+
+
+class DataError(UsageError):
+    """A missing, unreadable or malformed data set."""
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read one IDX file (``.gz`` or plain) into a NumPy array in native byte order."""
+    path = Path(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise DataError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'none'})")
+    dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path} is truncated: header needs {header} bytes, file has {len(raw)}")
+    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
+    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "longer than its header says"
+        raise DataError(f"{path} is {what}: dims {dims} need {expected} bytes, file has {len(raw)}")
+    return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def _find(directory: Path, stem: str) -> Path | None:
+    for name in (stem, stem + ".gz"):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+def find_data_dir(data_dir: str | None) -> Path:
+    """The first of --data-dir, $MPISGD_DATA, the Debian path that holds all four files."""
+    candidates: list[tuple[str, str]] = []
+    if data_dir:
+        candidates.append(("--data-dir", data_dir))
+    if os.environ.get("MPISGD_DATA"):
+        candidates.append(("$MPISGD_DATA", os.environ["MPISGD_DATA"]))
+    candidates.append(("default", DEBIAN_DIR))
+    tried = []
+    for source, d in candidates:
+        directory = Path(d)
+        missing = [stem for stem in FILES.values() if _find(directory, stem) is None]
+        if not missing:
+            return directory
+        why = "does not exist" if not directory.is_dir() else "lacks " + ", ".join(missing)
+        tried.append(f"{d} ({source}: {why})")
+        if source == "--data-dir":  # an explicit directory that is wrong is an error, not a hint
+            break
+    raise DataError("Fashion-MNIST not found; searched " + "; ".join(tried) + ". " + INSTALL_HINT)
+
+
+@dataclass
+class Dataset:
+    """Images as uint8 (N, 1, 28, 28) on the host, labels as int64; standardised per batch."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, Path]:
+    directory = find_data_dir(data_dir)
+    parts = {key: read_idx(_find(directory, stem)) for key, stem in FILES.items()}  # type: ignore[arg-type]
+    sets = []
+    for split in ("train", "test"):
+        images, labels = parts[f"{split}_images"], parts[f"{split}_labels"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(f"{directory}: {split} images {images.shape} and labels {labels.shape} do not match")
+        if images.dtype != np.uint8:
+            raise DataError(f"{directory}: {split} images must be unsigned bytes, got {images.dtype}")
+        sets.append(Dataset(images[:, None, :, :], labels.astype(np.int64)))
+    return sets[0], sets[1], directory
+
+
+def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.35) -> Dataset:
+    """A learnable stand-in of Fashion-MNIST's shape: one random template per class plus noise.
+
+    For benchmarks and tests: same layout and dtype as the real data set.
+    """
+    rng = np.random.default_rng([seed, 12345])
+    templates = rng.uniform(0, 1, (n_classes, 1, 28, 28))
+    labels = rng.integers(0, n_classes, n)
+    images = templates[labels] + noise * rng.standard_normal((n, 1, 28, 28))
+    return Dataset(np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.int64))
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The sample order of ``epoch``: a pure function of (seed, epoch), shared by all ranks."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+@dataclass(frozen=True)
+class GlobalBatches:
+    """Which samples this rank uses for each micro-batch of each step."""
+
+    n_samples: int
+    global_batch: int  # B = k * b * m
+    rank: int
+    world_size: int
+    accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise DataError(f"the training set has {self.n_samples} samples, fewer than one global batch "
+                            f"B = {self.global_batch} (k={self.world_size} ranks x b={self.local_batch} "
+                            f"x m={self.accum_steps}); use fewer ranks or a smaller --batch-size")
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // (self.world_size * self.accum_steps)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.n_samples // self.global_batch
+
+    def indices(self, perm: np.ndarray, step: int, micro: int) -> np.ndarray:
+        """Sample indices of this rank's micro-batch ``micro`` of step ``step`` (within the epoch)."""
+        b, m = self.local_batch, self.accum_steps
+        start = step * self.global_batch + (self.rank * m + micro) * b
+        return perm[start:start + b]
+
+
+class BatchLoader:
+    """Gathers a batch of uint8 images into preallocated buffers and standardises it on the device."""
+
+    def __init__(self, data: Dataset, xp: Any, dtype: str | np.dtype) -> None:
+        self.xp = xp
+        self.data = data
+        self.dtype = np.dtype(dtype)
+        self._images = xp.asarray(data.images)  # uint8 on the device: 4x smaller than floats
+        self._labels = xp.asarray(data.labels)
+        self._bufs: dict[tuple[int, int], Any] = {}
+
+    def batch(self, idx: np.ndarray, slot: int = 0) -> tuple[Any, Any]:
+        """Standardised images and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
+        xp = self.xp
+        n = len(idx)
+        buf = self._bufs.get((n, slot))
+        if buf is None:
+            buf = self._bufs[(n, slot)] = xp.empty((n, *self._images.shape[1:]), dtype=self.dtype)
+        idx_dev = xp.asarray(idx)
+        buf[...] = self._images[idx_dev]  # gather uint8, convert once into the float buffer
+        buf *= 1.0 / (255.0 * PIXEL_STD)
+        buf -= PIXEL_MEAN / PIXEL_STD
+        return buf, self._labels[idx_dev]

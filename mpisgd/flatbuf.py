@@ -1,0 +1,40 @@
+"""Parameters and gradients as views into one contiguous buffer each.
+
+The all-reduce then works on the gradient buffer (or a contiguous slice of it,
+a bucket) with no packing copy, and the optimizer updates every parameter in a
+handful of whole-buffer operations. Layout: parameters in model order, each at
+its element offset; sizes come from the dtype, never a hard-coded itemsize.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any
+
+import numpy as np
+
+
+class FlatBuffer:
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: np.dtype, xp: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self.xp = xp
+        self.shapes = list(shapes)
+        sizes = [prod(s) for s in shapes]
+        self.offsets = [0]
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.size = self.offsets[-1]
+        self.params = xp.zeros(self.size, dtype=self.dtype)  # the model's weights
+        self.grads = xp.zeros(self.size, dtype=self.dtype)  # their gradients, reduced in place
+        self.param_views = [self.params[a:b].reshape(s) for a, b, s in self._spans()]
+        self.grad_views = [self.grads[a:b].reshape(s) for a, b, s in self._spans()]
+
+    def _spans(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return [(self.offsets[i], self.offsets[i + 1], s) for i, s in enumerate(self.shapes)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def zero_grad(self) -> None:
+        self.grads.fill(0)

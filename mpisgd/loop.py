@@ -1,0 +1,224 @@
+"""The training run behind the CLI: set-up, the epoch loop, evaluation, metrics."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from mpisgd import __version__
+from mpisgd.backend import set_threads, to_numpy
+from mpisgd.config import Config, UsageError
+from mpisgd.context import AgreedError, Context, agree, default_threads, init
+from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
+from mpisgd.metrics import MetricsWriter, format_epoch, progress_bar
+from mpisgd.nn import accuracy_count, build_model
+from mpisgd.optim import SGD
+from mpisgd.parallel import DataParallel, ReplicaError, verify_same
+from mpisgd.schedule import Schedule, effective_batch
+from mpisgd.timeline import Timeline
+
+T = TypeVar("T")
+EVAL_BATCH = 1000
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: Any) -> None:
+        self.t_launch = time.perf_counter()
+        self.cfg, self.world = cfg, world
+        self.ctx: Context = self._agreed(lambda: init(world, cfg.device))
+        self.k, self.rank = self.ctx.size, self.ctx.rank
+        self.is_root = self.rank == 0
+        self._agreed(lambda: verify_same(world, cfg.digest(), "the configuration (command-line options)"))
+        self.threads = cfg.threads or default_threads(self.ctx.local_size)
+        if self.ctx.backend.device == "cpu":
+            set_threads(self.threads)
+        self.train_set, self.test_set, self.data_source = self._agreed(self._load_data)
+        xp = self.ctx.xp
+        self.model = build_model(cfg.model, cfg.hidden).materialize(xp, cfg.dtype, cfg.seed)
+        self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+        self.timeline = Timeline(enabled=bool(cfg.timeline), rank=self.rank)
+        self.dp = DataParallel(self.model, self.optimizer, world, backend=self.ctx.backend,
+                               allreduce=cfg.allreduce, average=cfg.grad_reduction == "mean",
+                               bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
+                               timeline=self.timeline)
+        self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
+        self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
+                                                          cfg.accum_steps))
+        spe = self.batches.steps_per_epoch
+        self.total_steps = cfg.epochs * spe if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * spe)
+        self.schedule = self._agreed(lambda: Schedule.from_config(cfg, self.k, spe, self.total_steps))
+        self.train_loader = BatchLoader(self.train_set, xp, cfg.dtype)
+        self.test_loader = BatchLoader(self.test_set, xp, cfg.dtype)
+        self.metrics = MetricsWriter(cfg.metrics_file, enabled=self.is_root)
+        self.start_epoch, self.start_step, self.global_step = 0, 0, 0
+        self.history: list[dict[str, Any]] = []
+
+    # -- helpers ------------------------------------------------------------------------
+    def _agreed(self, fn: Callable[[], T]) -> T:
+        """Run a set-up stage on every rank; if it fails anywhere, every rank fails together."""
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except (UsageError, ReplicaError) as exc:
+            error = exc
+        agree(self.world, error)
+        return result
+
+    def _load_data(self) -> tuple[Dataset, Dataset, str]:
+        cfg = self.cfg
+        if cfg.dataset == "synthetic":
+            train, test, source = synthetic(cfg.synthetic_samples, cfg.seed), synthetic(2000, cfg.seed + 1), \
+                "synthetic"
+        else:
+            train, test, directory = load_fashion_mnist(cfg.data_dir)
+            source = f"Fashion-MNIST from {directory}"
+        if cfg.limit_train:
+            train = Dataset(train.images[:cfg.limit_train], train.labels[:cfg.limit_train])
+        if cfg.limit_test:
+            test = Dataset(test.images[:cfg.limit_test], test.labels[:cfg.limit_test])
+        return train, test, source
+
+    def log(self, msg: str) -> None:
+        if self.is_root:
+            print(msg, flush=True)
+
+    def banner(self) -> None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        cfg, ctx, s = self.cfg, self.ctx, self.schedule
+        flat = self.model.flat
+        assert flat is not None
+        lib = MPI.Get_library_version().splitlines()[0].strip()
+        ranks = self.world.gather((ctx.host, ctx.local_rank, ctx.backend.gpu_id), root=0)
+        if not self.is_root:
+            return
+        self.log(f"mpisgd {__version__} | {lib} | k={self.k} rank(s) on {ctx.n_nodes} node(s)")
+        self.log(f"device: {ctx.backend.describe()}" + (f" ({ctx.backend_note})" if ctx.backend_note else "")
+                 + (f" | BLAS threads per rank: {self.threads}" if ctx.backend.device == "cpu" else ""))
+        self.log(f"model: {cfg.model} {self.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB "
+                 f"{flat.dtype}")
+        self.log(f"data: {self.data_source} | train {len(self.train_set)} test {len(self.test_set)}")
+        self.log(f"batch: b={cfg.batch_size} per rank x k={self.k} x m={cfg.accum_steps} accumulation = "
+                 f"effective B={self.B} | {self.batches.steps_per_epoch} steps/epoch, {self.total_steps} steps")
+        self.log(f"lr: eta0={cfg.lr:g} for B0={cfg.base_batch}, {cfg.lr_scaling} scaling -> {s.peak_lr:.4g}, "
+                 f"warmup {s.warmup_steps} steps, decay {cfg.decay}")
+        bucket_mb = [f"{(b.stop - b.start) * flat.dtype.itemsize / 2**20:.2f}" for b in self.dp.buckets]
+        self.log(f"all-reduce: {self.dp.reducer.describe()} | {len(bucket_mb)} bucket(s) of "
+                 f"{', '.join(bucket_mb)} MiB | overlap {'on' if cfg.overlap else 'off'} | "
+                 f"gradient {cfg.grad_reduction}{'' if cfg.grad_reduction == 'mean' else ' (NOT divided by k)'}")
+        self.log("rank map: " + ", ".join(f"{r}:{h}/local {lr}" + ("" if g is None else f"/gpu {g}")
+                                          for r, (h, lr, g) in enumerate(ranks or [])))
+        self._warn_placement(ranks or [])
+
+    def _warn_placement(self, ranks: list[tuple[str, int, int | None]]) -> None:
+        gpus = [(h, g) for h, _, g in ranks if g is not None]
+        if len(set(gpus)) < len(gpus):
+            self.log("warning: several ranks share a GPU; expect them to contend for it")
+        per_host: dict[str, int] = {}
+        for h, _, _ in ranks:
+            per_host[h] = per_host.get(h, 0) + 1
+        cores = default_threads(1)
+        worst = max(per_host.values())
+        if self.ctx.backend.device == "cpu" and worst * self.threads > cores:
+            self.log(f"warning: {worst} rank(s) x {self.threads} thread(s) on a node with {cores} core(s): "
+                     "oversubscribed, expect slow steps")
+
+    # -- training -----------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        cfg, dp = self.cfg, self.dp
+        self.banner()
+        spe = self.batches.steps_per_epoch
+        n_epochs = -(-self.total_steps // spe)
+        for epoch in range(self.start_epoch, n_epochs):
+            perm = epoch_permutation(len(self.train_set), cfg.seed, epoch)
+            bar = progress_bar(spe, self.is_root and cfg.progress != "off", f"epoch {epoch + 1}")
+            dp.times = type(dp.times)()
+            loss_sum = self.ctx.xp.zeros((), dtype=cfg.dtype)
+            steps = 0
+            t0 = time.perf_counter()
+            for step in range(self.start_step if epoch == self.start_epoch else 0, spe):
+                if self.global_step >= self.total_steps:
+                    break
+                self._maybe_fail()
+                lr = self.schedule(self.global_step)
+                micro = [self.train_loader.batch(self.batches.indices(perm, step, i), slot=i)
+                         for i in range(cfg.accum_steps)]
+                loss = dp.train_step(micro, lr)
+                loss_sum += loss
+                steps += 1
+                self.global_step += 1
+                if cfg.metrics_file:
+                    self.metrics.write({"kind": "step", "step": self.global_step, "epoch": epoch + 1,
+                                        "lr": lr, "loss": float(loss)})
+                if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
+                    dp.check_replicas()
+                bar.update()
+            bar.close()
+            train_time = time.perf_counter() - t0
+            self._end_epoch(epoch, steps, loss_sum, train_time)
+        self._finish()
+        return self.history
+
+    def _maybe_fail(self) -> None:
+        if self.cfg.fail_at_step is not None and self.global_step == self.cfg.fail_at_step \
+                and self.rank == self.cfg.fail_rank:
+            raise RuntimeError(f"injected failure at step {self.global_step} (--fail-at-step)")
+
+    def evaluate(self) -> float:
+        """Test accuracy: each rank scores a disjoint part of the test set, counts are summed."""
+        n = len(self.test_set)
+        mine = np.array_split(np.arange(n), self.k)[self.rank]
+        correct = 0
+        for start in range(0, len(mine), EVAL_BATCH):
+            x, y = self.test_loader.batch(mine[start:start + EVAL_BATCH])
+            correct += accuracy_count(self.model.forward(x), y)
+        return self.world.allreduce(correct) / n
+
+    def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
+        t = self.dp.times
+        local = np.array([float(loss_sum), steps, t.comm_exposed, t.comm_total, t.forward, t.backward,
+                          t.optimizer])
+        total = np.zeros_like(local)
+        from mpi4py import MPI  # noqa: PLC0415
+
+        self.world.Allreduce(local, total, op=MPI.SUM)
+        mean = total / self.k
+        test_acc = self.evaluate()
+        step_time = train_time / max(1, steps)
+        record = {
+            "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
+            "lr": self.schedule(max(0, self.global_step - 1)),
+            "train_loss": mean[0] / max(1, steps), "test_acc": test_acc,
+            "samples_per_s": steps * self.B / train_time if train_time > 0 else 0.0,
+            "comm_frac": mean[2] / max(1e-12, train_time),
+            "comm_exposed_ms": 1e3 * mean[2] / max(1, steps), "comm_total_ms": 1e3 * mean[3] / max(1, steps),
+            "forward_ms": 1e3 * mean[4] / max(1, steps), "backward_ms": 1e3 * mean[5] / max(1, steps),
+            "optimizer_ms": 1e3 * mean[6] / max(1, steps), "step_ms": 1e3 * step_time,
+            "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
+            "world_size": self.k, "effective_batch": self.B,
+        }
+        self.history.append(record)
+        self.metrics.write(record)
+        self.log(format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
+
+    def _finish(self) -> None:
+        cfg = self.cfg
+        if cfg.save_model and self.is_root:
+            from mpisgd.checkpoint import save_params  # noqa: PLC0415
+
+            save_params(cfg.save_model, self.model)
+        if cfg.timeline:
+            self.timeline.save(f"{cfg.timeline}.rank{self.rank}.json")
+        wall = time.perf_counter() - self.t_launch
+        acc = self.history[-1]["test_acc"] if self.history else float("nan")
+        self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s")
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.dp.close()
+

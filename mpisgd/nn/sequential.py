@@ -1,0 +1,78 @@
+"""A model as a list of layers; knows nothing of distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from mpisgd.flatbuf import FlatBuffer
+from mpisgd.nn.layers import Array, Layer
+
+
+class Sequential:
+    """Layers applied in order; parameters live in one :class:`FlatBuffer`.
+
+    ``backward`` calls ``on_layer_done(i)`` after layer ``i``'s gradients are
+    final, in reverse order: the hook data parallelism uses to start a bucket's
+    all-reduce while earlier layers are still computing.
+    """
+
+    def __init__(self, *layers: Layer) -> None:
+        self.layers = list(layers)
+        self.flat: FlatBuffer | None = None
+
+    def materialize(self, xp: object, dtype: str | np.dtype = "float32", seed: int = 0) -> Sequential:
+        """Allocate the flat buffers on ``xp`` and initialise parameters from ``seed``.
+
+        Initial values are drawn on the host with NumPy, so CPU and GPU runs with
+        the same seed start from the same parameters.
+        """
+        dtype = np.dtype(dtype)
+        specs = [(i, name, shape) for i, layer in enumerate(self.layers) for name, shape in layer.param_shapes]
+        self.flat = FlatBuffer([shape for _, _, shape in specs], dtype, xp)
+        rng = np.random.default_rng(seed)
+        views = iter(zip(self.flat.param_views, self.flat.grad_views, strict=True))
+        for layer in self.layers:
+            init = layer.init_params(rng, dtype)
+            params, grads = {}, {}
+            for name, _ in layer.param_shapes:
+                p, g = next(views)
+                p[...] = xp.asarray(init[name])
+                params[name], grads[name] = p, g
+            layer.bind(params, grads)
+        return self
+
+    def forward(self, x: Array) -> Array:
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy: Array, on_layer_done: Callable[[int], None] | None = None) -> None:
+        for i in range(len(self.layers) - 1, -1, -1):
+            dy = self.layers[i].backward(dy, need_dx=i > 0)
+            if on_layer_done is not None:
+                on_layer_done(i)
+
+    def set_accumulate(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.accumulate = on
+
+    def layer_param_ranges(self) -> list[tuple[int, int]]:
+        """Per layer, the [start, stop) element range of its parameters in the flat buffer."""
+        assert self.flat is not None, "materialize() first"
+        ranges, k = [], 0
+        for layer in self.layers:
+            start = self.flat.offsets[k] if layer.param_shapes else None
+            k += len(layer.param_shapes)
+            stop = self.flat.offsets[k] if layer.param_shapes else None
+            ranges.append((start, stop) if start is not None else (-1, -1))
+        return ranges
+
+    def named_parameters(self) -> Iterator[tuple[str, Array]]:
+        for i, layer in enumerate(self.layers):
+            for name, _ in layer.param_shapes:
+                yield f"{i}.{type(layer).__name__}.{name}", layer.params[name]
+
+    def __repr__(self) -> str:
+        return "Sequential(" + ", ".join(map(repr, self.layers)) + ")"

@@ -1,0 +1,260 @@
+"""Synchronous data parallelism: same start, averaged gradients, the same step everywhere.
+
+``DataParallel(model, optimizer, comm)``:
+  1. checks that every rank built the same model (shapes and dtype), then
+     broadcasts the parameters from rank 0, so all replicas start identical;
+  2. per step, runs forward and backward on the local micro-batches; the loss
+     gradient is pre-scaled by 1/(k*b*m), so the all-reduce SUM of the gradient
+     buffer is the mean over the effective batch with no extra pass;
+  3. reduces gradients in buckets (contiguous slices of the flat gradient
+     buffer, filled in reverse layer order) and, with ``overlap``, starts each
+     bucket's all-reduce as soon as backward has produced its last gradient;
+  4. waits for all buckets, then applies the identical optimizer step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mpisgd.backend import Backend, sync_device, to_numpy
+from mpisgd.comm import Handle, Reducer, create_reducer
+from mpisgd.nn.loss import SoftmaxCrossEntropy
+from mpisgd.nn.sequential import Sequential
+from mpisgd.optim import SGD
+from mpisgd.timeline import Timeline
+
+FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
+
+
+class ReplicaError(RuntimeError):
+    """Replicas disagree (configuration at start, or parameters during training)."""
+
+
+class NonFiniteError(RuntimeError):
+    """The averaged gradient holds NaN or Inf (every rank raises it at the same step)."""
+
+
+@dataclass
+class Bucket:
+    start: int  # element range [start, stop) of the flat gradient buffer
+    stop: int
+    first_layer: int  # the lowest layer index in the bucket: done last in backward
+    handle: Handle | None = None
+    t_start: float = 0.0
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent, summed over steps since the last reset."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    comm_total: float = 0.0  # from a bucket's start to its observed completion
+    comm_exposed: float = 0.0  # time the step waited for communication
+    optimizer: float = 0.0
+    steps: int = 0
+    bytes_reduced: int = 0
+    bucket_times: list[tuple[int, float]] = field(default_factory=list)  # (nbytes, seconds) per bucket
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward + self.optimizer
+
+
+def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
+    """Group layers' parameter ranges into buckets of about ``bucket_cap_mb``, last layer first."""
+    ranges = [(i, a, b) for i, (a, b) in enumerate(model.layer_param_ranges()) if a >= 0]
+    buckets: list[Bucket] = []
+    cap = min(FIRST_BUCKET_MB, bucket_cap_mb) * 2**20
+    current: list[tuple[int, int, int]] = []
+    for layer, a, b in reversed(ranges):
+        current.append((layer, a, b))
+        if sum(y - x for _, x, y in current) * itemsize >= cap:
+            buckets.append(Bucket(current[-1][1], current[0][2], current[-1][0]))
+            current, cap = [], bucket_cap_mb * 2**20
+    if current:
+        buckets.append(Bucket(current[-1][1], current[0][2], current[-1][0]))
+    return buckets
+
+
+def shapes_digest(model: Sequential) -> str:
+    assert model.flat is not None
+    text = repr(model) + str(model.flat.shapes) + str(model.flat.dtype)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def differing_ranks(values: Sequence[Any]) -> list[int]:
+    """Ranks whose value differs from the most common one (rank 0's on a tie)."""
+    counts: dict[Any, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    best = max(counts.values())
+    majority = values[0] if counts[values[0]] == best else max(counts, key=counts.__getitem__)
+    return [r for r, v in enumerate(values) if v != majority]
+
+
+def verify_same(comm: Any, value: Any, what: str) -> None:
+    """Raise ReplicaError on every rank when ``value`` differs between ranks (all ranks reach this)."""
+    values = comm.allgather(value)
+    bad = differing_ranks(values)
+    if bad:
+        raise ReplicaError(f"{what} differs on rank(s) {bad} from the other ranks "
+                           f"({len(values)} ranks; values: {dict(enumerate(values))})")
+
+
+class DataParallel:
+    """Wrap a model replica and its optimizer so that each step averages gradients over ``comm``.
+
+    ``comm`` is duplicated (and freed by :meth:`close`), so our traffic never
+    mixes with the caller's.
+    """
+
+    def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, backend: Backend | None = None,
+                 allreduce: str | Reducer = "auto", average: bool = True, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None) -> None:
+        if on_nan not in ("stop", "skip"):
+            raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
+        if model.flat is None:
+            raise ValueError("materialize() the model before wrapping it")
+        self.model, self.optimizer, self.flat = model, optimizer, model.flat
+        self.comm = comm.Dup()
+        self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        self.backend = backend
+        self.average = average
+        self.overlap = overlap
+        self.on_nan = on_nan
+        self.skipped_steps = 0
+        self.timeline = timeline or Timeline(enabled=False)
+        self.reducer = create_reducer(allreduce, self.comm) if isinstance(allreduce, str) else allreduce
+        self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
+        self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
+        self.loss = SoftmaxCrossEntropy()
+        self.times = StepTimes()
+        self.step_count = 0
+        verify_same(self.comm, shapes_digest(model), "the model (layers, shapes or dtype)")
+        self.broadcast_parameters()
+
+    # -- start identical, check identical -------------------------------------------------
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Every rank takes ``root``'s parameters (and momentum, if any)."""
+        self._sync()
+        self.comm.Bcast(self.flat.params, root=root)
+        if self.optimizer.velocity is not None:
+            self.comm.Bcast(self.optimizer.velocity, root=root)
+
+    def replica_checksums(self) -> list[str]:
+        """Every rank's parameter digest (collective)."""
+        self._sync()
+        digest = hashlib.blake2b(to_numpy(self.flat.params).tobytes(), digest_size=8).hexdigest()
+        return self.comm.allgather(digest)
+
+    def check_replicas(self) -> None:
+        """Raise ReplicaError on every rank, naming the diverged ranks, if parameters differ."""
+        sums = self.replica_checksums()
+        bad = differing_ranks(sums)
+        if bad:
+            raise ReplicaError(f"replicas diverged at step {self.step_count}: rank(s) {bad} hold parameters "
+                               f"that differ from the other ranks (checksums {dict(enumerate(sums))})")
+
+    # -- the step ------------------------------------------------------------------------
+    def grad_scale(self, local_batch: int, accum_steps: int) -> float:
+        """Loss-gradient factor making the all-reduce SUM the effective-batch mean."""
+        return 1.0 / (local_batch * accum_steps * (self.k if self.average else 1))
+
+    def train_step(self, micro_batches: Sequence[tuple[Any, Any]], lr: float) -> Any:
+        """One optimizer step over this rank's micro-batches; returns the local mean loss (0-d array)."""
+        m = len(micro_batches)
+        if m < 1:
+            raise ValueError("train_step needs at least one micro-batch")
+        tl = self.timeline
+        loss_sum = None
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == m - 1
+            self.model.set_accumulate(i > 0)  # micro-batch 0 overwrites, later ones add
+            t0 = time.perf_counter()
+            with tl.span("forward"):
+                logits = self.model.forward(x)
+                loss = self.loss.forward_array(logits, y)
+            t1 = time.perf_counter()
+            with tl.span("backward"):
+                dy = self.loss.backward(self.grad_scale(len(y), m))
+                hook = self._on_layer_done if (last and self.overlap and self.k > 1) else None
+                self.model.backward(dy, hook)
+            self.times.forward += t1 - t0
+            self.times.backward += time.perf_counter() - t1
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        self.model.set_accumulate(False)
+        self.finish_gradients()
+        t0 = time.perf_counter()
+        with tl.span("optimizer"):
+            # decided on the reduced gradient, so every rank takes the same branch
+            if self.grads_finite():
+                self.optimizer.step(lr)
+            elif self.on_nan == "skip":
+                self.skipped_steps += 1
+            else:
+                raise NonFiniteError(f"non-finite gradient at step {self.step_count} (after the all-reduce); "
+                                     "lower --lr, or pass --on-nan skip to skip such steps")
+        self.times.optimizer += time.perf_counter() - t0
+        self.times.steps += 1
+        self.step_count += 1
+        return loss_sum / m
+
+    def _on_layer_done(self, layer: int) -> None:
+        bucket = self._bucket_of_layer.get(layer)
+        if bucket is not None:
+            self._start(bucket)
+        for b in self.buckets:  # MPI progresses only inside MPI calls: poke the open ones
+            if b.handle is not None and b.t_start and b.handle.test():
+                self._done(b)
+
+    def _start(self, bucket: Bucket) -> None:
+        self._sync()
+        self.timeline.begin(f"allreduce b{self.buckets.index(bucket)}", cat="comm")
+        bucket.t_start = time.perf_counter()
+        bucket.handle = self.reducer.start(self.flat.grads[bucket.start:bucket.stop])
+
+    def _done(self, bucket: Bucket) -> None:
+        elapsed = time.perf_counter() - bucket.t_start
+        nbytes = (bucket.stop - bucket.start) * self.flat.dtype.itemsize
+        self.times.comm_total += elapsed
+        self.times.bytes_reduced += nbytes
+        self.times.bucket_times.append((nbytes, elapsed))
+        self.timeline.end(f"allreduce b{self.buckets.index(bucket)}", cat="comm")
+        bucket.t_start = 0.0  # marks it complete
+
+    def finish_gradients(self) -> None:
+        """Start the buckets not yet started, wait for all; afterwards grads hold the mean."""
+        if self.k == 1:
+            return
+        t0 = time.perf_counter()
+        with self.timeline.span("wait comm", cat="comm"):
+            for b in self.buckets:
+                if b.handle is None:
+                    self._start(b)
+            for b in self.buckets:
+                assert b.handle is not None
+                b.handle.wait()
+                if b.t_start:
+                    self._done(b)
+                b.handle = None
+        self.times.comm_exposed += time.perf_counter() - t0
+
+    def grads_finite(self) -> bool:
+        """Whether the reduced gradient is finite; identical on every rank after the all-reduce."""
+        g = self.flat.grads
+        return bool(np.isfinite(float(self.flat.xp.dot(g, g))))
+
+    def _sync(self) -> None:
+        if self.backend is not None:
+            sync_device(self.backend)
+
+    def close(self) -> None:
+        self.reducer.close()
+        self.comm.Free()

@@ -1,0 +1,81 @@
+"""The learning rate as a pure function of the step.
+
+Phases, in order (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):
+  1. scale:  the target rate eta = f(B / B0) * eta0, f = identity (linear), sqrt, or 1;
+  2. warm up: over ``warmup_steps`` the rate rises linearly, per iteration, from
+     min(eta0, eta) to eta;
+  3. decay:  then ``cosine`` to zero at the last step, or ``step``: times
+     ``decay_factor`` at each milestone, or none.
+Every rank computes the same value from the same inputs; nothing is stateful.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpisgd.config import Config, UsageError
+
+
+def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> int:
+    """B = k * b * m: the samples behind one optimizer step."""
+    return world_size * batch_size * accum_steps
+
+
+def scaled_lr(base_lr: float, base_batch: int, batch: int, scaling: str) -> float:
+    """Phase 1: the rate for batch B from the base pair (eta0, B0)."""
+    if base_batch < 1:
+        raise UsageError(f"base batch must be >= 1, got {base_batch}")
+    ratio = batch / base_batch
+    if scaling == "linear":
+        return base_lr * ratio
+    if scaling == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    if scaling == "none":
+        return base_lr
+    raise UsageError(f"unknown lr scaling {scaling!r}: use linear, sqrt or none")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    base_lr: float  # eta0
+    peak_lr: float  # the scaled rate eta reached after warmup
+    warmup_steps: int
+    total_steps: int
+    decay: str = "none"  # none | step | cosine
+    milestones: tuple[int, ...] = ()  # steps at which step decay applies
+    decay_factor: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise UsageError(f"the run has {self.total_steps} steps; it needs at least 1")
+        if self.warmup_steps > self.total_steps:
+            raise UsageError(f"warmup of {self.warmup_steps} steps is longer than the run "
+                             f"({self.total_steps} steps)")
+
+    def __call__(self, step: int) -> float:
+        """The rate for optimizer step ``step`` (0-based)."""
+        # 2. warmup, per iteration
+        if step < self.warmup_steps:
+            start = min(self.base_lr, self.peak_lr)
+            return start + (self.peak_lr - start) * step / self.warmup_steps
+        # 3. decay over the steps after warmup
+        if self.decay == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return 0.5 * self.peak_lr * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "step":
+            return self.peak_lr * self.decay_factor ** sum(step >= m for m in self.milestones)
+        return self.peak_lr
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, steps_per_epoch: int, total_steps: int) -> Schedule:
+        batch = effective_batch(cfg.batch_size, world_size, cfg.accum_steps)
+        peak = scaled_lr(cfg.lr, cfg.base_batch, batch, cfg.lr_scaling)
+        if cfg.warmup_steps is not None:
+            warmup = cfg.warmup_steps
+        else:
+            warmup = round(cfg.warmup_epochs * steps_per_epoch)
+        return cls(base_lr=cfg.lr, peak_lr=peak, warmup_steps=warmup, total_steps=total_steps,
+                   decay=cfg.decay, milestones=tuple(e * steps_per_epoch for e in cfg.decay_epochs),
+                   decay_factor=cfg.decay_factor)

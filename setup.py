@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mpisgd",
+    version="0.1.0",
+    description="Synchronous data-parallel deep learning over MPI, on NumPy or CuPy",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["mpisgd", "mpisgd.*"]),
+    python_requires=">=3.10",
+    install_requires=["numpy>=1.24", "mpi4py>=3.1", "threadpoolctl>=3.1", "tqdm>=4.60"],
+    extras_require={
+        "mpich": ["mpich"],  # an MPI library from PyPI; omit it to use the system's MPICH or Open MPI
+        "plot": ["matplotlib>=3.5"],
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5"],
+        "torch": ["torch"],  # only for the comparison benchmark
+    },
+    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main"]},
+)
