@@ -62,6 +62,9 @@ class Config:
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB (first bucket: min(1, this))")
     overlap: bool = opt(True, "start each bucket's all-reduce during backward")
     deterministic: bool = opt(False, "fixed summation order: bitwise reproducible across bucket sizes")
+    compress: str = opt("none", "cast gradients for communication only", ("none", "fp16"))
+    cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "
+                                  "through pinned host memory (staged)", ("auto", "direct", "staged"))
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
     stall_timeout: float = opt(0.0, "seconds before a stalled collective is reported (0: never)")

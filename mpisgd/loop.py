@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -10,9 +9,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mpisgd import __version__
-from mpisgd.backend import set_threads, to_numpy
+from mpisgd.backend import set_threads
 from mpisgd.config import Config, UsageError
-from mpisgd.context import AgreedError, Context, agree, default_threads, init
+from mpisgd.context import Context, agree, default_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
 from mpisgd.metrics import MetricsWriter, format_epoch, progress_bar
 from mpisgd.nn import accuracy_count, build_model
@@ -44,7 +43,8 @@ class Trainer:
         self.dp = DataParallel(self.model, self.optimizer, world, backend=self.ctx.backend,
                                allreduce=cfg.allreduce, average=cfg.grad_reduction == "mean",
                                bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
-                               timeline=self.timeline)
+                               timeline=self.timeline, deterministic=cfg.deterministic,
+                               compress=cfg.compress, cuda_aware=cfg.cuda_aware)
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))

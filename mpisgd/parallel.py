@@ -108,6 +108,16 @@ def verify_same(comm: Any, value: Any, what: str) -> None:
                            f"({len(values)} ranks; values: {dict(enumerate(values))})")
 
 
+class NullWatchdog:
+    """The stall watchdog's interface, doing nothing (see mpisgd.watchdog)."""
+
+    def enter(self, what: str) -> None: ...
+
+    def exit(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class DataParallel:
     """Wrap a model replica and its optimizer so that each step averages gradients over ``comm``.
 
@@ -117,7 +127,9 @@ class DataParallel:
 
     def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, backend: Backend | None = None,
                  allreduce: str | Reducer = "auto", average: bool = True, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None) -> None:
+                 overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None,
+                 deterministic: bool = False, compress: str = "none", cuda_aware: str = "auto",
+                 watchdog: Any = None) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
@@ -131,7 +143,10 @@ class DataParallel:
         self.on_nan = on_nan
         self.skipped_steps = 0
         self.timeline = timeline or Timeline(enabled=False)
-        self.reducer = create_reducer(allreduce, self.comm) if isinstance(allreduce, str) else allreduce
+        self.watchdog = watchdog or NullWatchdog()
+        self.reducer = create_reducer(allreduce, self.comm, backend=backend, deterministic=deterministic,
+                                      compress=compress, cuda_aware=cuda_aware) \
+            if isinstance(allreduce, str) else allreduce
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
         self.loss = SoftmaxCrossEntropy()
@@ -234,6 +249,7 @@ class DataParallel:
         if self.k == 1:
             return
         t0 = time.perf_counter()
+        self.watchdog.enter(f"gradient all-reduce of step {self.step_count}")
         with self.timeline.span("wait comm", cat="comm"):
             for b in self.buckets:
                 if b.handle is None:
@@ -244,6 +260,7 @@ class DataParallel:
                 if b.t_start:
                     self._done(b)
                 b.handle = None
+        self.watchdog.exit()
         self.times.comm_exposed += time.perf_counter() - t0
 
     def grads_finite(self) -> bool:
@@ -256,5 +273,6 @@ class DataParallel:
             sync_device(self.backend)
 
     def close(self) -> None:
+        self.watchdog.close()
         self.reducer.close()
         self.comm.Free()

@@ -19,8 +19,15 @@ from mpisgd.comm.mpi import MpiReducer
 STRATEGIES = ("auto", "mpi")
 
 
-def create_reducer(name: str, comm: Any) -> Reducer:
-    """The all-reduce strategy ``name`` over ``comm`` (which the caller owns)."""
+def create_reducer(name: str, comm: Any, *, backend: Any = None, deterministic: bool = False,
+                   compress: str = "none", cuda_aware: str = "auto") -> Reducer:
+    """The all-reduce strategy ``name`` over ``comm`` (which the caller owns).
+
+    ``backend`` (mpisgd.backend.Backend) says whether buffers live on a GPU;
+    ``deterministic`` asks for a summation order that is fixed whatever the
+    buffer boundaries; ``compress`` casts buffers for the wire; ``cuda_aware``
+    chooses how device buffers reach MPI.
+    """
     if name in ("auto", "mpi"):
         return MpiReducer(comm)
     raise ValueError(f"all-reduce strategy {name!r} is not available; choose from {', '.join(STRATEGIES)}")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install mpisgd and what it needs on a fresh Debian machine (run as root).
+#   bash scripts/install.sh        the package, an MPI library, Fashion-MNIST
+#   bash scripts/install.sh test   ... and the test tools
+# An MPI already on the machine is used when mpi4py imports against it
+# (MPISGD_SYSTEM_MPI=1 forces that); otherwise the MPICH wheel from PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
+
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null; then
+  echo "[install] Fashion-MNIST (Debian package dataset-fashion-mnist)"
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  else
+    echo "[install] not root: install dataset-fashion-mnist yourself or pass --data-dir" >&2
+  fi
+fi
+
+extras=""
+if [ "${MPISGD_SYSTEM_MPI:-0}" = 1 ] || python3 -c "import mpi4py.MPI" 2>/dev/null; then
+  echo "[install] using the MPI that mpi4py already links: $(python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
+else
+  echo "[install] MPI: the mpich wheel from PyPI"
+  extras="mpich"
+fi
+[ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot"
+echo "[install] pip install -e .${extras:+[$extras]}"
+$PIP -e ".${extras:+[$extras]}"

@@ -1,0 +1,52 @@
+"""Add up pytest junit reports into one closing line: 'N passed, N failed, N skipped'.
+
+Usage: python scripts/junit_summary.py REPORT.xml [...]; for an MPI run's report
+R.xml, the other ranks' R.xml.rankN add their failures (and their logs are shown).
+Exit 1 if any report is missing, failed, or ran no test.
+"""
+
+from __future__ import annotations
+
+import glob
+import sys
+import xml.etree.ElementTree as ET
+
+
+def counts(path: str) -> tuple[int, int, int]:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    tests = sum(int(s.get("tests", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    return tests, failed, skipped
+
+
+def main(paths: list[str]) -> int:
+    passed = failed = skipped = 0
+    ok = True
+    for path in paths:
+        try:
+            t, f, s = counts(path)
+        except (OSError, ET.ParseError) as exc:
+            print(f"{path}: no report ({exc})")
+            ok = False
+            continue
+        if t - s == 0:
+            print(f"{path}: ran no test")
+            ok = False
+        passed, failed, skipped = passed + t - f - s, failed + f, skipped + s
+        for other in sorted(glob.glob(path + ".rank*")):
+            if other.endswith(".log"):
+                continue
+            _, f2, _ = counts(other)
+            if f2:
+                failed += f2
+                log = other + ".log"
+                print(f"{other}: {f2} failure(s); its log {log}:")
+                print(open(log).read()[-5000:] if glob.glob(log) else "(no log)")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return 0 if ok and failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

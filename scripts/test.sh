@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what it needs, then runs pytest serially and
+# under mpiexec with 2 and 3 ranks. Exit status: non-zero if any run failed or
+# ran no test (pytest's exit 5 counts as a failure here: every run must test something).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+
+bash scripts/install.sh test || { echo "install failed"; exit 1; }
+
+mkdir -p results/tmp
+status=0
+run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME*.xml
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@"
+  local rc=$?
+  echo "=== $name: exit $rc"
+  if [ "$rc" -ne 0 ]; then status=1; fi
+}
+run serial python -m pytest tests -q -p no:cacheprovider --junitxml=results/tmp/serial.xml
+for n in 2 3; do
+  run "mpi$n" timeout 1200 mpiexec -n "$n" python -m pytest tests -q -p no:cacheprovider --with-mpi --only-mpi \
+      -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
+done
+run lint ruff check mpisgd tests benchmarks scripts examples
+python scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml || status=1
+exit $status

@@ -1,0 +1,66 @@
+"""Shared fixtures. MPI tests carry @pytest.mark.mpi and run under mpiexec with --with-mpi;
+tests that launch their own mpiexec are ordinary serial tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def mpiexec_cmd(n: int, *args: str) -> list[str]:
+    """An mpiexec command line for n ranks running `python args...` (MPICH or Open MPI)."""
+    exe = shutil.which("mpiexec")
+    if exe is None:
+        pytest.skip("no mpiexec on PATH")
+    cmd = [exe, "-n", str(n)]
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in out or "OpenRTE" in out:
+        cmd += ["--oversubscribe"]
+    return cmd + [sys.executable, *args]
+
+
+def run_mpi(n: int, *args: str, timeout: float = 300, env: dict | None = None,
+            cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n n python args...`, one BLAS thread per rank, with a hard timeout."""
+    full_env = {**os.environ, **ONE_THREAD, "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(env or {})}
+    return subprocess.run(mpiexec_cmd(n, *args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd)
+
+
+@pytest.fixture
+def mpirun():
+    return run_mpi
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under mpiexec, ranks > 0 write their report to a log and their own junit file.
+
+    Rank 0's console stays readable; a failure on another rank still fails that
+    rank's pytest, hence mpiexec's exit code, and scripts/test.sh prints its log.
+    """
+    if not config.getoption("--with-mpi", default=False):
+        return
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    if rank == 0:
+        return
+    xml = getattr(config.option, "xmlpath", None)
+    if xml:
+        config.option.xmlpath = f"{xml}.rank{rank}"
+    log = f"{xml or 'results/tmp/pytest'}.rank{rank}.log"
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    os.dup2(fd, 1)
+    os.close(fd)
