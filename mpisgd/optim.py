@@ -10,12 +10,22 @@ from mpisgd.flatbuf import FlatBuffer
 class SGD:
     """SGD with momentum, Nesterov and L2 weight decay.
 
-    Default form (PyTorch's, Goyal et al. eq. 10):  v = mu*v + (g + wd*w);  w -= eta*v.
-    With ``momentum_correction`` the rate lives inside the velocity,
-    v = mu*(eta_t/eta_{t-1})*v + eta_t*(g + wd*w);  w -= v, where the factor
-    eta_t/eta_{t-1} is Goyal et al.'s momentum correction (section 2.3): without
-    it, that form misbehaves when the rate changes quickly (warmup). Both forms
-    produce the same iterates; the second exists to show and test the correction.
+    With d = g + wd*w (L2 decay on every parameter, added to the all-reduced gradient,
+    as in Goyal et al. eq. 8; no exclusion of biases):
+
+    Default form (PyTorch's, Goyal et al. eq. 10):
+        v = mu*v + d;  w -= eta*v            (Nesterov: w -= eta*(mu*v + d))
+    With ``momentum_correction`` the rate lives inside the velocity (eq. 9), V = eta*v:
+        V = mu*(eta_t/eta_{t-1})*V + eta_t*d;  w -= V      (Nesterov: w -= mu*V + eta_t*d)
+    The factor eta_t/eta_{t-1} is Goyal et al.'s momentum correction (section 2.3).
+    Without it the eta-in-velocity form keeps stale, too-small (warmup) or too-large
+    (decay) steps in V; with it, both forms produce the same iterates up to rounding.
+    Corner case: if eta_{t-1} was 0 then V = 0 and the old velocity is lost in that form.
+
+    The step allocates nothing: one preallocated temporary holds eta*v (or eta*d), so
+    no ``lr * v`` array is created per step. Weight decay is added into the gradient
+    buffer in place (the next backward overwrites it), so after ``step`` the grads
+    hold d, not g.
     """
 
     def __init__(self, flat: FlatBuffer, momentum: float = 0.0, nesterov: bool = False,
@@ -29,35 +39,40 @@ class SGD:
         self.momentum_correction = momentum_correction
         xp = flat.xp
         self.velocity = xp.zeros_like(flat.params) if momentum else None
-        self._tmp = xp.empty_like(flat.params) if nesterov else None
-        self.prev_lr: float | None = None  # for the momentum correction
+        self._tmp = xp.empty_like(flat.params)  # the one temporary of every step
+        self.prev_lr: float | None = None  # eta_{t-1}, for the momentum correction
 
     def step(self, lr: float) -> None:
-        w, g, v, mu = self.flat.params, self.flat.grads, self.velocity, self.momentum
+        xp = self.flat.xp
+        w, g, v, mu, tmp = self.flat.params, self.flat.grads, self.velocity, self.momentum, self._tmp
         if self.weight_decay:
-            g += self.weight_decay * w  # g is overwritten by the next backward: safe to modify
+            xp.multiply(w, self.weight_decay, out=tmp)
+            g += tmp  # g becomes d = g + wd*w
         if v is None:
-            w -= lr * g
-            return
-        if self.momentum_correction:
-            ratio = 1.0 if self.prev_lr in (None, 0.0) else lr / self.prev_lr
+            xp.multiply(g, lr, out=tmp)
+            w -= tmp
+        elif self.momentum_correction:
+            prev = self.prev_lr
+            ratio = 1.0 if not prev else lr / prev  # first step: V = 0, any ratio is the same
             v *= mu * ratio
-            v += lr * g
+            xp.multiply(g, lr, out=tmp)  # eta_t*d
+            v += tmp
             if self.nesterov:
-                w -= mu * v + lr * g
+                w -= tmp
+                xp.multiply(v, mu, out=tmp)
+                w -= tmp
             else:
                 w -= v
         else:
             v *= mu
             v += g
             if self.nesterov:
-                xp = self.flat.xp
-                xp.multiply(v, mu, out=self._tmp)
-                self._tmp += g
-                self._tmp *= lr
-                w -= self._tmp
+                xp.multiply(v, mu, out=tmp)
+                tmp += g
+                tmp *= lr
             else:
-                w -= lr * v
+                xp.multiply(v, lr, out=tmp)
+            w -= tmp
         self.prev_lr = lr
 
     def state(self) -> dict[str, Any]:

@@ -19,6 +19,9 @@ from mpisgd.config import Config, UsageError
 
 def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> int:
     """B = k * b * m: the samples behind one optimizer step."""
+    for name, value in (("batch size", batch_size), ("world size", world_size), ("accumulation steps", accum_steps)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
     return world_size * batch_size * accum_steps
 
 
@@ -49,9 +52,18 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise UsageError(f"the run has {self.total_steps} steps; it needs at least 1")
+        if not (self.base_lr > 0 and self.peak_lr > 0):
+            raise UsageError(f"learning rates must be > 0, got eta0={self.base_lr}, eta={self.peak_lr}")
+        if self.warmup_steps < 0:
+            raise UsageError(f"warmup must be >= 0 steps, got {self.warmup_steps}")
         if self.warmup_steps > self.total_steps:
             raise UsageError(f"warmup of {self.warmup_steps} steps is longer than the run "
-                             f"({self.total_steps} steps)")
+                             f"({self.total_steps} steps): shorten --warmup-epochs/--warmup-steps "
+                             "or train longer")
+        if self.decay not in ("none", "step", "cosine"):
+            raise UsageError(f"unknown decay {self.decay!r}: use none, step or cosine")
+        if not 0 < self.decay_factor <= 1:
+            raise UsageError(f"decay factor must be in (0, 1], got {self.decay_factor}")
 
     def __call__(self, step: int) -> float:
         """The rate for optimizer step ``step`` (0-based)."""

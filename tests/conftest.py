@@ -41,12 +41,12 @@ def mpirun():
     return run_mpi
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Under mpiexec, ranks > 0 write their report to a log and their own junit file.
 
     Rank 0's console stays readable; a failure on another rank still fails that
-    rank's pytest, hence mpiexec's exit code, and scripts/test.sh prints its log.
+    rank's pytest, hence mpiexec's exit code, and scripts/junit_summary.py shows its log.
     """
     if not config.getoption("--with-mpi", default=False):
         return
@@ -58,9 +58,19 @@ def pytest_configure(config: pytest.Config) -> None:
     xml = getattr(config.option, "xmlpath", None)
     if xml:
         config.option.xmlpath = f"{xml}.rank{rank}"
+        junit = config.stash.get(_junit_key(), None)
+        if junit is not None:
+            junit.logfile = config.option.xmlpath
     log = f"{xml or 'results/tmp/pytest'}.rank{rank}.log"
     os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    os.dup2(fd, 1)
-    os.close(fd)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        from _pytest.terminal import TerminalWriter
+
+        reporter._tw = TerminalWriter(open(log, "w"))  # noqa: SIM115 - lives as long as the session
+
+
+def _junit_key():
+    from _pytest.junitxml import xml_key
+
+    return xml_key

@@ -1,0 +1,196 @@
+"""A stall watchdog for collectives, like Horovod's stall check.
+
+``Watchdog(comm, timeout_s, abort)`` wraps each blocking collective of the
+training loop::
+
+    watchdog.enter("gradient all-reduce of step 12")
+    ...wait for the all-reduce...
+    watchdog.exit()
+
+Each rank numbers its collectives (1, 2, 3, ...); since all ranks run the same
+collectives in the same order, equal numbers mean the same collective. On
+``enter`` a rank other than 0 posts one small non-blocking message ("I entered
+collective S") to rank 0 on a duplicate of ``comm``. A daemon thread on rank 0
+receives them, so it knows how far each rank got. When the newest collective
+has waited longer than ``timeout_s`` and some ranks have not entered it, rank 0
+prints::
+
+    mpisgd: stall: gradient all-reduce of step 12 waited 30.0 s; ranks [0, 2] reached it, ranks [1] have not
+
+and calls ``Abort(1)`` if ``abort``; it tells the other ranks that it reported.
+A rank that waits twice as long without hearing from rank 0 (rank 0 may itself
+be stuck holding the GIL) reports its own wait and, with ``abort``, aborts the
+job itself.
+
+``enter``/``exit`` never block and never start collectives: one ``isend`` on
+ranks > 0, a few attribute writes on rank 0. The thread needs
+``MPI_THREAD_MULTIPLE`` (what mpi4py asks for by default); with less, only the
+local part (each rank timing its own wait) runs, and the report names no ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+TAG = 7_340  # our own duplicate communicator: no other traffic can match it
+PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
+
+
+class Watchdog:
+    def __init__(self, comm: Any, timeout_s: float, abort: bool = False) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"stall timeout must be > 0 seconds, got {timeout_s}")
+        from mpi4py import MPI  # noqa: PLC0415 - only needed once a watchdog is made
+
+        self._MPI = MPI
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout_s, self.abort = float(timeout_s), abort
+        self.threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE  # may the thread call MPI?
+        # this rank's current wait (written by the main thread, read by ours)
+        self._seq = 0
+        self._what = ""
+        self._t_enter = 0.0
+        self._waiting = False
+        self._pending: list[Any] = []  # isend requests not yet known to be complete
+        self._notices: list[Any] = []  # rank 0's "reported" messages to the others
+        # rank 0's view: the last collective each rank entered, and when/what each collective was first seen
+        self._entered = [0] * self.size
+        self._first_seen: dict[int, tuple[float, str]] = {}
+        self._closes = 0
+        self._reported = 0  # the newest collective already reported (by number), by us or by rank 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poll_s = min(0.2, max(0.01, self.timeout_s / 20))
+        self._thread: threading.Thread | None = None
+        if self.size > 1:
+            self._thread = threading.Thread(target=self._run, name="mpisgd-watchdog", daemon=True)
+            self._thread.start()
+
+    # -- called by the training loop (main thread) ----------------------------------------
+    def enter(self, what: str) -> None:
+        """This rank starts waiting in a collective described by ``what``."""
+        now = time.monotonic()
+        self._seq += 1
+        self._what, self._t_enter, self._waiting = what, now, True
+        if self.size == 1:
+            return
+        if self.rank == 0:
+            with self._lock:
+                self._entered[0] = self._seq
+                self._first_seen.setdefault(self._seq, (now, what))
+        elif self.threaded:
+            self._pending.append(self.comm.isend(("enter", self._seq, what), 0, TAG))
+            if len(self._pending) >= PENDING_PRUNE:
+                self._pending = [r for r in self._pending if not r.Test()]
+
+    def exit(self) -> None:
+        """The collective entered last has finished on this rank."""
+        self._waiting = False
+        if self.rank == 0 and self._reported == self._seq:
+            _say(f"mpisgd: stall resolved: {self._what} finished after {time.monotonic() - self._t_enter:.1f} s")
+
+    def close(self) -> None:
+        """Stop the thread and free the duplicate communicator (every rank calls this)."""
+        if self._thread is not None:
+            if self.rank != 0 and self.threaded:
+                self._pending.append(self.comm.isend(("close",), 0, TAG))
+                self._MPI.Request.waitall(self._pending)
+                self._pending.clear()
+            self._stop.set()
+            while self._thread.is_alive():  # rank 0's thread leaves once every rank said close
+                self._thread.join(1.0)
+            self._settle_notices()
+        self.comm.Free()
+
+    def _settle_notices(self) -> None:
+        """Rank 0: let its "reported" messages complete; cancel those nobody received."""
+        deadline = time.monotonic() + 2.0
+        while self._notices and time.monotonic() < deadline:
+            self._notices = [r for r in self._notices if not r.Test()]
+            time.sleep(0.01)
+        for r in self._notices:
+            r.Cancel()
+            r.Wait()
+        self._notices.clear()
+
+    # -- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        MPI = self._MPI
+        status = MPI.Status()
+        while True:
+            if self.threaded:
+                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+                    self._receive(self.comm.recv(source=status.Get_source(), tag=TAG), status.Get_source())
+            if self._stop.is_set() and (self.rank != 0 or not self.threaded or self._closes == self.size - 1):
+                return
+            self._check(time.monotonic())
+            time.sleep(self._poll_s)
+
+    def _receive(self, msg: tuple, source: int) -> None:
+        if msg[0] == "close":
+            self._closes += 1
+            return
+        if msg[0] == "reported":  # on ranks > 0: rank 0 has printed the report of this collective
+            self._reported = max(self._reported, msg[1])
+            return
+        _, seq, what = msg
+        with self._lock:
+            self._entered[source] = max(self._entered[source], seq)
+            self._first_seen.setdefault(seq, (time.monotonic(), what))
+            oldest = min(self._entered)
+            for s in [s for s in self._first_seen if s < oldest]:
+                del self._first_seen[s]  # everybody is past these
+
+    def _check(self, now: float) -> None:
+        if self.rank == 0 and self.threaded:
+            report = self._stall_report(now)
+            if report:
+                _say(report)
+                if self.abort:
+                    self._abort()
+                self._notices += [self.comm.isend(("reported", self._reported), r, TAG)
+                                  for r in range(1, self.size)]
+        waited = now - self._t_enter
+        if self._waiting and waited > 2 * self.timeout_s and self._reported < self._seq \
+                and (self.rank != 0 or not self.threaded):
+            self._reported = self._seq
+            _say(f"mpisgd: stall: rank {self.rank} has waited {waited:.1f} s in {self._what}"
+                 + ("" if self.rank == 0 else " and rank 0 has not reported which ranks reached it"))
+            if self.abort:
+                self._abort()
+
+    def _stall_report(self, now: float) -> str | None:
+        """Rank 0: the stall message for the newest collective, once, when it is overdue."""
+        with self._lock:
+            entered = list(self._entered)
+            newest = max(entered)
+            if newest <= self._reported or newest not in self._first_seen:
+                return None
+            t_first, what = self._first_seen[newest]
+            reached = [r for r, s in enumerate(entered) if s >= newest]
+            missing = [r for r, s in enumerate(entered) if s < newest]
+            if missing:
+                waited = now - t_first
+                if waited <= self.timeout_s:
+                    return None
+                self._reported = newest
+                return (f"mpisgd: stall: {what} waited {waited:.1f} s; ranks {reached} reached it, "
+                        f"ranks {missing} have not")
+            # everybody reached it: only rank 0's own wait tells whether it is stuck inside
+            if not (self._waiting and self._seq == newest and now - self._t_enter > self.timeout_s):
+                return None
+            self._reported = newest
+            return (f"mpisgd: stall: {what} waited {now - self._t_enter:.1f} s; all ranks {reached} reached it, "
+                    "it has not finished (stuck inside the collective: network or MPI progress)")
+
+    def _abort(self) -> None:
+        _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
+        self.comm.Abort(1)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,42 @@
+"""Strict parsing: unknown keys and wrong types are errors; every bad value names itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpisgd.config import Config, UsageError, parse_config
+
+
+def test_defaults_are_valid():
+    cfg = parse_config([])
+    assert cfg == Config()
+    assert cfg.model == "mlp" and cfg.hidden == (1024, 1024)
+
+
+def test_flags_map_to_fields():
+    cfg = parse_config(["--batch-size", "32", "--hidden", "64,32", "--nesterov", "--lr", "0.5"])
+    assert (cfg.batch_size, cfg.hidden, cfg.nesterov, cfg.lr) == (32, (64, 32), True, 0.5)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--batch-size", "0"], "batch-size must be >= 1, got 0"),
+    (["--epochs", "-1"], "epochs must be >= 1"),
+    (["--lr", "-0.1"], "lr must be > 0"),
+    (["--momentum", "1.5"], "momentum"),
+    (["--model", "resnet"], "invalid choice"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--batch-size", "ten"], "invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--base-batch", "0"], "base-batch must be >= 1"),
+    (["--accum-steps", "0"], "accum-steps must be >= 1"),
+    (["--decay", "step"], "decay-epochs"),
+    (["--hidden", "64,x"], "comma-separated"),
+])
+def test_bad_values_raise_usage_error(argv, match):
+    with pytest.raises(UsageError, match=match):
+        parse_config(argv, quiet=True)
+
+
+def test_digest_changes_with_any_field():
+    assert Config().digest() == Config().digest()
+    assert Config().digest() != Config(batch_size=64).digest()

@@ -1,0 +1,148 @@
+"""Data parallelism under real MPI (run by scripts/test.sh with mpiexec -n 2 and -n 3).
+
+Size-agnostic: the reference is the same computation on one rank (COMM_SELF)
+with the global batch, computed on every rank, so any k checks the seed's
+equivalence. Every collective is reached by all ranks before any assert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
+from mpisgd.nn import mlp
+from mpisgd.optim import SGD
+from mpisgd.parallel import DataParallel, ReplicaError, verify_same
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
+          allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, **opt) -> DataParallel:
+    """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
+    k = comm.Get_size()
+    rank = comm.Get_rank() if rank is None else rank
+    data = synthetic(512, seed=0)
+    model = mlp((16, 8)).materialize(np, "float64", seed=0)
+    optimizer = SGD(model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
+                    weight_decay=opt.get("weight_decay", 1e-3))
+    dp = DataParallel(model, optimizer, comm, allreduce=allreduce, average=average, bucket_cap_mb=bucket_mb,
+                      overlap=overlap)
+    loader = BatchLoader(data, np, "float64")
+    batches = GlobalBatches(len(data), k * local_batch, rank, k)
+    for step in range(steps):
+        perm = epoch_permutation(len(data), 0, step // batches.steps_per_epoch)
+        dp.train_step([loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))], lr=0.05)
+    return dp
+
+
+def reference(k: int, b: int, steps: int, **opt) -> np.ndarray:
+    """One rank, batch k*b: what k ranks with batch b must reproduce."""
+    from mpi4py import MPI
+
+    dp = train(MPI.COMM_SELF, k * b, steps, **opt)
+    params = dp.flat.params.copy()
+    dp.close()
+    return params
+
+
+@pytest.mark.parametrize("opt", [{}, {"nesterov": True}, {"momentum": 0.0, "weight_decay": 0.0}])
+def test_k_ranks_match_one_rank_with_k_times_the_batch(opt):
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    dp = train(comm, b, steps, **opt)
+    ours = dp.flat.params.copy()
+    dp.close()
+    ref = reference(k, b, steps, **opt)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-9)
+    assert np.max(np.abs(ours - ref)) < 1e-10  # float64: only summation-order rounding
+
+
+def test_summing_without_dividing_by_k_breaks_the_equivalence():
+    """The classic bug (k times the learning rate) must be visible to the check above."""
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    dp = train(comm, b, steps, average=False)
+    ours = dp.flat.params.copy()
+    dp.close()
+    ref = reference(k, b, steps)
+    assert not np.allclose(ours, ref, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("bucket_mb,overlap", [(25.0, True), (0.0005, True), (0.0005, False)])
+def test_replicas_identical_after_every_step(bucket_mb, overlap):
+    comm = world()
+    k = comm.Get_size()
+    dp = train(comm, 8, 0, bucket_mb=bucket_mb, overlap=overlap)
+    data = synthetic(256, seed=1)
+    loader = BatchLoader(data, np, "float64")
+    batches = GlobalBatches(len(data), k * 8, comm.Get_rank(), k)
+    perm = epoch_permutation(len(data), 1, 0)
+    all_same = []
+    for step in range(5):
+        dp.train_step([loader.batch(batches.indices(perm, step, 0))], lr=0.1)
+        sums = dp.replica_checksums()
+        all_same.append(len(set(sums)) == 1)
+    n_buckets = len(dp.buckets)
+    dp.close()
+    assert all(all_same), all_same
+    if bucket_mb < 0.01:
+        assert n_buckets > 1  # the small cap really split the gradient
+
+
+def test_start_identical_even_from_different_seeds():
+    """Rank 0's parameters are broadcast: other ranks' own initialisation is discarded."""
+    comm = world()
+    model = mlp((8,)).materialize(np, "float64", seed=comm.Get_rank())
+    dp = DataParallel(model, SGD(model.flat), comm)
+    sums = dp.replica_checksums()
+    dp.close()
+    assert len(set(sums)) == 1
+
+
+def test_check_replicas_names_the_diverged_rank():
+    comm = world()
+    dp = train(comm, 8, 2)
+    if comm.Get_rank() == 1:
+        dp.flat.params[3] += 1.0  # silently corrupt one replica
+    with pytest.raises(ReplicaError, match=r"rank\(s\) \[1\]"):
+        dp.check_replicas()
+    dp.close()
+
+
+def test_different_models_are_refused_on_every_rank():
+    comm = world()
+    width = 8 if comm.Get_rank() != 1 else 9
+    model = mlp((width,)).materialize(np, "float64")
+    with pytest.raises(ReplicaError, match=r"rank\(s\) \[1\]"):
+        DataParallel(model, SGD(model.flat), comm)
+
+
+def test_verify_same_passes_on_equal_values():
+    verify_same(world(), "same", "a value")
+
+
+def test_nonfinite_gradient_stops_every_rank_together():
+    from mpisgd.parallel import NonFiniteError
+
+    comm = world()
+    dp = train(comm, 8, 1)
+    data = synthetic(64, seed=2)
+    x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
+    if comm.Get_rank() == comm.Get_size() - 1:
+        x = x.copy()
+        x[0, 0, 0, 0] = np.inf  # only one rank sees bad data; after the all-reduce all know
+    with pytest.raises(NonFiniteError):
+        dp.train_step([(x, y)], lr=0.1)
+    dp.on_nan = "skip"
+    before = dp.flat.params.copy()
+    dp.train_step([(x, y)], lr=0.1)
+    assert dp.skipped_steps == 1 and np.array_equal(before, dp.flat.params)
+    dp.close()
