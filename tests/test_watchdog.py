@@ -1,0 +1,112 @@
+"""The stall watchdog: it names the ranks that have not reached a collective, and aborts when asked.
+
+Serial tests launch a small MPI script where one rank sleeps before an
+all-reduce; MPI tests check the quiet path (no report, cheap enter/exit, the
+duplicate communicator freed).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_mpi
+
+
+@pytest.fixture(autouse=True)
+def _serial_only(request: pytest.FixtureRequest) -> None:
+    """Tests that launch their own mpiexec must not run once per rank under mpiexec."""
+    if request.config.getoption("--with-mpi", default=False) and request.node.get_closest_marker("mpi") is None:
+        pytest.skip("launches its own mpiexec: serial runs only")
+
+SCRIPT = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+sys.path.insert(0, {root!r})
+from mpisgd.watchdog import Watchdog
+
+late_rank, sleep_s, timeout_s, abort = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
+comm = MPI.COMM_WORLD
+wd = Watchdog(comm, timeout_s, abort)
+buf = np.ones(1000)
+for step in range(6):
+    if step == 3 and comm.Get_rank() == late_rank:
+        time.sleep(sleep_s)
+    wd.enter(f"gradient all-reduce of step {{step}}")
+    comm.Allreduce(MPI.IN_PLACE, buf)
+    wd.exit()
+wd.close()
+print(f"rank {{comm.Get_rank()}} done", flush=True)
+"""
+
+
+def _launch(tmp_path: Path, n: int, *, late_rank: int, sleep_s: float, timeout_s: float, abort: bool,
+            limit_s: float = 120):
+    script = tmp_path / "stall.py"
+    script.write_text(SCRIPT.format(root=str(ROOT)))
+    t0 = time.monotonic()
+    proc = run_mpi(n, str(script), str(late_rank), str(sleep_s), str(timeout_s), "1" if abort else "0",
+                   timeout=limit_s)
+    return proc, time.monotonic() - t0
+
+
+def test_stall_names_the_late_rank_and_recovers(tmp_path: Path) -> None:
+    proc, _ = _launch(tmp_path, 3, late_rank=1, sleep_s=3.0, timeout_s=1.0, abort=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "stall: gradient all-reduce of step 3 waited" in proc.stderr
+    assert "ranks [0, 2] reached it, ranks [1] have not" in proc.stderr
+    assert "stall resolved: gradient all-reduce of step 3" in proc.stderr
+    assert proc.stderr.count("mpisgd: stall:") == 1, proc.stderr  # reported once, by rank 0
+    assert proc.stdout.count("done") == 3
+
+
+def test_stall_of_rank_0_is_reported_by_its_thread(tmp_path: Path) -> None:
+    proc, _ = _launch(tmp_path, 2, late_rank=0, sleep_s=3.0, timeout_s=1.0, abort=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks [1] reached it, ranks [0] have not" in proc.stderr
+
+
+def test_stall_abort_ends_the_job_promptly(tmp_path: Path) -> None:
+    # rank 2 would sleep 100 s; the watchdog must end the job after about 1 s instead
+    proc, elapsed = _launch(tmp_path, 3, late_rank=2, sleep_s=100.0, timeout_s=1.0, abort=True, limit_s=90)
+    assert proc.returncode != 0
+    assert "ranks [0, 1] reached it, ranks [2] have not" in proc.stderr
+    assert "aborts the job (--stall-abort)" in proc.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s to end the job"
+    assert "done" not in proc.stdout
+
+
+def test_timeout_must_be_positive() -> None:
+    from mpisgd.watchdog import Watchdog
+
+    with pytest.raises(ValueError, match="> 0"):
+        Watchdog(object(), 0.0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_report_without_stall_and_cheap_enter_exit(capfd: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpisgd.watchdog import Watchdog
+
+    comm = MPI.COMM_WORLD
+    wd = Watchdog(comm, timeout_s=30.0)
+    assert wd.comm != comm  # a duplicate
+    buf = np.ones(10)
+    overhead = 0.0
+    n = 200
+    for i in range(n):
+        t0 = time.perf_counter()
+        wd.enter(f"all-reduce {i}")
+        overhead += time.perf_counter() - t0
+        comm.Allreduce(MPI.IN_PLACE, buf)
+        t0 = time.perf_counter()
+        wd.exit()
+        overhead += time.perf_counter() - t0
+    wd.close()
+    assert wd.comm == MPI.COMM_NULL  # freed
+    assert "stall" not in capfd.readouterr().err
+    assert overhead / n < 200e-6, f"enter+exit cost {1e6 * overhead / n:.0f} us"
