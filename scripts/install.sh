@@ -7,6 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
+SUDO_APT() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+
+# a bare Debian has python3 but neither pip nor the headers mpi4py may need
+if ! python3 -m pip --version >/dev/null 2>&1 && SUDO_APT; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip python3-dev gcc >/dev/null
+fi
+# Debian's own python3 refuses system-wide pip installs (PEP 668); this is a dedicated machine
+if python3 -c "import sys,sysconfig,os; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['stdlib'],'EXTERNALLY-MANAGED')))"; then
+  export PIP_BREAK_SYSTEM_PACKAGES=1
+fi
 
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null; then
   echo "[install] Fashion-MNIST (Debian package dataset-fashion-mnist)"
