@@ -1,0 +1,159 @@
+"""Plots: the learning-rate schedule of a training command, training curves from metrics files.
+
+    python -m mpisgd.plot lr [--ranks K] [--out lr.png] [train options...]
+    python -m mpisgd.plot curves METRICS.jsonl [MORE.jsonl ...] [--labels a,b] [--out curves.png]
+
+``lr`` takes the same options as ``python -m mpisgd.train`` and evaluates the very
+Schedule the run would use (for K ranks), with no MPI and no training. matplotlib
+(Agg backend) is imported only when a figure is drawn. Exit 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mpisgd.config import Config, UsageError, parse_config
+from mpisgd.schedule import Schedule, effective_batch
+
+FASHION_MNIST_TRAIN = 60000
+
+
+def _pyplot() -> Any:
+    import matplotlib  # noqa: PLC0415 - lazy: only plotting needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def train_samples(cfg: Config) -> int:
+    """How many training samples the run would see per epoch (without loading the data)."""
+    n = cfg.synthetic_samples if cfg.dataset == "synthetic" else FASHION_MNIST_TRAIN
+    return min(n, cfg.limit_train) if cfg.limit_train else n
+
+
+def schedule_for(cfg: Config, ranks: int, samples: int | None = None) -> tuple[Schedule, int]:
+    """The run's Schedule and steps per epoch, computed as the trainer does."""
+    batch = effective_batch(cfg.batch_size, ranks, cfg.accum_steps)
+    n = train_samples(cfg) if samples is None else samples
+    spe = n // batch
+    if spe < 1:
+        raise UsageError(f"{n} training samples make no step of B={batch}")
+    total = cfg.epochs * spe if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * spe)
+    return Schedule.from_config(cfg, ranks, spe, total), spe
+
+
+def plot_lr(cfg: Config, ranks: int, out: str, samples: int | None = None) -> str:
+    sched, spe = schedule_for(cfg, ranks, samples)
+    steps = list(range(sched.total_steps))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot([s / spe for s in steps], [sched(s) for s in steps], lw=1.5)
+    if sched.warmup_steps:
+        ax.axvline(sched.warmup_steps / spe, color="gray", ls=":", lw=1, label="end of warmup")
+        ax.legend()
+    batch = effective_batch(cfg.batch_size, ranks, cfg.accum_steps)
+    ax.set(xlabel="epoch", ylabel="learning rate",
+           title=f"B={batch} (k={ranks}, b={cfg.batch_size}, m={cfg.accum_steps}), {cfg.lr_scaling} scaling, "
+                 f"peak {sched.peak_lr:.3g}, decay {cfg.decay}")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = None) -> str:
+    """Per-step loss and learning rate, per-epoch test error, one line per metrics file."""
+    from mpisgd.metrics import read_metrics  # noqa: PLC0415
+
+    if labels is not None and len(labels) != len(paths):
+        raise UsageError(f"{len(labels)} label(s) for {len(paths)} metrics file(s)")
+    plt = _pyplot()
+    fig, (a_loss, a_err, a_lr) = plt.subplots(1, 3, figsize=(13, 3.6))
+    for i, path in enumerate(paths):
+        try:
+            steps, epochs = read_metrics(path, "step"), read_metrics(path, "epoch")
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read metrics file {path}: {exc}") from None
+        if not steps and not epochs:
+            raise UsageError(f"{path} holds no step or epoch records (write one with --metrics-file)")
+        label = labels[i] if labels else path
+        if steps:
+            a_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label=label)
+            a_lr.plot([r["step"] for r in steps], [r["lr"] for r in steps], lw=1.2, label=label)
+        if epochs:
+            a_err.plot([r["epoch"] for r in epochs], [100 * (1 - r["test_acc"]) for r in epochs], "o-",
+                       label=label)
+    a_loss.set(xlabel="step", ylabel="training loss (mean over B)", yscale="log")
+    a_err.set(xlabel="epoch", ylabel="test error (%)")
+    a_lr.set(xlabel="step", ylabel="learning rate")
+    for a in (a_loss, a_err, a_lr):
+        a.grid(alpha=0.3)
+    a_err.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_error_vs_batch(series: dict[str, list[tuple[int, float, bool]]], out: str, title: str = "") -> str:
+    """Final test error against effective batch B (log2 axis): recipe -> [(B, error, diverged)]."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, unsorted in series.items():
+        points = sorted(unsorted)
+        xs, ys = [p[0] for p in points], [100 * p[1] for p in points]
+        line = ax.plot(xs, ys, "o-", label=name)[0]
+        bad = [(x, y) for x, y, d in zip(xs, ys, (p[2] for p in points)) if d]
+        if bad:  # diverged runs sit at chance level, marked with a cross
+            ax.plot(*zip(*bad), "x", ms=10, mew=2, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="effective batch size B = k*b*m", ylabel="final test error (%)", title=title)
+    ax.title.set_fontsize(8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(title="x: diverged (chance)", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m mpisgd.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    sub = p.add_subparsers(dest="what", required=True)
+    p_lr = sub.add_parser("lr", allow_abbrev=False, help="the learning-rate schedule of a training command")
+    p_lr.add_argument("--ranks", type=int, default=1, help="ranks k the run would use (B = k*b*m)")
+    p_lr.add_argument("--train-samples", type=int, default=None,
+                      help="training samples per epoch (default: from --dataset/--limit-train)")
+    p_lr.add_argument("--out", default="lr.png", help="PNG to write")
+    p_c = sub.add_parser("curves", allow_abbrev=False, help="training curves from --metrics-file outputs")
+    p_c.add_argument("metrics", nargs="+", help="metrics JSONL file(s)")
+    p_c.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
+    p_c.add_argument("--out", default="curves.png", help="PNG to write")
+    try:
+        if argv[:1] == ["lr"]:
+            ns, rest = p.parse_known_args(argv)
+            if ns.ranks < 1:
+                raise UsageError(f"--ranks must be >= 1, got {ns.ranks}")
+            cfg = parse_config(rest)
+            out = plot_lr(cfg, ns.ranks, ns.out, ns.train_samples)
+        else:
+            ns = p.parse_args(argv)
+            out = plot_curves(ns.metrics, ns.out, ns.labels.split(",") if ns.labels else None)
+    except UsageError as exc:
+        print(f"mpisgd.plot: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
