@@ -1,0 +1,233 @@
+"""The project's own Slurm batch script, run on a real one-node Slurm started for this test.
+
+Needs root: it installs Debian's slurm-wlm and munge when missing, writes a
+slurm.conf and a munge key in a temporary directory, starts munged, slurmctld
+and slurmd in the foreground (so their process ids are ours), submits
+scripts/slurm/train_cpu.sbatch with ``sbatch --wait``, and stops exactly those
+daemons afterwards. Nothing outside the temporary directory is configured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import ONE_THREAD, ROOT
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
+
+
+@pytest.fixture(autouse=True)
+def _serial_only(request: pytest.FixtureRequest) -> None:
+    """Starts its own daemons and mpiexec: never once per rank under mpiexec."""
+    if request.config.getoption("--with-mpi", default=False):
+        pytest.skip("starts its own Slurm: serial runs only")
+
+
+def _ensure_slurm() -> None:
+    """Install slurm-wlm and munge with apt-get when missing; skip where that cannot be done."""
+    if all(shutil.which(d) for d in DAEMONS):
+        return
+    if os.geteuid() != 0:
+        pytest.skip("Slurm is not installed and installing it (apt-get install slurm-wlm munge) needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("Slurm is not installed and there is no apt-get to install slurm-wlm and munge")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        if r.returncode != 0:
+            pytest.skip(f"could not install Slurm ({' '.join(cmd)} exit {r.returncode}): {r.stderr[-500:]}")
+    missing = [d for d in DAEMONS if not shutil.which(d)]
+    assert not missing, f"installed slurm-wlm and munge but {missing} are not on PATH"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    host: str
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("munged.log", "slurmctld.log", "slurmd.log"):
+            p = self.dir / name
+            if p.exists():
+                parts.append(f"--- {name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
+        return "\n".join(parts)
+
+
+def _write_config(d: Path, host: str) -> Path:
+    for sub in ("state", "spool", "munge"):
+        (d / sub).mkdir(mode=0o700)
+    key = d / "munge" / "munge.key"
+    key.write_bytes(secrets.token_bytes(1024))
+    key.chmod(0o600)
+    conf = d / "slurm.conf"
+    conf.write_text(f"""\
+ClusterName=mpisgdtest
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+AuthInfo=socket={d}/munge/munge.socket
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# no cgroups: plain process tracking, no task binding (works in containers)
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MinJobAge=600
+NodeName={host} CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+    return conf
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: slurmd runs jobs as any user only as root, and munged/slurm need a key")
+    _ensure_slurm()
+    d = tmp_path_factory.mktemp("slurm")
+    d.chmod(0o700)  # munged refuses directories others can write to
+    host = socket.gethostname().split(".")[0]
+    conf = _write_config(d, host)
+    env = {**os.environ, **ONE_THREAD, "SLURM_CONF": str(conf), "PYTHONPATH": str(ROOT)}
+    c = Cluster(d, host, env)
+
+    def start(name: str, *cmd: str) -> None:
+        log = open(d / f"{name}.out", "w")  # noqa: SIM115 - closed with the process
+        c.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+
+    try:
+        start("munged", "munged", "--foreground", "--force", f"--key-file={d}/munge/munge.key",
+              f"--socket={d}/munge/munge.socket", f"--pid-file={d}/munge/munged.pid",
+              f"--seed-file={d}/munge/munged.seed", f"--log-file={d}/munged.log")
+        _wait_for((d / "munge" / "munge.socket").exists, 20, "munged's socket", c)
+        start("slurmctld", "slurmctld", "-D", "-i", "-f", str(conf))
+        start("slurmd", "slurmd", "-D", "-f", str(conf), "-N", host)
+        _wait_for(lambda: c.run("sinfo", "-h", "-N", "-o", "%t").stdout.strip() == "idle", 90,
+                  "the node to be idle in sinfo", c)
+        yield c
+    finally:
+        if "slurmctld" in c.procs and c.procs["slurmctld"].poll() is None:
+            subprocess.run(["scancel", "--full", "--partition=debug"], env=env, capture_output=True, timeout=30)
+        for name in ("slurmd", "slurmctld", "munged"):  # exactly the daemons we started, by their pid
+            p = c.procs.get(name)
+            if p is None:
+                continue
+            p.terminate()
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _wait_for(pred, timeout_s: float, what: str, c: Cluster) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, p in c.procs.items():
+            if p.poll() is not None:
+                out = (c.dir / f"{name}.out").read_text(errors="replace")
+                pytest.fail(f"{name} exited with {p.returncode} while waiting for {what}:\n{out}\n{c.logs()}")
+        try:
+            if pred():
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}\n{c.logs()}")
+
+
+def _submit(c: Cluster, work: Path, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 240) -> tuple[subprocess.CompletedProcess, int, str]:
+    """sbatch --wait the project's CPU script; returns (sbatch result, job id, Slurm's output file)."""
+    r = subprocess.run(["sbatch", "--wait", f"--chdir={work}", "--output=job-%j.out",
+                        str(ROOT / "scripts" / "slurm" / "train_cpu.sbatch"), *args],
+                       capture_output=True, text=True, timeout=timeout, env={**c.env, **(env or {})})
+    m = re.search(r"Submitted batch job (\d+)", r.stdout)
+    assert m, f"sbatch did not submit: {r.stdout}\n{r.stderr}\n{c.logs()}"
+    job = int(m.group(1))
+    out = work / f"job-{job}.out"
+    return r, job, out.read_text(errors="replace") if out.exists() else ""
+
+
+def _job_state(c: Cluster, job: int) -> tuple[str, str]:
+    text = c.run("scontrol", "show", "job", str(job)).stdout
+    state = re.search(r"JobState=(\S+)", text)
+    code = re.search(r"\bExitCode=(\S+)", text)
+    return (state.group(1) if state else "?"), (code.group(1) if code else "?")
+
+
+ARGS = ("--epochs", "1", "--limit-train", "6000", "--limit-test", "2000", "--batch-size", "64")
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
+def test_train_cpu_sbatch_on_real_slurm(cluster: Cluster, tmp_path: Path, launcher: str) -> None:
+    run_dir = tmp_path / "run"
+    r, job, out = _submit(cluster, tmp_path, *ARGS,
+                          env={"RUN_DIR": str(run_dir), "MPISGD_LAUNCHER": launcher,
+                               "MPISGD_ARGS": "--hidden 256,128 --seed 3"})
+    state, code = _job_state(cluster, job)
+    assert r.returncode == 0 and state == "COMPLETED" and code == "0:0", \
+        f"sbatch exit {r.returncode}, job {job} {state} exit {code}\n{out}\n{r.stderr}\n{cluster.logs()}"
+    assert "k=2 rank(s)" in out, out
+    acc = re.search(r"final test accuracy (\d\.\d+)", out)
+    assert acc, out
+    assert float(acc.group(1)) > 0.6, out
+    assert "final test accuracy" in (run_dir / "train.log").read_text()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records].count("epoch") == 1, records
+
+
+def test_failing_job_is_reported_failed(cluster: Cluster, tmp_path: Path) -> None:
+    """A rank that raises ends the job promptly, and Slurm records the failure."""
+    t0 = time.monotonic()
+    r, job, out = _submit(cluster, tmp_path, "--dataset", "synthetic", "--synthetic-samples", "2048",
+                          "--hidden", "32", "--fail-at-step", "3", "--fail-rank", "1",
+                          env={"RUN_DIR": str(tmp_path / "run")})
+    elapsed = time.monotonic() - t0
+    state, code = _job_state(cluster, job)
+    assert r.returncode != 0 and state == "FAILED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"
+    assert "mpisgd: rank 1 of 2 failed" in out and "injected failure at step 3" in out, out
+    assert elapsed < 120, f"the failed job took {elapsed:.0f} s to end"
