@@ -1,0 +1,157 @@
+"""SGD against hand-written references; the momentum correction; an allocation-free step."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from mpisgd.flatbuf import FlatBuffer
+from mpisgd.optim import SGD
+
+N = 50
+RNG = np.random.default_rng(7)
+A = RNG.standard_normal((N, N)) / np.sqrt(N)
+H = A @ A.T + 0.1 * np.eye(N)  # a convex quadratic: the gradient depends on the path taken
+TARGET = RNG.standard_normal(N)
+W0 = RNG.standard_normal(N)
+WARMUP_THEN_DECAY = [0.01 * (1 + t) for t in range(10)] + [0.1 * 0.7 ** t for t in range(20)]
+
+
+def grad(w: np.ndarray) -> np.ndarray:
+    return H @ (w - TARGET)
+
+
+def run_sgd(lrs: list[float], **kw: float | bool) -> np.ndarray:
+    """Iterates of mpisgd's SGD on the quadratic, one row per step."""
+    flat = FlatBuffer([(N,)], np.float64, np)
+    flat.params[...] = W0
+    opt = SGD(flat, **kw)
+    out = []
+    for lr in lrs:
+        flat.grads[...] = grad(flat.params)
+        opt.step(lr)
+        out.append(flat.params.copy())
+    return np.array(out)
+
+
+def reference(lrs: list[float], mu: float = 0.0, nesterov: bool = False, wd: float = 0.0,
+              form: str = "default") -> np.ndarray:
+    """Hand-written SGD. form: default (v = mu v + d; w -= eta v), eta_in_v_corrected, eta_in_v_uncorrected."""
+    w, v, prev, out = W0.copy(), np.zeros(N), None, []
+    for lr in lrs:
+        d = grad(w) + wd * w
+        if form == "default":
+            v = mu * v + d
+            w = w - lr * (mu * v + d if nesterov else v)
+        else:
+            ratio = lr / prev if (form == "eta_in_v_corrected" and prev) else 1.0
+            v = mu * ratio * v + lr * d
+            w = w - (mu * v + lr * d if nesterov else v)
+        prev = lr
+        out.append(w)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.05), dict(momentum=0.9),
+                                dict(momentum=0.9, weight_decay=0.05), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.8, nesterov=True, weight_decay=0.01)])
+def test_sgd_matches_hand_written_reference(kw):
+    ours = run_sgd(WARMUP_THEN_DECAY, **kw)
+    ref = reference(WARMUP_THEN_DECAY, kw.get("momentum", 0.0), kw.get("nesterov", False),
+                    kw.get("weight_decay", 0.0))
+    np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_gives_the_default_iterates_under_a_changing_rate(nesterov):
+    kw = dict(momentum=0.9, nesterov=nesterov, weight_decay=1e-3)
+    default = run_sgd(WARMUP_THEN_DECAY, **kw)
+    corrected = run_sgd(WARMUP_THEN_DECAY, momentum_correction=True, **kw)
+    np.testing.assert_allclose(corrected, default, rtol=1e-10, atol=1e-12)
+    hand = reference(WARMUP_THEN_DECAY, 0.9, nesterov, 1e-3, form="eta_in_v_corrected")
+    np.testing.assert_allclose(corrected, hand, rtol=1e-10, atol=1e-12)
+
+
+def test_without_the_correction_eta_in_velocity_differs_when_the_rate_changes():
+    uncorrected = reference(WARMUP_THEN_DECAY, 0.9, form="eta_in_v_uncorrected")
+    default = reference(WARMUP_THEN_DECAY, 0.9)
+    assert np.abs(uncorrected - default).max() > 1e-2
+    constant = [0.05] * 30  # with a constant rate the ratio is 1 and the forms agree
+    np.testing.assert_allclose(reference(constant, 0.9, form="eta_in_v_uncorrected"), reference(constant, 0.9),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_why_the_correction_matters_one_rate_jump():
+    """A constant gradient of 1, rate 0.1 then 1.0: the uncorrected form's velocity still carries
+    steps sized for the old rate, so right after a warmup jump it steps too little (after a
+    decay, too much)."""
+    flat = FlatBuffer([(1,)], np.float64, np)
+    mu = 0.9
+    for correction in (False, True):
+        flat.params[...] = 0.0
+        opt = SGD(flat, momentum=mu, momentum_correction=correction)
+        for lr in (0.1, 1.0):
+            flat.grads[...] = 1.0
+            opt.step(lr)
+        # default form: v1 = 1, v2 = mu + 1; w2 = -(0.1*1 + 1.0*(mu + 1)) whichever form we run
+        assert flat.params[0] == pytest.approx(-(0.1 + 1.0 * (mu + 1)))
+    uncorrected_w2 = -(0.1 + (mu * 0.1 + 1.0))  # V2 = mu*V1 + eta2*g with V1 = 0.1
+    assert uncorrected_w2 == pytest.approx(-1.19) and -(0.1 + 1.0 * (mu + 1)) == pytest.approx(-2.0)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=1e-4), dict(momentum=0.9, weight_decay=1e-4),
+                                dict(momentum=0.9, nesterov=True, weight_decay=1e-4),
+                                dict(momentum=0.9, momentum_correction=True),
+                                dict(momentum=0.9, nesterov=True, momentum_correction=True)])
+def test_step_allocates_no_parameter_sized_temporary(kw):
+    n = 1 << 20  # 8 MiB of float64: any lr*v or wd*w temporary would show
+    flat = FlatBuffer([(n,)], np.float64, np)
+    flat.params[...] = 1.0
+    opt = SGD(flat, **kw)
+    flat.grads[...] = 0.5
+    opt.step(0.1)  # first step outside the measurement
+    tracemalloc.start()
+    try:
+        for lr in (0.1, 0.2, 0.05):
+            flat.grads[...] = 0.5
+            opt.step(lr)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < n * 8 // 16, f"step allocated {peak} bytes at peak"
+
+
+def test_state_round_trip_resumes_bitwise():
+    lrs = WARMUP_THEN_DECAY
+    full = run_sgd(lrs, momentum=0.9, momentum_correction=True)
+    flat = FlatBuffer([(N,)], np.float64, np)
+    flat.params[...] = W0
+    opt = SGD(flat, momentum=0.9, momentum_correction=True)
+    for lr in lrs[:12]:
+        flat.grads[...] = grad(flat.params)
+        opt.step(lr)
+    saved, params = opt.state(), flat.params.copy()
+    flat2 = FlatBuffer([(N,)], np.float64, np)
+    flat2.params[...] = params
+    opt2 = SGD(flat2, momentum=0.9, momentum_correction=True)
+    opt2.load_state(saved["velocity"].copy(), saved["prev_lr"])
+    for lr in lrs[12:]:
+        flat2.grads[...] = grad(flat2.params)
+        opt2.step(lr)
+    np.testing.assert_array_equal(flat2.params, full[-1])
+
+
+def test_fresh_state_has_no_previous_rate():
+    opt = SGD(FlatBuffer([(3,)], np.float64, np), momentum=0.9)
+    assert opt.state()["prev_lr"] == -1.0
+    opt.load_state(np.zeros(3), -1.0)
+    assert opt.prev_lr is None
+
+
+@pytest.mark.parametrize(("kw", "message"), [(dict(momentum=1.0), "momentum"), (dict(momentum=-0.1), "momentum"),
+                                             (dict(weight_decay=-1e-4), "weight decay")])
+def test_bad_hyperparameters(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SGD(FlatBuffer([(3,)], np.float64, np), **kw)
