@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
 
     ctx = mpisgd.init(MPI.COMM_WORLD, device="auto")  # node layout, GPU binding (local_rank % n_gpus)
-    train, test = (synthetic(4096), synthetic(1000, seed=1)) if args.synthetic else load_fashion_mnist()[:2]
+    train, test = (synthetic(4096), synthetic(1000, split=1)) if args.synthetic else load_fashion_mnist()[:2]
 
     model = mpisgd.nn.mlp((256,)).materialize(ctx.xp, "float32", seed=0)
     optimizer = mpisgd.SGD(model.flat, momentum=0.9)

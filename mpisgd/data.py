@@ -115,15 +115,18 @@ def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, P
     return sets[0], sets[1], directory
 
 
-def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.35) -> Dataset:
+def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, separation: float = 0.15,
+              split: int = 0) -> Dataset:
     """A learnable stand-in of Fashion-MNIST's shape: one random template per class plus noise.
 
-    For benchmarks and tests: same layout and dtype as the real data set.
+    For benchmarks and tests: same layout and dtype as the real data set. The
+    templates depend on ``seed`` only, the samples on (seed, split): split 0
+    and 1 are a training and a test set of the same problem.
     """
-    rng = np.random.default_rng([seed, 12345])
-    templates = rng.uniform(0, 1, (n_classes, 1, 28, 28))
+    templates = np.random.default_rng([seed, 12345]).uniform(0, 1, (n_classes, 1, 28, 28))
+    rng = np.random.default_rng([seed, 777, split])
     labels = rng.integers(0, n_classes, n)
-    images = templates[labels] + noise * rng.standard_normal((n, 1, 28, 28))
+    images = 0.5 + separation * (templates[labels] - 0.5) + noise * rng.standard_normal((n, 1, 28, 28))
     return Dataset(np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.int64))
 
 

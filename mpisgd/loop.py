@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mpisgd import __version__
-from mpisgd.backend import set_threads
+from mpisgd.backend import set_threads, to_numpy
+from mpisgd.checkpoint import CheckpointError, TrainState, check_compatible, find_resume, save_checkpoint
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, default_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
@@ -56,6 +57,7 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.metrics_file, enabled=self.is_root)
         self.start_epoch, self.start_step, self.global_step = 0, 0, 0
         self.history: list[dict[str, Any]] = []
+        self._resume()
 
     # -- helpers ------------------------------------------------------------------------
     def _agreed(self, fn: Callable[[], T]) -> T:
@@ -72,7 +74,7 @@ class Trainer:
     def _load_data(self) -> tuple[Dataset, Dataset, str]:
         cfg = self.cfg
         if cfg.dataset == "synthetic":
-            train, test, source = synthetic(cfg.synthetic_samples, cfg.seed), synthetic(2000, cfg.seed + 1), \
+            train, test, source = synthetic(cfg.synthetic_samples, cfg.seed), synthetic(2000, cfg.seed, split=1), \
                 "synthetic"
         else:
             train, test, directory = load_fashion_mnist(cfg.data_dir)
@@ -128,6 +130,64 @@ class Trainer:
             self.log(f"warning: {worst} rank(s) x {self.threads} thread(s) on a node with {cores} core(s): "
                      "oversubscribed, expect slow steps")
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Rank 0 picks the checkpoint (falling back past corrupt ones) and broadcasts it."""
+        cfg = self.cfg
+        if cfg.resume == "no":
+            return
+        state, path, warnings, error = None, "", [], None
+        if self.is_root:
+            try:
+                state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+                if state is not None:
+                    check_compatible(state, cfg.to_dict(), self.B)
+                    if state.params.size != self.model.flat.size:
+                        raise CheckpointError(f"{path} holds {state.params.size} parameters, "
+                                              f"the model has {self.model.flat.size}")
+            except CheckpointError as exc:
+                error = exc
+        agree(self.world, error)
+        for w in warnings:
+            self.log(f"warning: {w}")
+        header = self.world.bcast(None if state is None else (
+            path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps, state.prev_lr,
+            state.world_size), root=0)
+        if header is None:
+            self.log(f"resume: no usable checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+            return
+        path, self.global_step, self.start_epoch, self.start_step, skipped, prev_lr, old_k = header
+        if self.is_root:
+            assert state is not None
+            self.model.flat.params[...] = self.ctx.xp.asarray(state.params)
+            if self.optimizer.velocity is not None and state.velocity is not None:
+                self.optimizer.velocity[...] = self.ctx.xp.asarray(state.velocity)
+        self.dp.broadcast_parameters()  # every rank continues from rank 0's copy
+        self.optimizer.prev_lr = None if prev_lr < 0 else prev_lr
+        self.dp.step_count, self.dp.skipped_steps = self.global_step, skipped
+        self.log(f"resumed from {path} at step {self.global_step} (epoch {self.start_epoch + 1}, "
+                 f"step {self.start_step} of {self.batches.steps_per_epoch})"
+                 + (f"; written by k={old_k} ranks, now k={self.k} with the same B={self.B}" if old_k != self.k
+                    else ""))
+
+    def _maybe_checkpoint(self, epoch: int, step: int, end_of_epoch: bool) -> None:
+        cfg = self.cfg
+        if not cfg.checkpoint_dir:
+            return
+        due = self.global_step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else end_of_epoch
+        if not due:
+            return
+        spe = self.batches.steps_per_epoch
+        next_epoch, next_step = (epoch + 1, 0) if step + 1 >= spe else (epoch, step + 1)
+        if self.is_root:  # only rank 0 writes; no collective, so nothing waits on it
+            v = self.optimizer.velocity
+            save_checkpoint(cfg.checkpoint_dir, TrainState(
+                params=to_numpy(self.model.flat.params), velocity=None if v is None else to_numpy(v),
+                prev_lr=-1.0 if self.optimizer.prev_lr is None else self.optimizer.prev_lr,
+                global_step=self.global_step, epoch=next_epoch, step_in_epoch=next_step,
+                skipped_steps=self.dp.skipped_steps, world_size=self.k, effective_batch=self.B,
+                config=cfg.to_dict()), keep=cfg.checkpoint_keep)
+
     # -- training -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         cfg, dp = self.cfg, self.dp
@@ -157,6 +217,7 @@ class Trainer:
                                         "lr": lr, "loss": float(loss)})
                 if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
                     dp.check_replicas()
+                self._maybe_checkpoint(epoch, step, end_of_epoch=step + 1 == spe)
                 bar.update()
             bar.close()
             train_time = time.perf_counter() - t0

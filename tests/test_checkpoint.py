@@ -1,0 +1,114 @@
+"""Checkpoint files, and interrupted-then-resumed runs that end bitwise where uninterrupted ones do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_mpi
+
+from mpisgd.checkpoint import (
+    CheckpointError,
+    TrainState,
+    find_resume,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def state(step: int, n: int = 10) -> TrainState:
+    return TrainState(params=np.arange(n, dtype=np.float32) + step, velocity=np.ones(n, np.float32) * step,
+                      prev_lr=0.1, global_step=step, epoch=1, step_in_epoch=3, skipped_steps=0, world_size=2,
+                      effective_batch=64, config={"model": "mlp", "hidden": [8], "dtype": "float32"})
+
+
+def test_round_trip_and_keep_newest(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, state(step), keep=2)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["ckpt-000000040.npz", "ckpt-000000030.npz"]
+    loaded = load_checkpoint(tmp_path / names[0])
+    assert loaded.global_step == 40 and loaded.step_in_epoch == 3 and loaded.config["hidden"] == [8]
+    np.testing.assert_array_equal(loaded.params, state(40).params)
+    np.testing.assert_array_equal(loaded.velocity, state(40).velocity)
+    assert not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_truncated_checkpoint_is_a_clear_error_and_auto_falls_back(tmp_path):
+    save_checkpoint(tmp_path, state(10))
+    newest = save_checkpoint(tmp_path, state(20))
+    newest.write_bytes(newest.read_bytes()[:100])  # a crash mid-copy, a full disk...
+    with pytest.raises(CheckpointError, match="not a usable checkpoint"):
+        load_checkpoint(newest)
+    found, path, warnings = find_resume("auto", str(tmp_path))
+    assert found is not None and found.global_step == 10 and path.endswith("ckpt-000000010.npz")
+    assert len(warnings) == 1 and "ckpt-000000020.npz" in warnings[0]
+
+
+def test_failed_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
+    good = save_checkpoint(tmp_path, state(10))
+    before = good.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, state(20))
+    assert good.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]  # no temporary left behind
+
+
+def test_checkpoints_never_unpickle(tmp_path):
+    path = tmp_path / "ckpt-000000001.npz"
+    np.savez(path, format=np.int64(1), params=np.array([object()], dtype=object))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+
+
+ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32,16",
+        "--epochs", "3", "--batch-size", "16", "--progress", "off", "--nesterov", "--warmup-epochs", "1"]
+
+
+def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0):
+    out = tmp_path / f"{name}.npz"
+    r = run_mpi(k, *ARGS, "--save-model", str(out), *extra, timeout=180)
+    assert r.returncode == expect, r.stderr[-3000:]
+    return (np.load(out)["flat"] if expect == 0 else None), r
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, k):
+    b = 48 // k
+    full, _ = final(tmp_path, "full", k, "--batch-size", str(b))
+    ck = str(tmp_path / "ck")
+    # dies mid-epoch 2 (a step not on a checkpoint boundary): the last checkpoint is at step 60
+    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
+          "--fail-at-step", "70", "--fail-rank", str(k - 1), expect=1)
+    assert [p.name for p in list_checkpoints(ck)][0] == "ckpt-000000060.npz"
+    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck,
+                       "--checkpoint-every", "30", "--resume", "auto")
+    assert "resumed from" in r.stdout and "at step 60" in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
+def test_resume_with_other_k_and_same_effective_batch(tmp_path):
+    ck = str(tmp_path / "ck")
+    full, _ = final(tmp_path, "full", 1, "--batch-size", "32")
+    final(tmp_path, "part", 2, "--batch-size", "16", "--checkpoint-dir", ck, "--checkpoint-every", "40",
+          "--fail-at-step", "50", expect=1)
+    resumed, r = final(tmp_path, "resumed", 1, "--batch-size", "32", "--checkpoint-dir", ck, "--resume", "auto")
+    assert "written by k=2 ranks, now k=1" in r.stdout
+    np.testing.assert_allclose(resumed, full, rtol=1e-5, atol=1e-6)  # float32: summation order differs
+
+
+def test_resume_with_other_effective_batch_is_refused(tmp_path):
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1")
+    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--checkpoint-dir", ck, "--resume", "auto", expect=2)
+    assert r.stderr.count("mpisgd: error") == 1 and "effective batch B=32" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_auto_with_empty_dir_starts_fresh(tmp_path):
+    _, r = final(tmp_path, "a", 2, "--checkpoint-dir", str(tmp_path / "none"), "--resume", "auto", "--epochs", "1")
+    assert "no usable checkpoint" in r.stdout
