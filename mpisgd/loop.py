@@ -45,7 +45,7 @@ class Trainer:
                                allreduce=cfg.allreduce, average=cfg.grad_reduction == "mean",
                                bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
                                timeline=self.timeline, deterministic=cfg.deterministic,
-                               compress=cfg.compress, cuda_aware=cfg.cuda_aware)
+                               compress=cfg.compress, cuda_aware=cfg.cuda_aware, watchdog=self._watchdog())
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))
@@ -60,6 +60,13 @@ class Trainer:
         self._resume()
 
     # -- helpers ------------------------------------------------------------------------
+    def _watchdog(self) -> Any:
+        if not self.cfg.stall_timeout:
+            return None
+        from mpisgd.watchdog import Watchdog  # noqa: PLC0415 - starts a thread: only when asked
+
+        return Watchdog(self.world, self.cfg.stall_timeout, self.cfg.stall_abort)
+
     def _agreed(self, fn: Callable[[], T]) -> T:
         """Run a set-up stage on every rank; if it fails anywhere, every rank fails together."""
         error: BaseException | None = None
