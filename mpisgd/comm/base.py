@@ -45,8 +45,18 @@ class Reducer(ABC):
     def allreduce_(self, buf: Array) -> None:
         """buf <- sum over ranks of buf, in place; blocks."""
 
+    def allreduce(self, src: Array, dst: Array) -> None:
+        """dst <- sum over ranks of src (out of place); blocks. The default copies, then reduces in place."""
+        dst[...] = src
+        self.allreduce_(dst)
+
     def start(self, buf: Array) -> Handle:
-        """Non-blocking form; the default runs the blocking one at once."""
+        """Non-blocking form of allreduce_; the default runs the blocking one at once.
+
+        The handle's ``test()`` may advance the operation (MPI progresses only
+        inside MPI calls): call it now and then while computing, ``wait()`` before
+        reading the buffer.
+        """
         self.allreduce_(buf)
         return Done()
 

@@ -47,5 +47,11 @@ class MpiReducer(Reducer):
         if self.size > 1:
             self.comm.Allreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM)
 
+    def allreduce(self, src: Array, dst: Array) -> None:
+        if self.size > 1:
+            self.comm.Allreduce(mpi_buffer(src), mpi_buffer(dst), op=MPI.SUM)
+        else:
+            dst[...] = src
+
     def start(self, buf: Array) -> Handle:
         return _Request(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM))

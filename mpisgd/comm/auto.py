@@ -1,0 +1,44 @@
+"""``auto``: the MPI library's Allreduce below a measured size crossover, our ring above it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpisgd.comm.base import Array, Handle, Reducer
+from mpisgd.comm.mpi import MpiReducer
+from mpisgd.comm.ring import RingReducer
+
+# Measured with benchmarks/allreduce_bw.py at k = 2 on the development machine (docs/allreduce.md):
+# below this MPICH's Allreduce is faster (latency; its shared-memory path), from it on our ring is.
+CROSSOVER_BYTES = 1 << 20
+
+
+class AutoReducer(Reducer):
+    """Per buffer: ``mpi`` when ``nbytes < crossover_bytes``, else ``ring``; one size test of overhead."""
+
+    name = "auto"
+
+    def __init__(self, comm: Any, *, crossover_bytes: int = CROSSOVER_BYTES, ring: RingReducer | None = None) -> None:
+        super().__init__(comm)
+        self.crossover_bytes = crossover_bytes
+        self.mpi = MpiReducer(comm)
+        self.ring = ring or RingReducer(comm)
+
+    def _pick(self, buf: Array) -> Reducer:
+        return self.mpi if buf.nbytes < self.crossover_bytes else self.ring
+
+    def allreduce_(self, buf: Array) -> None:
+        self._pick(buf).allreduce_(buf)
+
+    def allreduce(self, src: Array, dst: Array) -> None:
+        self._pick(dst).allreduce(src, dst)
+
+    def start(self, buf: Array) -> Handle:
+        return self._pick(buf).start(buf)
+
+    def describe(self) -> str:
+        return f"auto (mpi below {self.crossover_bytes >> 10} KiB, else {self.ring.describe()})"
+
+    def close(self) -> None:
+        self.ring.close()
+        self.mpi.close()

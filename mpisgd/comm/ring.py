@@ -1,0 +1,341 @@
+"""Our own ring all-reduce: reduce-scatter then all-gather, segments pipelined with Isend/Irecv.
+
+The buffer is cut into *slices* of ``k * segment`` elements; each slice is split
+into k chunks and all-reduced around the ring in 2(k-1) steps. Up to ``window``
+slices are in their reduce-scatter phase at once, so while one segment is being
+added, the next ones are on the wire, and a segment is sent on as soon as it
+has been reduced (NCCL's pipelining, with MPI point-to-point underneath).
+
+Progress model: :meth:`RingReducer.start` posts the first sends and receives
+and returns a :class:`RingOp`. Its ``test()`` processes every receive that has
+already arrived, never blocking; ``wait()`` blocks until done. MPI moves data
+only inside MPI calls, so an operation that is never tested progresses only in
+``wait()`` (DataParallel tests open handles after every layer's backward).
+
+Summation order. Ring: chunk c is summed along the ring starting at rank c, so
+an element's order depends on where bucket boundaries put it (for k = 2 any
+order gives the same bits, as a + b == b + a). Deterministic mode replaces the
+reduce-scatter by an exchange of raw chunks (each rank receives its chunk from
+every rank, the same volume) followed by a sum in rank order, x0 + x1 + ... +
+x(k-1), for every element whatever the slicing or bucketing; small buffers take
+one MPI Allgather and the same ordered sum, so the bits do not depend on size.
+
+Messages carry a tag derived from (operation, slice, step), so receives may be
+posted in any order and several operations may be in flight on one reducer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpisgd.backend import is_device_array
+from mpisgd.comm.base import Array, Done, Handle, Reducer
+
+SEGMENT_BYTES = 1 << 20  # bytes per chunk per slice: large enough to amortise ~10 us of Python per message
+WINDOW = 4  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
+DET_ALLGATHER_BYTES = 16 << 10  # deterministic mode: below this, one MPI Allgather + ordered sum (latency-bound)
+
+
+def chunk_bounds(n: int, k: int) -> list[int]:
+    """k+1 offsets splitting n elements into k near-equal chunks (the first n % k one longer; some empty if n < k)."""
+    q, rem = divmod(n, k)
+    out = [0]
+    for c in range(k):
+        out.append(out[-1] + q + (1 if c < rem else 0))
+    return out
+
+
+def _bytes(a: Array) -> list[Any]:
+    """A contiguous array as raw bytes for point-to-point: the ring moves any dtype, MPI reduces none."""
+    return [a.view(np.uint8), MPI.BYTE]  # CuPy's view accepts NumPy dtypes too
+
+
+def _flat(buf: Array, what: str) -> Array:
+    if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+        raise ValueError(f"{what} must be a contiguous array (got strides {buf.strides}); pass a copy")
+    return buf.reshape(-1, order="A")
+
+
+class _Tags:
+    """Distinct tags for (operation, slice, step), wrapping far apart within MPI_TAG_UB."""
+
+    def __init__(self, comm: Any, nsteps: int) -> None:
+        ub = comm.Get_attr(MPI.TAG_UB) or 32767
+        self.nsteps = nsteps
+        self.slice_mod = max(1, min(4096, (ub + 1) // (nsteps * 16)))
+        self.op_mod = max(1, (ub + 1) // (nsteps * self.slice_mod))
+        self.seq = 0
+
+    def next_op(self) -> int:
+        self.seq += 1
+        return (self.seq % self.op_mod) * self.slice_mod * self.nsteps
+
+    def tag(self, base: int, i: int, step: int) -> int:
+        return base + (i % self.slice_mod) * self.nsteps + step
+
+
+class RingOp:
+    """One in-flight ring all-reduce of ``src`` into ``dst`` (the same array when in place).
+
+    Work is a FIFO of entries [requests, on_done]; on_done may return an entry
+    that replaces the head (a receive posted once the send it overwrites is complete).
+    """
+
+    def __init__(self, red: RingReducer, src: Array, dst: Array) -> None:
+        self.red = red
+        self.src, self.dst = src, dst
+        self.k, self.r = red.size, red.rank
+        self.left, self.right = (self.r - 1) % self.k, (self.r + 1) % self.k
+        self.xp = red.xp_of(dst)
+        self.sync: Callable[[], None] | None = (
+            self.xp.cuda.get_current_stream().synchronize if is_device_array(dst) else None)
+        n = dst.size
+        self.slice_elems = self.k * max(1, red.segment_bytes // dst.itemsize)
+        self.nslices = -(-n // self.slice_elems)
+        self.window = min(red.window, self.nslices)
+        self.max_chunk = -(-min(n, self.slice_elems) // self.k)
+        self.base = red.tags.next_op()
+        self.pending: deque[list[Any]] = deque()
+        self.sends: list[Any] = []
+        self.first_sends: dict[tuple[int, int], Any] = {}  # (slice, chunk) -> the first send reading that chunk
+        self.next_slice = 0
+        nslots = self.window * (self.k if red.deterministic else 1)
+        self.scratch = red.take_scratch(dst.dtype, nslots * self.max_chunk, self.xp)
+        self.done = False
+        for _ in range(self.window):
+            self._admit()
+
+    # -- geometry ------------------------------------------------------------------------
+    def _chunk(self, arr: Array, i: int, c: int) -> Array:
+        lo = i * self.slice_elems
+        b = chunk_bounds(min(self.slice_elems, arr.size - lo), self.k)
+        return arr[lo + b[c]: lo + b[c + 1]]
+
+    def _slot(self, i: int, j: int = 0) -> Array:
+        """Scratch for slice i (peer j when deterministic), reused by slice i + window."""
+        s = (i % self.window) * (self.k if self.red.deterministic else 1) + j
+        return self.scratch[s * self.max_chunk:(s + 1) * self.max_chunk]
+
+    def _isend(self, a: Array, dest: int, i: int, step: int) -> Any:
+        req = self.red.comm.Isend(_bytes(a), dest, self.red.tags.tag(self.base, i, step))
+        self.sends.append(req)
+        return req
+
+    def _irecv(self, a: Array, source: int, i: int, step: int) -> Any:
+        return self.red.comm.Irecv(_bytes(a), source, self.red.tags.tag(self.base, i, step))
+
+    # -- schedule ------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Start the next slice: its first sends and receives."""
+        i = self.next_slice
+        self.next_slice += 1
+        k, r = self.k, self.r
+        if self.red.deterministic:  # chunk c goes raw to rank c; we receive our chunk from every rank
+            reqs = []
+            for j in range(1, k):
+                peer_in, peer_out = (r - j) % k, (r + j) % k
+                mine = self._chunk(self.dst, i, r)
+                reqs.append(self._irecv(self._slot(i, peer_in)[:mine.size], peer_in, i, 0))
+                self.first_sends[(i, peer_out)] = self._isend(self._chunk(self.src, i, peer_out), peer_out, i, 0)
+            self.pending.append([reqs, lambda: self._det_reduce(i)])
+        else:
+            c = (r - 1) % k
+            recv = self._chunk(self.dst, i, c)
+            req = self._irecv(self._slot(i)[:recv.size], self.left, i, 0)
+            self.first_sends[(i, r)] = self._isend(self._chunk(self.src, i, r), self.right, i, 0)
+            self.pending.append([[req], lambda: self._rs_step(i, 0)])
+
+    def _rs_step(self, i: int, s: int) -> list[Any] | None:
+        """Reduce-scatter step s of slice i has arrived: add it, pass it on."""
+        k, r = self.k, self.r
+        c = (r - s - 1) % k
+        out = self._chunk(self.dst, i, c)
+        self.xp.add(self._chunk(self.src, i, c), self._slot(i)[:out.size], out=out)
+        if self.sync is not None:
+            self.sync()
+        if s + 1 < k - 1:
+            nc = (r - s - 2) % k
+            req = self._irecv(self._slot(i)[:self._chunk(self.dst, i, nc).size], self.left, i, s + 1)
+            self.first_sends[(i, c)] = self._isend(out, self.right, i, s + 1)
+            self.pending.append([[req], lambda: self._rs_step(i, s + 1)])
+        else:  # this rank now owns the reduced chunk (r + 1) % k: start the all-gather
+            self._isend(out, self.right, i, k - 1)
+            self._post_ag(i, 0, owner_shift=1)
+            if self.next_slice < self.nslices:
+                self._admit()
+        return None
+
+    def _det_reduce(self, i: int) -> list[Any] | None:
+        """Every rank's copy of our chunk has arrived: sum it in rank order, then all-gather."""
+        k, r = self.k, self.r
+        out = self._chunk(self.dst, i, r)
+        own = self._chunk(self.src, i, r)
+        parts = [own if j == r else self._slot(i, j)[:out.size] for j in range(k)]
+        if self.src is self.dst and r >= 2:  # out is overwritten by x0 + x1 before our own part is read
+            parts[r] = self._slot(i, r)[:out.size]
+            parts[r][...] = own
+        self.xp.add(parts[0], parts[1], out=out)
+        for j in range(2, k):
+            self.xp.add(out, parts[j], out=out)
+        if self.sync is not None:
+            self.sync()
+        self._isend(out, self.right, i, 1)
+        self._post_ag(i, 0, owner_shift=0)
+        if self.next_slice < self.nslices:
+            self._admit()
+        return None
+
+    def _post_ag(self, i: int, s: int, owner_shift: int) -> None:
+        """Post all-gather receive s of slice i: chunk (r - 1 + owner_shift - s) from the left.
+
+        The receive overwrites a chunk that our first send of it may still be
+        reading: wait for that send first (it has completed in practice, since
+        what arrives depends on it) by queueing a gate before the receive.
+        """
+        k = self.k
+        c = (self.r - 1 + owner_shift - s) % k
+        step = (k - 1 if owner_shift else 1) + s
+        gate = self.first_sends.pop((i, c), None)
+
+        def post() -> list[Any]:
+            req = self._irecv(self._chunk(self.dst, i, c), self.left, i, step)
+            return [[req], lambda: self._ag_step(i, s, owner_shift)]
+
+        if gate is None:
+            self.pending.append(post())
+        else:
+            self.pending.append([[gate], post])
+
+    def _ag_step(self, i: int, s: int, owner_shift: int) -> list[Any] | None:
+        k = self.k
+        if s + 1 < k - 1:  # pass the chunk just received on, receive the next
+            c = (self.r - 1 + owner_shift - s) % k
+            step = (k - 1 if owner_shift else 1) + s + 1
+            self._isend(self._chunk(self.dst, i, c), self.right, i, step)
+            self._post_ag(i, s + 1, owner_shift)
+        return None
+
+    # -- progress ------------------------------------------------------------------------
+    def _advance(self, block: bool) -> bool:
+        while self.pending:
+            head = self.pending[0]
+            if block:
+                MPI.Request.Waitall(head[0])
+            elif not MPI.Request.Testall(head[0]):
+                return False
+            self.pending.popleft()
+            nxt = head[1]()
+            if nxt is not None:
+                self.pending.appendleft(nxt)
+        if block:
+            MPI.Request.Waitall(self.sends)
+        elif not MPI.Request.Testall(self.sends):
+            return False
+        self._finish()
+        return True
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.sends.clear()
+            self.red.give_scratch(self.scratch)
+
+    def test(self) -> bool:
+        return self.done or self._advance(block=False)
+
+    def wait(self) -> None:
+        if not self.done:
+            self._advance(block=True)
+
+
+class _GatherSumOp:
+    """Deterministic small-buffer path: MPI Allgather of whole buffers, then the rank-order sum."""
+
+    def __init__(self, red: RingReducer, src: Array, dst: Array) -> None:
+        xp = red.xp_of(dst)
+        k = red.size
+        gathered = xp.empty((k, dst.size), dtype=dst.dtype)
+        red.comm.Allgather(_bytes(src), _bytes(gathered.reshape(-1)))
+        xp.add(gathered[0], gathered[1], out=dst)
+        for j in range(2, k):
+            xp.add(dst, gathered[j], out=dst)
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class RingReducer(Reducer):
+    """The pipelined ring (or, with ``deterministic``, exchange + rank-order sum + ring all-gather)."""
+
+    name = "ring"
+
+    def __init__(self, comm: Any, *, deterministic: bool = False, segment_bytes: int = SEGMENT_BYTES,
+                 window: int = WINDOW) -> None:
+        if segment_bytes < 1 or window < 1:
+            raise ValueError(f"segment_bytes and window must be >= 1, got {segment_bytes} and {window}")
+        super().__init__(comm.Dup())  # our own tag space: never matches the caller's messages
+        self.deterministic = deterministic
+        self.segment_bytes = segment_bytes
+        self.window = window
+        self.tags = _Tags(self.comm, 2 * self.size)
+        self._free: list[Array] = []  # scratch buffers, reused so pages are touched once
+
+    def describe(self) -> str:
+        det = ", deterministic" if self.deterministic else ""
+        return f"ring (segment {self.segment_bytes >> 10} KiB, window {self.window}{det})"
+
+    @staticmethod
+    def xp_of(a: Array) -> Any:
+        if is_device_array(a):
+            import cupy  # noqa: PLC0415 - only reached with device buffers
+
+            return cupy
+        return np
+
+    def take_scratch(self, dtype: Any, n: int, xp: Any) -> Array:
+        for idx, s in enumerate(self._free):
+            if s.dtype == dtype and s.size >= n and type(s).__module__ == xp.__name__.split(".")[0]:
+                return self._free.pop(idx)[:n]
+        return xp.empty(n, dtype=dtype)
+
+    def give_scratch(self, s: Array) -> None:
+        base = s.base if s.base is not None else s
+        if len(self._free) < 8:
+            self._free.append(base)
+
+    def allreduce_(self, buf: Array) -> None:
+        self.start(buf).wait()
+
+    def allreduce(self, src: Array, dst: Array) -> None:
+        self.start_out(src, dst).wait()
+
+    def start(self, buf: Array) -> Handle:
+        return self.start_out(buf, buf)
+
+    def start_out(self, src: Array, dst: Array) -> Handle:
+        """Begin dst <- sum over ranks of src (src may be dst); returns the progress handle."""
+        inplace = src is dst
+        dst = _flat(dst, "dst")
+        src = dst if inplace else _flat(src, "src")
+        if src.size != dst.size or src.dtype != dst.dtype:
+            raise ValueError(f"src and dst differ: {src.size} {src.dtype} vs {dst.size} {dst.dtype}")
+        if self.size == 1 or dst.size == 0:
+            if src is not dst and dst.size:
+                dst[...] = src
+            return Done()
+        if self.deterministic and dst.nbytes * self.size <= DET_ALLGATHER_BYTES:
+            return _GatherSumOp(self, src, dst)
+        return RingOp(self, src, dst)
+
+    def close(self) -> None:
+        self._free.clear()
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
