@@ -162,8 +162,8 @@ def save_records(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="64,128,256,512,1024,2048,4096,8192,16384",
-                   help="effective batch sizes B (comma-separated)")
+    p.add_argument("--batches", default=None,
+                   help="effective batch sizes B, comma-separated (default 64,...,16384; --quick: 64,256,1024)")
     p.add_argument("--recipes", default=",".join(RECIPES), help="subset of " + ", ".join(RECIPES))
     p.add_argument("--epochs", type=int, default=5, help="epoch budget of every run")
     p.add_argument("--warmup-epochs", type=float, default=1.0, help="warmup of the linear+warmup recipe")
@@ -181,10 +181,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="only rewrite table and plot from the JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.batches, args.epochs, args.warmup_epochs = "64,256,1024", 2, 1.0
+        args.batches = args.batches or "64,256,1024"
+        args.epochs, args.warmup_epochs = 2, 1.0
         args.train = "--dataset synthetic --synthetic-samples 4096 --hidden 32 --limit-test 500"
         if args.out == p.get_default("out"):
             args.out = str(ROOT / "results" / "tmp" / "large_batch_quick")
+    args.batches = args.batches or ",".join(str(2**i) for i in range(6, 15))
     args.batch_list = [int(x) for x in args.batches.split(",")]
     args.recipe_list = args.recipes.split(",")
     bad = [r for r in args.recipe_list if r not in RECIPES]

@@ -1,0 +1,116 @@
+"""The plot CLI (lr schedule, training curves) and the large-batch benchmark's writer and smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ONE_THREAD, ROOT
+
+from mpisgd.plot import main, schedule_for
+
+pytest.importorskip("matplotlib")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def is_png(path: Path) -> bool:
+    return path.exists() and path.read_bytes()[:8] == PNG
+
+
+def test_lr_plot_of_a_training_command(tmp_path):
+    out = tmp_path / "lr.png"
+    argv = ["lr", "--ranks", "2", "--out", str(out), "--batch-size", "512", "--accum-steps", "4",
+            "--warmup-epochs", "1", "--epochs", "5"]
+    assert main(argv) == 0 and is_png(out)
+
+
+def test_lr_schedule_is_the_trainers():
+    from mpisgd.config import parse_config
+
+    cfg = parse_config(["--batch-size", "512", "--accum-steps", "4", "--warmup-epochs", "1", "--epochs", "5"])
+    sched, spe = schedule_for(cfg, ranks=2)
+    assert spe == 60000 // 4096 and sched.total_steps == 5 * spe
+    assert sched.peak_lr == pytest.approx(0.1 * 4096 / 256) and sched.warmup_steps == spe
+
+
+@pytest.mark.parametrize("argv", [["lr", "--warmup-epochs", "9", "--epochs", "2"], ["lr", "--base-batch", "0"],
+                                  ["lr", "--ranks", "0"], ["lr", "--no-such-flag"]])
+def test_lr_plot_bad_input_exits_2(tmp_path, argv, capsys):
+    assert main([*argv, "--out", str(tmp_path / "x.png")]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_curves_from_metrics_files(tmp_path):
+    paths = []
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        p = tmp_path / f"{name}.jsonl"
+        recs = [{"kind": "step", "step": s, "epoch": 1 + s // 10, "lr": 0.1, "loss": scale / s} for s in range(1, 21)]
+        recs += [{"kind": "epoch", "epoch": e, "step": 10 * e, "lr": 0.1, "train_loss": 0.5, "test_acc": 0.8 + e / 100}
+                 for e in (1, 2)]
+        p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        paths.append(str(p))
+    out = tmp_path / "curves.png"
+    assert main(["curves", *paths, "--labels", "a,b", "--out", str(out)]) == 0 and is_png(out)
+    assert main(["curves", *paths, "--labels", "only-one", "--out", str(out)]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["curves", str(empty), "--out", str(out)]) == 2
+
+
+def test_plot_cli_as_module(tmp_path):
+    out = tmp_path / "lr.png"
+    r = subprocess.run([sys.executable, "-m", "mpisgd.plot", "lr", "--out", str(out), "--epochs", "2"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert is_png(out)
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import large_batch
+    finally:
+        sys.path.pop(0)
+    return large_batch
+
+
+def test_split_batch_keeps_micro_batch_bounded():
+    lb = _bench()
+    assert lb.split_batch(64, 2, 512) == (32, 1)
+    assert lb.split_batch(8192, 2, 512) == (512, 8)
+    with pytest.raises(ValueError):
+        lb.split_batch(63, 2, 512)
+
+
+def test_report_writer(tmp_path):
+    lb = _bench()
+    recs = [{"batch": B, "recipe": r, "ranks": 2, "micro_batch": min(B // 2, 512), "accum_steps": max(1, B // 1024),
+             "command": f"cmd {B} {r}", "epochs_budget": 2, "epochs_done": 0 if div else 2,
+             "test_acc": [] if div else [0.8, 0.85], "steps": 10, "diverged": div,
+             "diverged_at_step": 3 if div else None, "wall_s": 1.0}
+            for B in (64, 2048) for r, div in (("none", False), ("linear", B == 2048))]
+    lb.write_report(recs, tmp_path, "test")
+    table = (tmp_path / "large_batch.md").read_text()
+    assert "| 2048 | linear | 2x512x2 | 90.0 | 90.0 | 0/2 | 10 | 1.0 | diverged at step 3 |" in table
+    assert "| 64 | none | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
+    assert is_png(tmp_path / "large_batch.png") and (tmp_path / "large_batch.csv").exists()
+
+
+def test_benchmark_quick_smoke_run(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64,1024",
+                        "--recipes", "none,linear+warmup", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **ONE_THREAD})
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads((tmp_path / "large_batch.json").read_text())
+    assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(64, "none"), (64, "linear+warmup"),
+                                                                  (1024, "none"), (1024, "linear+warmup")}
+    assert all(len(x["test_acc"]) == 2 for x in data["runs"])
+    assert is_png(tmp_path / "large_batch.png")
+    again = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64",
+                            "--recipes", "none", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "skipped" in again.stdout  # finished points are not rerun
