@@ -1,0 +1,116 @@
+"""Training throughput and weak-scaling efficiency, measured side by side.
+
+    python benchmarks/train_throughput.py [--ks 1,2] [--repeats 3] [--compare] [--json PATH] [-- TRAIN OPTIONS]
+
+Each launch is `mpiexec -n k python -m mpisgd.train --epochs 2 ...`; its
+second epoch (the first is the warm-up) gives samples/s over the training steps
+only, and the per-step split (forward, backward, exposed communication, total
+communication, optimizer). Launches are interleaved (k=1, k=2, k=1, ...) so
+that machine noise hits every configuration alike; the table shows medians.
+Efficiency = samples/s(k) / (k * samples/s(1)), same per-rank batch.
+`--compare` adds, interleaved too, the plain NumPy loop on 1 and 2 BLAS
+threads and, when torch is importable, PyTorch DDP (gloo) at the largest k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+       "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
+SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
+
+
+def mpiexec(k: int) -> list[str]:
+    exe = shutil.which("mpiexec") or "mpiexec"
+    return [exe, "-n", str(k), sys.executable]
+
+
+def run_mpisgd(k: int, train_args: list[str], tmp: str) -> dict:
+    metrics = os.path.join(tmp, f"m{k}.jsonl")
+    if os.path.exists(metrics):
+        os.unlink(metrics)
+    cmd = mpiexec(k) + ["-m", "mpisgd.train", "--epochs", "2", "--progress", "off", "--metrics-file", metrics,
+                        *train_args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900)
+    if r.returncode:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
+    last = epochs[-1]
+    return {"impl": f"mpisgd k={k}", "k": k, "samples_per_s": last["samples_per_s"],
+            **{key: last[key] for key in SPLIT}}
+
+
+def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str) -> dict | None:
+    cmd = (mpiexec(k) if impl == "torch-ddp" else [sys.executable]) + [
+        str(ROOT / "benchmarks" / "baselines.py"), impl, "--threads", str(threads), "--hidden", hidden,
+        "--batch-size", batch]
+    env = {**ENV, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode:
+        print(f"# {impl} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def option(train_args: list[str], flag: str, default: str) -> str:
+    return train_args[train_args.index(flag) + 1] if flag in train_args else default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ks", default="1,2", help="rank counts, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
+    parser.add_argument("--json", help="write all launches and the summary here")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
+    args = parser.parse_args()
+    train_args = [a for a in args.train_args if a != "--"]
+    ks = [int(k) for k in args.ks.split(",")]
+    hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
+    have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
+    jobs = [("mpisgd", k, 1) for k in ks]
+    if args.compare:
+        jobs += [("numpy", 1, 1), ("numpy", 1, 2)]
+        if have_torch:
+            jobs.append(("torch-ddp", max(ks), 1))
+        else:
+            print("# torch not importable: PyTorch DDP skipped (pip install torch==2.13.0)")
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for impl, k, threads in jobs:
+                res = run_mpisgd(k, train_args, tmp) if impl == "mpisgd" else \
+                    run_baseline(impl, k, threads, hidden, batch)
+                if res:
+                    runs.setdefault(res["impl"], []).append(res)
+                    print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s", flush=True)
+    summary = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("impl",)}
+               for name, rs in runs.items()}
+    base = summary.get("mpisgd k=1", {}).get("samples_per_s")
+    print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
+          f"rank unless noted; medians of {args.repeats} interleaved launches; extra args: {' '.join(train_args)}")
+    print(f"{'implementation':<22}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
+          f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}")
+    for name, s in summary.items():
+        eff = s["samples_per_s"] / (s["k"] * base) if base and name.startswith("mpisgd") else float("nan")
+        cols = "".join(f"{s.get(key, float('nan')):>{w}.2f}" for key, w in zip(SPLIT, (8, 8, 9, 9, 8, 9)))
+        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}")
+        s["efficiency"] = eff
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "train_args": train_args,
+                                               "repeats": args.repeats}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
