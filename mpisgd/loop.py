@@ -250,7 +250,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         t = self.dp.times
         local = np.array([float(loss_sum), steps, t.comm_exposed, t.comm_total, t.forward, t.backward,
-                          t.optimizer])
+                          t.optimizer, t.bytes_reduced])
         total = np.zeros_like(local)
         from mpi4py import MPI  # noqa: PLC0415
 
@@ -258,6 +258,8 @@ class Trainer:
         mean = total / self.k
         test_acc = self.evaluate()
         step_time = train_time / max(1, steps)
+        # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
+        algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
             "lr": self.schedule(max(0, self.global_step - 1)),
@@ -269,6 +271,7 @@ class Trainer:
             "optimizer_ms": 1e3 * mean[6] / max(1, steps), "step_ms": 1e3 * step_time,
             "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
             "world_size": self.k, "effective_batch": self.B,
+            "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (self.k - 1) / self.k,
         }
         self.history.append(record)
         self.metrics.write(record)
