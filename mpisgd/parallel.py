@@ -158,10 +158,19 @@ class DataParallel:
     # -- start identical, check identical -------------------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
         """Every rank takes ``root``'s parameters (and momentum, if any)."""
-        self._sync()
-        self.comm.Bcast(self.flat.params, root=root)
+        self._bcast_(self.flat.params, root)
         if self.optimizer.velocity is not None:
-            self.comm.Bcast(self.optimizer.velocity, root=root)
+            self._bcast_(self.optimizer.velocity, root)
+
+    def _bcast_(self, arr: Any, root: int) -> None:
+        """Broadcast in place; device arrays go through the host (start-up only, so no CUDA-aware MPI needed)."""
+        if self.backend is not None and self.backend.is_gpu:
+            self._sync()
+            host = to_numpy(arr)
+            self.comm.Bcast(host, root=root)
+            arr.set(host)
+        else:
+            self.comm.Bcast(arr, root=root)
 
     def replica_checksums(self) -> list[str]:
         """Every rank's parameter digest (collective)."""

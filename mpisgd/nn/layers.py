@@ -251,8 +251,9 @@ class MaxPool2d(Layer):
         n, c, h, w = self._xshape
         k = self.k
         ho, wo = h // k, w // k
-        dwin = xp.zeros((n, c, ho, wo, k * k), dtype=dy.dtype)
-        xp.put_along_axis(dwin, self._arg[..., None], dy[..., None], axis=-1)
+        dwin = xp.zeros((n * c * ho * wo, k * k), dtype=dy.dtype)
+        # scatter each output gradient to its window's arg-max (plain fancy indexing: NumPy and CuPy alike)
+        dwin[xp.arange(dwin.shape[0]), self._arg.reshape(-1)] = dy.reshape(-1)
         dx = self._buf("dx", self._xshape, dy)
         dx.fill(0)
         dx[:, :, :ho * k, :wo * k] = dwin.reshape(n, c, ho, wo, k, k).transpose(0, 1, 2, 4, 3, 5).reshape(
