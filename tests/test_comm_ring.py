@@ -1,0 +1,216 @@
+"""Our ring all-reduce against MPI_Allreduce, under mpiexec (scripts/test.sh runs -n 2 and -n 3;
+test_comm_misc.py runs these at k = 4).
+
+Size-agnostic: rank r contributes values derived from r, the expected sum is
+computed on every rank, every collective is reached by all ranks, results are
+gathered, and only then asserted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from mpisgd.comm import AutoReducer, MpiReducer, RingReducer, create_reducer
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
+LENGTHS = [1, 2, 3, 5, 7, 64, 1001, 4099]  # odd, below k, one element per rank, several slices
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def local_values(n: int, dtype: str, rank: int) -> np.ndarray:
+    """Small integers: sums are exact in every dtype, so any difference is a bug, not rounding."""
+    return ((np.arange(n) * 7 + 3 * rank + 1) % 11).astype(dtype)
+
+
+def oracle(comm, x: np.ndarray) -> np.ndarray:
+    y = x.copy()
+    MpiReducer(comm).allreduce_(y)
+    return y
+
+
+def all_ok(comm, failures: list) -> list:
+    """Every rank's failures (collective), so each rank asserts on the whole picture."""
+    return [f for per_rank in comm.allgather(failures) for f in per_rank]
+
+
+@pytest.mark.parametrize("segment_bytes,window", [(1 << 20, 4), (8, 2), (24, 1)])
+def test_ring_equals_mpi_allreduce_bitwise_every_dtype_and_length(segment_bytes, window):
+    comm = world()
+    red = RingReducer(comm, segment_bytes=segment_bytes, window=window)
+    failures = []
+    lengths = LENGTHS if segment_bytes > 1024 else LENGTHS[:-1]  # tiny segments: thousands of messages
+    for dtype in DTYPES:
+        for n in lengths:
+            x = local_values(n, dtype, comm.Get_rank())
+            want = oracle(comm, x)
+            inplace = x.copy()
+            red.allreduce_(inplace)
+            out = np.full_like(x, 99)
+            red.allreduce(x, out)
+            if not np.array_equal(inplace, want):
+                failures.append(("in-place", dtype, n))
+            if not np.array_equal(out, want):
+                failures.append(("out-of-place", dtype, n))
+            if not np.array_equal(x, local_values(n, dtype, comm.Get_rank())):
+                failures.append(("out-of-place modified its input", dtype, n))
+    red.close()
+    assert all_ok(comm, failures) == []
+
+
+def test_ring_random_floats_within_rounding_of_the_exact_sum():
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = RingReducer(comm, segment_bytes=256)
+    everyone = np.random.default_rng(1).standard_normal((k, 10_007))
+    exact = everyone.sum(axis=0)
+    errors = {}
+    for dtype, tol in (("float32", 1e-5), ("float64", 1e-13)):
+        x = everyone[rank].astype(dtype)
+        red.allreduce_(x)
+        errors[dtype] = float(np.max(np.abs(x - exact)) / np.max(np.abs(exact))) / tol
+    red.close()
+    worst = max(max(e.values()) for e in comm.allgather(errors))
+    assert worst <= 1.0, f"relative error / tolerance = {worst}"
+
+
+def test_nonblocking_ops_in_flight_together_advance_by_test_and_finish_by_wait():
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = RingReducer(comm, segment_bytes=64, window=2)
+    bufs = [np.full(n, rank + 1, dtype="int64") for n in (3, 500, 20_000, 1)]
+    handles = [red.start(b) for b in bufs]
+    for _ in range(5):  # the way DataParallel polls after each layer
+        for h in handles:
+            h.test()
+    for h in handles:
+        h.wait()
+    done = all(h.test() for h in handles)
+    ok = [bool((b == k * (k + 1) // 2).all()) for b in bufs]
+    red.close()
+    assert all(all(o) for o in comm.allgather(ok))
+    assert done
+
+
+def test_many_random_lengths_against_mpi():
+    comm = world()
+    red = RingReducer(comm, segment_bytes=40, window=3)
+    lengths = np.random.default_rng(7).integers(0, 3000, size=25)  # same on every rank
+    failures = []
+    for n in lengths:
+        x = local_values(int(n), "int32", comm.Get_rank())
+        want = oracle(comm, x)
+        red.allreduce_(x)
+        if not np.array_equal(x, want):
+            failures.append(int(n))
+    red.close()
+    assert all_ok(comm, failures) == []
+
+
+def rank_order_sum(comm, x: np.ndarray) -> np.ndarray:
+    """x0 + x1 + ... + x(k-1), elementwise, in this dtype: the deterministic mode's definition."""
+    parts = comm.allgather(x)
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_deterministic_bitwise_equal_across_bucket_and_segment_sizes(dtype):
+    comm = world()
+    rank = comm.Get_rank()
+    rng = np.random.default_rng(100 + rank)
+    x = (rng.standard_normal(6007) * 10.0 ** rng.integers(-3, 3, size=6007)).astype(dtype)
+    want = rank_order_sum(comm, x)
+    results = []
+    for segment_bytes, window, bucket in ((1 << 20, 4, None), (64, 2, 997), (256, 3, 4096), (40, 1, 13),
+                                          (1 << 20, 4, 5)):
+        red = RingReducer(comm, deterministic=True, segment_bytes=segment_bytes, window=window)
+        y = x.copy()
+        cuts = [0, y.size] if bucket is None else list(range(0, y.size, bucket)) + [y.size]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            red.allreduce_(y[a:b])
+        red.close()
+        results.append(y)
+    digests = [r.tobytes() for r in results]
+    same_as_def = [np.array_equal(r.view(np.uint8), want.view(np.uint8)) for r in results]
+    everyone = comm.allgather((len(set(digests)), same_as_def, hashlib.sha256(digests[0]).hexdigest()))
+    assert all(n == 1 for n, _, _ in everyone), "results differ between bucketings"
+    assert all(all(s) for _, s, _ in everyone), "not the rank-order sum"
+    assert len({h for _, _, h in everyone}) == 1, "ranks disagree"
+
+
+def test_deterministic_small_and_large_paths_give_the_same_bits():
+    """Below DET_ALLGATHER_BYTES one Allgather, above it the exchange: the order, hence the bits, agree."""
+    comm = world()
+    x = np.random.default_rng(5 + comm.Get_rank()).standard_normal(20_000).astype("float32")
+    red = RingReducer(comm, deterministic=True)
+    whole = x.copy()
+    red.allreduce_(whole)
+    tiny = x.copy()
+    for a in range(0, x.size, 50):  # 200-byte buckets: the Allgather path
+        red.allreduce_(tiny[a:a + 50])
+    red.close()
+    same = comm.allgather(bool(np.array_equal(whole.view(np.uint32), tiny.view(np.uint32))))
+    assert all(same)
+
+
+def test_fp16_compression_error_is_bounded_and_nonzero():
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    everyone = np.random.default_rng(3).standard_normal((k, 50_000)).astype("float32")
+    exact = everyone.astype("float64").sum(axis=0)
+    bound = 2.0 ** -11 * (2 * k) * np.abs(everyone).astype("float64").sum(axis=0) + 1e-7
+    stats = {}
+    for name in ("ring", "mpi", "auto"):
+        red = create_reducer(name, comm, compress="fp16")
+        x = everyone[rank].copy()
+        red.allreduce_(x)
+        red.close()
+        err = np.abs(x.astype("float64") - exact)
+        stats[name] = (x.dtype == np.float32, float(np.max(err / bound)), float(np.max(err)))
+    everywhere = comm.allgather(stats)
+    for s in everywhere:
+        for name, (kept_dtype, worst, max_err) in s.items():
+            assert kept_dtype, name
+            assert worst <= 1.0, f"{name}: fp16 error {worst:.2f} x the bound"
+            assert max_err > 1e-6, f"{name}: no rounding at all, so nothing was compressed"
+
+
+def test_auto_is_right_on_both_sides_of_its_crossover():
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = AutoReducer(comm, crossover_bytes=1024)
+    ok = []
+    for n in (1, 255, 256, 10_000):
+        x = np.full(n, rank + 1, dtype="float32")
+        red.allreduce_(x)
+        h = red.start(y := np.full(n, rank, dtype="int32"))
+        h.wait()
+        ok.append(bool((x == k * (k + 1) / 2).all() and (y == k * (k - 1) // 2).all()))
+    red.close()
+    assert all(all(o) for o in comm.allgather(ok))
+
+
+@pytest.mark.parametrize("name", ["auto", "mpi", "ring", "hierarchical"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_every_cpu_strategy_by_name(name, deterministic):
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = create_reducer(name, comm, deterministic=deterministic)
+    desc = red.describe()
+    x = np.arange(3001, dtype="float64") + rank
+    red.allreduce_(x)
+    red.close()
+    want = k * np.arange(3001) + k * (k - 1) / 2
+    assert all(comm.allgather(bool(np.array_equal(x, want)))), desc
