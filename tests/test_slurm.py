@@ -25,6 +25,7 @@ import pytest
 from conftest import ONE_THREAD, ROOT
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
+SHM = Path("/dev/shm")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 
@@ -92,7 +93,8 @@ SlurmdUser=root
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
-AuthInfo=socket={d}/munge/munge.socket
+# cred_expire: how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket={d}/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
@@ -114,6 +116,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
+KillWait=5
+# MPICH names its /dev/shm segment after <job id>.<step id> under srun, and killed jobs leave theirs
+# behind: job ids that start where the last test's did would attach to those (see docs/slurm.md)
+FirstJobId={secrets.randbelow(10**8) + 10**6}
 NodeName={host} CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -131,6 +137,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     conf = _write_config(d, host)
     env = {**os.environ, **ONE_THREAD, "SLURM_CONF": str(conf), "PYTHONPATH": str(ROOT)}
     c = Cluster(d, host, env)
+    shm_before = set(SHM.glob("mpich_*"))
 
     def start(name: str, *cmd: str) -> None:
         log = open(d / f"{name}.out", "w")  # noqa: SIM115 - closed with the process
@@ -160,6 +167,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+        _remove_orphaned_shm(shm_before)
+
+
+def _remove_orphaned_shm(before: set[Path]) -> None:
+    """Delete the MPICH segments that appeared during the test and that no process maps any more."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:
+            continue  # the process ended, or is not ours to read
+    for f in set(SHM.glob("mpich_*")) - before:
+        try:
+            if str(f) not in mapped and time.time() - f.stat().st_mtime > 5:
+                f.unlink()
+        except OSError:
+            pass
 
 
 def _wait_for(pred, timeout_s: float, what: str, c: Cluster) -> None:  # noqa: ANN001
@@ -178,11 +202,12 @@ def _wait_for(pred, timeout_s: float, what: str, c: Cluster) -> None:  # noqa: A
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}\n{c.logs()}")
 
 
-def _submit(c: Cluster, work: Path, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 240) -> tuple[subprocess.CompletedProcess, int, str]:
-    """sbatch --wait the project's CPU script; returns (sbatch result, job id, Slurm's output file)."""
-    r = subprocess.run(["sbatch", "--wait", f"--chdir={work}", "--output=job-%j.out",
-                        str(ROOT / "scripts" / "slurm" / "train_cpu.sbatch"), *args],
+def _submit(c: Cluster, work: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
+            script: str = "train_cpu.sbatch", sbatch: tuple[str, ...] = ()
+            ) -> tuple[subprocess.CompletedProcess, int, str]:
+    """sbatch --wait one of the project's scripts; returns (sbatch result, job id, Slurm's output file)."""
+    r = subprocess.run(["sbatch", "--wait", f"--chdir={work}", "--output=job-%j.out", *sbatch,
+                        str(ROOT / "scripts" / "slurm" / script), *args],
                        capture_output=True, text=True, timeout=timeout, env={**c.env, **(env or {})})
     m = re.search(r"Submitted batch job (\d+)", r.stdout)
     assert m, f"sbatch did not submit: {r.stdout}\n{r.stderr}\n{c.logs()}"
@@ -231,3 +256,58 @@ def test_failing_job_is_reported_failed(cluster: Cluster, tmp_path: Path) -> Non
     assert r.returncode != 0 and state == "FAILED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"
     assert "mpisgd: rank 1 of 2 failed" in out and "injected failure at step 3" in out, out
     assert elapsed < 120, f"the failed job took {elapsed:.0f} s to end"
+
+
+def test_allreduce_bw_sbatch(cluster: Cluster, tmp_path: Path) -> None:
+    """The benchmark script on one node, two ranks, small sizes: a verified table, JSON rows."""
+    if not (ROOT / "benchmarks" / "allreduce_bw.py").exists():
+        pytest.skip("benchmarks/allreduce_bw.py is not in this checkout")
+    run_dir = tmp_path / "run"
+    r, job, out = _submit(cluster, tmp_path, "--max-bytes", "64K", "--iters", "5", "--backends", "mpi",
+                          script="allreduce_bw.sbatch", sbatch=("--nodes=1", "--ntasks-per-node=2"),
+                          env={"RUN_DIR": str(run_dir), "MPISGD_HOME": str(ROOT)})
+    state, code = _job_state(cluster, job)
+    assert r.returncode == 0 and state == "COMPLETED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"
+    rows = [json.loads(line) for line in (run_dir / "allreduce_bw.json").read_text().splitlines() if line.strip()]
+    assert rows, out
+    assert "allreduce_bw: exit status 0" in out
+
+
+def _wait_job(c: Cluster, job: int, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = _job_state(c, job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(0.5)
+    pytest.fail(f"job {job} did not end within {timeout_s} s (state {_job_state(c, job)})\n{c.logs()}")
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_requeued_job_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    """Requeue a running job once it has a checkpoint: the second attempt resumes from it and finishes."""
+    run_dir = tmp_path / "run"
+    env = {**cluster.env, "RUN_DIR": str(run_dir)}
+    r = subprocess.run(["sbatch", f"--chdir={tmp_path}", "--output=job-%j.out",
+                        str(ROOT / "scripts" / "slurm" / "train_cpu.sbatch"),
+                        "--epochs", "2", "--limit-train", "12000", "--limit-test", "2000", "--batch-size", "64",
+                        "--hidden", "256,128", "--checkpoint-every", "20"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    m = re.search(r"Submitted batch job (\d+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    job = int(m.group(1))
+    out = tmp_path / f"job-{job}.out"
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "ckpt").glob("*.npz")):
+        assert time.monotonic() < deadline, f"no checkpoint after 120 s\n{out.read_text() if out.exists() else ''}"
+        assert _job_state(cluster, job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), out.read_text()
+        time.sleep(0.1)
+    rq = cluster.run("scontrol", "requeue", str(job))
+    assert rq.returncode == 0, rq.stderr
+    state = _wait_job(cluster, job, 240)
+    text = out.read_text()
+    assert state == "COMPLETED", f"{state}\n{text}"
+    assert "attempt 1" in text and "attempt 2" in text, text
+    resumed = re.search(r"resumed from \S+ at step (\d+)", text)
+    assert resumed and int(resumed.group(1)) >= 20, text
+    assert "final test accuracy" in text.split("attempt 2")[1], text
