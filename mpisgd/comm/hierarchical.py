@@ -69,9 +69,9 @@ class HierarchicalReducer(Reducer):
 
     def __init__(self, comm: Any, *, color: int | None = None, node_comm: Any = None,
                  deterministic: bool = False) -> None:
-        super().__init__(comm.Dup())
         if color is not None and node_comm is not None:
             raise ValueError("pass either color or node_comm, not both")
+        super().__init__(comm.Dup())
         if node_comm is not None:
             self.node = node_comm.Dup()
         elif color is not None:
