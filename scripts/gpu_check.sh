@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On a GPU machine: the GPU tests of the communication engine, then the all-reduce
+# bandwidth benchmark for each GPU backend (nccl; MPI staged and, if CUDA-aware, direct).
+#   bash scripts/gpu_check.sh            # results in results/allreduce/gpu-*
+#   MAX_BYTES=64M bash scripts/gpu_check.sh
+# NCCL needs one GPU per rank, so ranks = number of GPUs (1 on a single-GPU machine:
+# the benchmark then measures the local path only). Exit status: non-zero if anything failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+MAX_BYTES=${MAX_BYTES:-256M}
+OUT=${OUT:-results/allreduce}
+mkdir -p "$OUT" results/tmp
+
+if ! python -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null; then
+  echo "gpu_check: no CuPy or no CUDA device here; install cupy-cuda12x (pip) on a GPU machine" >&2
+  exit 2
+fi
+ngpu=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+echo "gpu_check: $ngpu GPU(s); $(python -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
+
+status=0
+step() {  # step NAME CMD...
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@"; local rc=$?
+  echo "=== $name: exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+for n in $(printf "%s\n" 1 "$ngpu" | sort -un); do
+  step "gpu tests n=$n" timeout 1200 mpiexec -n "$n" python -m pytest tests/test_comm_gpu.py -q -rs \
+      -p no:cacheprovider --with-mpi --only-mpi
+done
+
+direct=$(python -c "
+from mpi4py import MPI
+from mpisgd.comm.cuda import probe_cuda_aware
+print('direct' if probe_cuda_aware(MPI.COMM_SELF)[0] else 'staged')")
+echo "gpu_check: CUDA-aware probe says: $direct"
+modes="staged"; [ "$direct" = direct ] && modes="staged direct"
+
+step "bandwidth nccl" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py --device gpu \
+    --backends nccl --max-bytes "$MAX_BYTES" --json "$OUT/gpu-nccl.jsonl" --plot "$OUT/gpu-nccl.png"
+for mode in $modes; do
+  step "bandwidth mpi/ring/auto $mode" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py \
+      --device gpu --cuda-aware "$mode" --backends mpi,ring,auto --max-bytes "$MAX_BYTES" \
+      --json "$OUT/gpu-$mode.jsonl" --plot "$OUT/gpu-$mode.png"
+done
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)"
+exit $status
