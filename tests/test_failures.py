@@ -1,0 +1,197 @@
+"""Failure cases of the training CLI under real mpiexec: every one must end the job, promptly and clearly.
+
+Each test tags its ranks with an environment variable, so it can find their
+process ids in /proc (to kill or stop one) and check that none is left behind.
+docs/failures.md records what each case prints, its exit code and time to exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ONE_THREAD, mpiexec_cmd, run_mpi
+
+SYNTH = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32",
+         "--progress", "off")
+PROMPT_S = 30  # "within seconds": generous for a loaded CI machine, far below any collective timeout
+
+
+@pytest.fixture(autouse=True)
+def _serial_only(request: pytest.FixtureRequest) -> None:
+    """These tests launch their own mpiexec: never once per rank under mpiexec."""
+    if request.config.getoption("--with-mpi", default=False):
+        pytest.skip("launches its own mpiexec: serial runs only")
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    """A marker in the ranks' environment; any rank still alive at the end is killed (and fails the test)."""
+    t = uuid.uuid4().hex
+    yield t
+    for pid in rank_pids(t).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def rank_pids(tag: str) -> dict[int, int]:
+    """{rank: pid} of the live training processes carrying ``tag`` (MPICH's PMI_RANK or Open MPI's)."""
+    found: dict[int, int] = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            raw = environ.read_bytes()
+            if f"MPISGD_TEST_TAG={tag}".encode() not in raw:
+                continue
+            env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+            argv = Path(environ.parent, "cmdline").read_bytes().split(b"\0")
+            state = Path(environ.parent, "stat").read_text().split(") ")[1][0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
+        if rank is not None and b"mpisgd.train" in argv and state != "Z" and b"mpiexec" not in argv[0]:
+            found[int(rank)] = int(environ.parent.name)
+    return found
+
+
+def launch(k: int, tag: str, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = run_mpi(k, *args, timeout=timeout, env={"MPISGD_TEST_TAG": tag})
+    return r, time.monotonic() - t0
+
+
+def assert_no_rank_left(tag: str) -> None:
+    deadline = time.monotonic() + 5
+    while rank_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not rank_pids(tag), f"ranks still running after mpiexec returned: {rank_pids(tag)}"
+
+
+# -- an exception on one rank ----------------------------------------------------------------
+@pytest.mark.parametrize("k", [2, 3])
+def test_exception_on_one_rank_ends_the_job(k: int, tag: str) -> None:
+    r, elapsed = launch(k, tag, *SYNTH, "--fail-at-step", "5", "--fail-rank", "1")
+    assert r.returncode != 0
+    assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
+    assert f"mpisgd: rank 1 of {k} failed" in r.stderr, r.stderr
+    assert "RuntimeError: injected failure at step 5" in r.stderr, r.stderr
+    assert "final test accuracy" not in r.stdout
+    assert_no_rank_left(tag)
+
+
+# -- bad input: one line from rank 0, exit 2 everywhere ----------------------------------------
+@pytest.mark.parametrize(("args", "says"), [
+    (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
+    (("--lr", "-1"), "--lr must be > 0"),
+    (("--model", "foo"), "invalid choice: 'foo'"),
+    (("--epochs", "x"), "invalid int value: 'x'"),
+    (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
+    (("--dataset", "fashion-mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
+    (("--limit-train", "10", "--batch-size", "64"), "fewer than one global batch"),
+    (("--resume", "/nonexistent/ckpt.npz"), "not a usable checkpoint"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str, tag: str) -> None:
+    r, elapsed = launch(3, tag, *SYNTH, "--max-steps", "3", *args)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in (r.stderr + r.stdout).splitlines() if "mpisgd: error" in line]
+    assert len(lines) == 1 and says in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert elapsed < PROMPT_S
+    assert_no_rank_left(tag)
+
+
+def test_configuration_mismatch_names_the_odd_rank(tag: str) -> None:
+    """MPMD launch: rank 2 was given another model; every rank refuses to start."""
+    cmd = mpiexec_cmd(2, *SYNTH, "--max-steps", "3")
+    odd = mpiexec_cmd(1, *SYNTH, "--max-steps", "3", "--hidden", "64")[1:]  # "-n 1 python ..."
+    env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
+    r = subprocess.run([*cmd, ":", *odd], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("mpisgd: error") == 1 and "differs on rank(s) [2]" in r.stderr, r.stderr
+    assert_no_rank_left(tag)
+
+
+# -- a rank that disappears or stops ---------------------------------------------------------
+def _start_long_run(k: int, tag: str, tmp_path: Path, *args: str) -> subprocess.Popen:
+    metrics = tmp_path / "metrics.jsonl"
+    env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
+    p = subprocess.Popen(mpiexec_cmd(k, *SYNTH, "--epochs", "10000", "--metrics-file", str(metrics), *args),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.read_text().count('"step"') >= 3 and len(rank_pids(tag)) == k):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            out, err = p.communicate(timeout=30)
+            pytest.fail(f"training did not get going (exit {p.returncode}):\n{out}\n{err}")
+        time.sleep(0.1)
+    return p
+
+
+def _wait_end(p: subprocess.Popen, limit_s: float = 90) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, err = p.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate(timeout=30)
+        pytest.fail(f"the job hung: still running {limit_s} s after the rank went away\n{err[-2000:]}")
+    return out, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_killed_rank_ends_the_job(k: int, tag: str, tmp_path: Path) -> None:
+    p = _start_long_run(k, tag, tmp_path)
+    os.kill(rank_pids(tag)[1], signal.SIGKILL)
+    out, err, elapsed = _wait_end(p)
+    assert p.returncode != 0
+    assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
+    if "BAD TERMINATION" in out + err:  # MPICH's hydra: names the pid and the signal, exits with its number
+        assert "Killed (signal 9)" in out + err
+    assert_no_rank_left(tag)
+
+
+def test_stopped_rank_is_reported_and_aborted_by_the_watchdog(tag: str, tmp_path: Path) -> None:
+    """SIGSTOP leaves the rank alive but silent: without the watchdog the others would wait forever."""
+    p = _start_long_run(3, tag, tmp_path, "--stall-timeout", "2", "--stall-abort")
+    stopped = rank_pids(tag)[1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        out, err, elapsed = _wait_end(p)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert p.returncode != 0
+    assert "mpisgd: stall:" in err and "waited" in err, err[-2000:]
+    assert "aborts the job (--stall-abort)" in err, err[-2000:]
+    assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
+    assert_no_rank_left(tag)
+
+
+# -- non-finite gradients --------------------------------------------------------------------
+def test_non_finite_gradient_stops_every_rank(tag: str) -> None:
+    r, elapsed = launch(2, tag, *SYNTH, "--max-steps", "20", "--lr", "1e30", "--on-nan", "stop")
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mpisgd: error")]
+    assert len(errors) == 1 and "non-finite gradient" in errors[0] and "--on-nan skip" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert elapsed < PROMPT_S
+    assert_no_rank_left(tag)
+
+
+def test_non_finite_gradient_skip_counts_the_skipped_steps(tag: str, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--lr", "1e30", "--on-nan", "skip",
+                  "--metrics-file", str(metrics))
+    assert r.returncode == 0, r.stderr
+    epochs = [rec for rec in map(json.loads, metrics.read_text().splitlines()) if rec["kind"] == "epoch"]
+    assert epochs and epochs[-1]["skipped_steps"] > 0, epochs
