@@ -185,7 +185,7 @@ class Watchdog:
                 return None
             self._reported = newest
             return (f"mpisgd: stall: {what} waited {now - self._t_enter:.1f} s; all ranks {reached} reached it, "
-                    "it has not finished (stuck inside the collective: network or MPI progress)")
+                    "it has not finished (a rank stopped or lost inside it, the network, or MPI progress)")
 
     def _abort(self) -> None:
         _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
