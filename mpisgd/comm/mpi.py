@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -10,16 +11,20 @@ from mpi4py import MPI
 from mpisgd.comm.base import Array, Handle, Reducer
 
 
+@functools.lru_cache(maxsize=64)  # on the latency path of every small all-reduce
+def _datatype_of(dtype: np.dtype) -> MPI.Datatype:
+    try:
+        return MPI.Datatype.fromcode(dtype.char)
+    except (KeyError, ValueError):
+        raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+
+
 def mpi_datatype(dtype: Any) -> MPI.Datatype:
     """The *predefined* MPI datatype of a NumPy dtype (reductions are defined only on those).
 
     mpi4py.util.dtlib builds a derived (duplicated) type, on which MPICH refuses MPI_SUM.
     """
-    dtype = np.dtype(dtype)
-    try:
-        return MPI.Datatype.fromcode(dtype.char)
-    except (KeyError, ValueError):
-        raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+    return _datatype_of(np.dtype(dtype))
 
 
 def mpi_buffer(buf: Array) -> list[Any]:

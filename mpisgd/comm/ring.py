@@ -36,7 +36,9 @@ from mpi4py import MPI
 from mpisgd.backend import is_device_array
 from mpisgd.comm.base import Array, Done, Handle, Reducer
 
-SEGMENT_BYTES = 1 << 20  # bytes per chunk per slice: large enough to amortise ~10 us of Python per message
+SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
+MIN_SEGMENT_BYTES = 128 << 10  # ... but smaller for mid-size buffers, so that they still pipeline
+PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 4  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 DET_ALLGATHER_BYTES = 16 << 10  # deterministic mode: below this, one MPI Allgather + ordered sum (latency-bound)
 
@@ -95,7 +97,8 @@ class RingOp:
         self.sync: Callable[[], None] | None = (
             self.xp.cuda.get_current_stream().synchronize if is_device_array(dst) else None)
         n = dst.size
-        self.slice_elems = self.k * max(1, red.segment_bytes // dst.itemsize)
+        seg = min(red.segment_bytes, max(red.min_segment_bytes, -(-dst.nbytes // (self.k * PIPELINE_SLICES))))
+        self.slice_elems = self.k * max(1, seg // dst.itemsize)
         self.nslices = -(-n // self.slice_elems)
         self.window = min(red.window, self.nslices)
         self.max_chunk = -(-min(n, self.slice_elems) // self.k)
@@ -284,13 +287,15 @@ class RingReducer(Reducer):
         super().__init__(comm.Dup())  # our own tag space: never matches the caller's messages
         self.deterministic = deterministic
         self.segment_bytes = segment_bytes
+        self.min_segment_bytes = min(segment_bytes, MIN_SEGMENT_BYTES)
         self.window = window
         self.tags = _Tags(self.comm, 2 * self.size)
         self._free: list[Array] = []  # scratch buffers, reused so pages are touched once
 
     def describe(self) -> str:
         det = ", deterministic" if self.deterministic else ""
-        return f"ring (segment {self.segment_bytes >> 10} KiB, window {self.window}{det})"
+        seg = f"{self.min_segment_bytes >> 10}-{self.segment_bytes >> 10} KiB"
+        return f"ring (segments of {seg}, window {self.window}{det})"
 
     @staticmethod
     def xp_of(a: Array) -> Any:
