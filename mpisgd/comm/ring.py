@@ -39,7 +39,7 @@ from mpisgd.comm.base import Array, Done, Handle, Reducer
 SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
 MIN_SEGMENT_BYTES = 128 << 10  # ... but smaller for mid-size buffers, so that they still pipeline
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
-WINDOW = 4  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
+WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 DET_ALLGATHER_BYTES = 16 << 10  # deterministic mode: below this, one MPI Allgather + ordered sum (latency-bound)
 
 
