@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,6 +107,39 @@ def test_cleans_up_everything_even_on_error(available: None) -> None:
     assert not Path(str(made["workdir"])).exists()
 
 
+def test_cli_cleans_up_when_terminated(available: None) -> None:
+    """SIGTERM to the CLI mid-run: the job and every namespace it made are gone afterwards."""
+    cli = [sys.executable, str(ROOT / "scripts" / "cluster" / "netcluster.py"), "run", "--hosts", "2", "--",
+           "sleep", "600"]
+    proc = subprocess.Popen(cli, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        tag = None
+        deadline = time.monotonic() + 60
+        assert proc.stderr is not None
+        while tag is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "the CLI ended before it described the cluster"
+            m = re.search(r"namespaces (\S+)-\*", line)
+            tag = m.group(1) if m else None
+        assert tag, "no cluster description within 60 s"
+        deadline = time.monotonic() + 30  # until the ranks (sleep) run on both hosts
+        while not all(subprocess.run(["ip", "netns", "pids", f"{tag}-h{i}"], capture_output=True, text=True,
+                                     timeout=20).stdout.strip() for i in (1, 2)):
+            assert time.monotonic() < deadline, "the job did not start on both hosts"
+            time.sleep(0.2)
+        proc.terminate()
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert rc != 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+    assert tag not in listed, listed
+    assert not any(p.name.startswith(tag) for p in netcluster.NETNS_ETC.iterdir())
+    assert not any(p.name.startswith(tag) for p in Path(tempfile.gettempdir()).iterdir())
+
+
 def test_distinct_host_names_and_node_split(available: None) -> None:
     probe = ("import socket; from mpi4py import MPI; c = MPI.COMM_WORLD; "
              "s = c.Split_type(MPI.COMM_TYPE_SHARED); rows = c.gather(f'{c.rank} {socket.gethostname()} {s.size}'); "
@@ -160,6 +194,8 @@ def test_strategy_matches_one_host(available: None, tmp_path: Path, strategy: st
         flat, out = on_cluster(c, tmp_path / "cluster.npz", *extra)
     assert layout(out) == (4, 2)
     assert "rank map: 0:h1/local 0, 1:h1/local 1, 2:h2/local 0, 3:h2/local 1" in out, out[:1500]
+    if strategy == "hierarchical":  # its own account of the split it used: 2 nodes, 2 ranks on rank 0's
+        assert "hierarchical (2 node(s), 2 rank(s) on this one)" in out, out[:1500]
     assert_same(flat, ref)
 
 
