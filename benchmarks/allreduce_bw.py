@@ -1,8 +1,8 @@
 """All-reduce bandwidth, nccl-tests style: ``mpiexec -n N python benchmarks/allreduce_bw.py``.
 
 For each backend and size: out-of-place and in-place time (us, averaged over
-iterations and then over ranks), algbw = size / time and busbw = algbw * 2(k-1)/k
-in GB/s (1e9 bytes/s), and #wrong, the elements that differ from the exact sum
+iterations and then over ranks; with --trials N, the median of N such means),
+algbw = size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that differ from the exact sum
 after a checked run (values are small integers, exact in every dtype). Warm-up
 iterations and a barrier precede each timing. Exit status 1 if anything was wrong.
 """
@@ -89,15 +89,17 @@ def measure(red: Reducer, comm: Any, backend: Backend, nbytes: int, dtype: np.dt
         xp.cuda.get_current_stream().synchronize()
     wrong = comm.allreduce(count_wrong(dst, k))
     n = iterations(nbytes, args)
-    comm.Barrier()
-    t0 = time.perf_counter()
-    with np.errstate(over="ignore"):  # in place, values double every iteration: inf is as fast to add
-        for _ in range(n):
-            once()
-    if backend.is_gpu:
-        xp.cuda.get_current_stream().synchronize()
-    elapsed = (time.perf_counter() - t0) / n
-    return comm.allreduce(elapsed) / k * 1e6, wrong
+    trials = []
+    for _ in range(args.trials):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        with np.errstate(over="ignore"):  # in place, values double every iteration: inf is as fast to add
+            for _ in range(n):
+                once()
+        if backend.is_gpu:
+            xp.cuda.get_current_stream().synchronize()
+        trials.append(comm.allreduce((time.perf_counter() - t0) / n) / k)
+    return float(np.median(trials)) * 1e6, wrong
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,12 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inplace", default="both", choices=("both", "yes", "no"), help="in-place, out-of-place or both")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations before each measurement")
     p.add_argument("--iters", type=int, default=0, help="timed iterations (0: about --bytes-per-size / size)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="timed blocks per row; the median of their rank-averaged means is reported (noisy machines)")
     p.add_argument("--bytes-per-size", type=float, default=1e9, help="bytes to reduce per timed row when --iters 0")
     p.add_argument("--json", type=Path, help="write one JSON record per row here (rank 0)")
     p.add_argument("--plot", type=Path, help="write a PNG of busbw against size here (rank 0)")
+    p.add_argument("--summarize", type=Path, help="print a Markdown comparison of a --json file and exit (no MPI)")
     args = p.parse_args(argv)
-    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.step_factor < 2:
-        p.error("need 1 <= --min-bytes <= --max-bytes and --step-factor >= 2")
+    if args.summarize:
+        print(summarize([json.loads(line) for line in args.summarize.read_text().splitlines() if line.strip()]))
+        return 0
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.step_factor < 2 or args.trials < 1:
+        p.error("need 1 <= --min-bytes <= --max-bytes, --step-factor >= 2 and --trials >= 1")
 
     comm = MPI.COMM_WORLD
     k, rank = comm.Get_size(), comm.Get_rank()
@@ -169,6 +177,30 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and args.plot:
         plot(records, args.plot, k, backend.describe())
     return 1 if total_wrong else 0
+
+
+def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
+    """Markdown: busbw per backend and size, with ring/mpi, auto/best(mpi, ring) and deterministic/ring."""
+    rows = [r for r in records if r["inplace"] == inplace]
+    by = {(r["backend"], r["size_bytes"]): r for r in rows}
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    ratios = [("ring/mpi", "ring", ("mpi",)), ("auto/best", "auto", ("mpi", "ring")),
+              ("det/ring", "deterministic", ("ring",))]
+    ratios = [x for x in ratios if x[1] in names and all(b in names for b in x[2])]
+    head = ["size", *[f"{n} busbw" for n in names], "mpi time_us" if "mpi" in names else None,
+            *[x[0] for x in ratios]]
+    head = [h for h in head if h]
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for size in sorted({r["size_bytes"] for r in rows}):
+        cells = [_human(size)]
+        cells += [f"{by[(n, size)]['busbw_gbps']:.3f}" if (n, size) in by else "" for n in names]
+        if "mpi" in names:
+            cells.append(f"{by[('mpi', size)]['time_us']:.1f}")
+        for _, num, dens in ratios:
+            t_best = min(by[(d, size)]["time_us"] for d in dens)
+            cells.append(f"{t_best / by[(num, size)]['time_us']:.2f}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def plot(records: list[dict[str, Any]], path: Path, k: int, where: str) -> None:
