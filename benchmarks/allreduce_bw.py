@@ -2,9 +2,10 @@
 
 For each backend and size: out-of-place and in-place time (us, averaged over
 iterations and then over ranks; with --trials N, the median of N such means),
-algbw = size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that differ from the exact sum
-after a checked run (values are small integers, exact in every dtype). Warm-up
-iterations and a barrier precede each timing. Exit status 1 if anything was wrong.
+algbw = size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and
+#wrong, the elements that differ from the exact sum after a checked run (values
+are small integers, exact in every dtype). Warm-up iterations and a barrier
+precede each timing. Exit status 1 if anything was wrong.
 """
 
 from __future__ import annotations
