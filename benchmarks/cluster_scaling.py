@@ -27,6 +27,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -156,11 +157,18 @@ def fit_alpha_beta(rows: list[dict], p: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def allreduce_time(nbytes: float, p: int, alpha: float, beta: float, n_messages: int = 1) -> float:
-    """Ring all-reduce of nbytes over p ranks (n_messages buckets, each paying the latency)."""
+def allreduce_time(nbytes: float, p: int, alpha: float, beta: float, n_messages: int = 1,
+                   algo: str = "ring") -> float:
+    """All-reduce of nbytes over p ranks, n_messages buckets each paying the latency.
+
+    ring: 2(p-1) latency steps; rabenseifner (recursive halving + doubling, MPICH's large-message
+    algorithm): 2 log2(p) steps. Both move 2(p-1)/p n bytes per rank; equal at p = 2, where alpha
+    and beta are fitted.
+    """
     if p <= 1:
         return 0.0
-    return n_messages * 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+    steps = 2 * (p - 1) if algo == "ring" else 2 * math.ceil(math.log2(p))
+    return n_messages * steps * alpha + 2 * (p - 1) / p * nbytes / beta
 
 
 def n_buckets(nbytes: int, bucket_mb: float = 25.0) -> int:
@@ -179,10 +187,13 @@ def predict(compute: dict, fits: dict, widths: list[int]) -> list[dict]:
             c = compute[w]
             t_c = c["forward_ms"] + c["backward_ms"] + c["optimizer_ms"]
             for p in PREDICT_P:
-                t_ar = 1e3 * allreduce_time(nbytes, p, alpha, beta, n_buckets(nbytes))
-                out.append({"link": link, "width": w, "p": p, "compute_ms": t_c, "allreduce_ms": t_ar,
-                            "eff_no_overlap": t_c / (t_c + t_ar),
-                            "eff_overlap": t_c / (t_c + max(0.0, t_ar - c["backward_ms"]))})
+                q = {"link": link, "width": w, "p": p, "compute_ms": t_c}
+                for algo in ("ring", "rabenseifner"):
+                    t_ar = 1e3 * allreduce_time(nbytes, p, alpha, beta, n_buckets(nbytes), algo)
+                    q[f"{algo}_ms"] = t_ar
+                    q[f"eff_{algo}_no_overlap"] = t_c / (t_c + t_ar)
+                    q[f"eff_{algo}_overlap"] = t_c / (t_c + max(0.0, t_ar - c["backward_ms"]))
+                out.append(q)
     return out
 
 
@@ -249,36 +260,47 @@ def experiment(quick: bool, out: Path, repeats: int) -> dict:
                         print(f"k={k} W={w} link={r['link']} {r['options']}: {r['samples_per_s']:.0f} samples/s, "
                               f"eff {r['efficiency']:.2f}, exposed comm {r['comm_exposed_ms']:.1f} ms "
                               f"of {r['step_ms']:.1f} ms", flush=True)
-    # fit on the 2-rank probes (one rank per host: all traffic crosses the link)
+    result = {
+        "machine": f"{os.cpu_count()} CPU core(s), shared; emulated hosts are namespaces of one kernel",
+        "command": "python benchmarks/cluster_scaling.py" + (" --quick" if quick else "") + f" --repeats {repeats}",
+        "repeats": repeats, "batch_per_rank": BATCH, "dtype": "float32", "steps_measured": STEPS_PER_EPOCH,
+        "rows": rows, "probes": probes, "wall_s": time.monotonic() - t_start,
+    }
+    analyse(result)
+    write(result, out)
+    return result
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "scaling.md").write_text(markdown(result))
+    plot(result, out / "scaling.png")
+
+
+def analyse(result: dict) -> None:
+    """Fit alpha-beta per link on the 2-rank probes, add the model's columns and the predictions (in place)."""
+    probes, rows = result["probes"], result["rows"]
     fits = {}
     for pr in probes.values():
-        if pr["k"] == 2:
+        if pr["k"] == 2:  # one rank per host: every byte crosses the link
             fits[pr["link"]] = fit_alpha_beta(pr["rows"], 2)
-    for pr in probes.values():  # the model's account of each probe row
-        a, b = fits[pr["link"]]
+    for pr in probes.values():  # the model's account of each 2-rank probe row
         for r in pr["rows"]:
-            r["model_us"] = 1e6 * allreduce_time(r["bytes"], 2, a, b) if pr["k"] == 2 else None
-    # the model against the training runs without overlap (all communication exposed), 2 hosts x 1
+            r["model_us"] = 1e6 * allreduce_time(r["bytes"], 2, *fits[pr["link"]]) if pr["k"] == 2 else None
+    # the model's all-reduce time for each 2-host x 1 training run (to set against its total comm time)
     for r in rows:
         if r["k"] == 2 and r["link"] in fits:
             nbytes = params_of(r["width"]) * 4 // (2 if "fp16" in r["options"] else 1)
             cap = 1.0 if "--bucket-mb 1" in r["options"] else 100.0 if "--bucket-mb 100" in r["options"] else 25.0
             r["model_allreduce_ms"] = 1e3 * allreduce_time(nbytes, 2, *fits[r["link"]], n_buckets(nbytes, cap))
-    compute = {w: base[w] for w in widths}
-    result = {
-        "machine": f"{os.cpu_count()} CPU core(s), shared; emulated hosts are namespaces of one kernel",
-        "command": "python benchmarks/cluster_scaling.py" + (" --quick" if quick else "") + f" --repeats {repeats}",
-        "repeats": repeats, "batch_per_rank": BATCH, "dtype": "float32", "steps_measured": STEPS_PER_EPOCH,
-        "rows": rows, "probes": probes,
-        "fits": {link: {"alpha_us": a * 1e6, "beta_gbit_s": b * 8 / 1e9} for link, (a, b) in fits.items()},
-        "predictions": predict(compute, fits, widths),
-        "wall_s": time.monotonic() - t_start,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "scaling.md").write_text(markdown(result))
-    plot(result, out / "scaling.png")
-    return result
+    compute = {r["width"]: r for r in rows if r["k"] == 1}
+    # nominal links: this stack's fitted software latency (unlimited link) with a real line rate
+    alpha_sw = fits.get("unlimited", next(iter(fits.values())))[0]
+    nominal = {f"nominal {g} Gbit/s": (alpha_sw, g * 1e9 / 8) for g in (10, 100)}
+    result["fits"] = {link: {"alpha_us": a * 1e6, "beta_gbit_s": b * 8 / 1e9} for link, (a, b) in
+                      {**fits, **nominal}.items()}
+    result["predictions"] = predict(compute, {**fits, **nominal}, sorted(compute))
 
 
 # --- reporting -------------------------------------------------------------------------------
@@ -308,20 +330,24 @@ def markdown(res: dict) -> str:
     lines += ["", "| link | alpha (us) | beta (Gbit/s) |", "|---|---|---|"]
     for link, f in res["fits"].items():
         lines.append(f"| {link} | {f['alpha_us']:.1f} | {f['beta_gbit_s']:.2f} |")
-    lines += ["", "## PREDICTED efficiency at p ranks (model output, not measured)\n",
-              "One rank per node, ring all-reduce across nodes, per-rank compute from the k=1 runs; "
-              "'overlap' hides the all-reduce behind backward.\n",
-              "| link | W | " + " | ".join(f"p={p}" for p in PREDICT_P) + " |",
-              "|---|---|" + "---|" * len(PREDICT_P)]
     preds = res["predictions"]
-    for link in res["fits"]:
-        for w in sorted({p["width"] for p in preds}):
-            cells = []
-            for p in PREDICT_P:
-                q = next(x for x in preds if x["link"] == link and x["width"] == w and x["p"] == p)
-                cells.append(f"{q['eff_no_overlap']:.2f} / {q['eff_overlap']:.2f}")
-            lines.append(f"| {link} | {w} | " + " | ".join(cells) + " |")
-    lines.append("\nCells: no overlap / backward overlapped.\n")
+    for algo, title in (("ring", "ring all-reduce (2(p-1) latency steps, mpisgd's `ring`)"),
+                        ("rabenseifner", "recursive halving/doubling (2 log2 p latency steps, MPICH's "
+                                         "large-message algorithm)")):
+        lines += ["", f"## PREDICTED efficiency at p ranks, {title} — model output, not measured\n",
+                  "One rank per node, per-rank compute from the k=1 runs; cells: no overlap / backward "
+                  "overlapped. 'nominal' links use the fitted software latency of the unlimited link with a "
+                  "real line rate.\n",
+                  "| link | W | " + " | ".join(f"p={p}" for p in PREDICT_P) + " |",
+                  "|---|---|" + "---|" * len(PREDICT_P)]
+        for link in res["fits"]:
+            for w in sorted({p["width"] for p in preds}):
+                cells = []
+                for p in PREDICT_P:
+                    q = next(x for x in preds if x["link"] == link and x["width"] == w and x["p"] == p)
+                    cells.append(f"{q[f'eff_{algo}_no_overlap']:.2f} / {q[f'eff_{algo}_overlap']:.2f}")
+                lines.append(f"| {link} | {w} | " + " | ".join(cells) + " |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -358,15 +384,16 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title("measured: W=1024, 1 Gbit/s, per-step split")
     ax.legend(fontsize=7)
     ax = axes[2]
-    for q_link, ls in (("1gbit", "-"), ("10gbit", "--")):
+    for q_link, ls in (("1gbit", "-"), ("nominal 10 Gbit/s", "--"), ("nominal 100 Gbit/s", ":")):
         for w in sorted({p["width"] for p in res["predictions"]}):
-            pts = [(p["p"], p["eff_overlap"]) for p in res["predictions"] if p["link"] == q_link and p["width"] == w]
+            pts = [(p["p"], p["eff_rabenseifner_overlap"]) for p in res["predictions"]
+                   if p["link"] == q_link and p["width"] == w]
             if pts:
-                ax.plot(*zip(*pts), ls=ls, marker=".", label=f"W={w} {q_link}")
+                ax.plot(*zip(*pts), ls=ls, marker=".", label=f"W={w}, {q_link}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("ranks p (one per node)")
-    ax.set_ylabel("predicted efficiency (backward overlapped)")
+    ax.set_ylabel("predicted efficiency (log-latency all-reduce, overlap)")
     ax.set_title("PREDICTED by the fitted alpha-beta model")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -378,10 +405,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 widths, 2 links, k=2 only (a smoke run)")
     p.add_argument("--repeats", type=int, default=2, help="launches per configuration; the best is kept")
     p.add_argument("--out", default=str(ROOT / "results" / "cluster"), help="output directory")
+    p.add_argument("--from-json", default=None, help="re-analyse a scaling.json (no measuring)")
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: the all-reduce probe
     a = p.parse_args(argv)
     if a.probe:
         probe([int(s) for s in a.probe.split(",")])
+        return 0
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+        analyse(res)
+        write(res, Path(a.out))
+        print(markdown(res))
         return 0
     try:
         res = experiment(a.quick, Path(a.out), max(1, a.repeats))
