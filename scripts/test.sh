@@ -21,7 +21,7 @@ run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME
 }
 run serial python -m pytest tests -q -p no:cacheprovider --junitxml=results/tmp/serial.xml
 for n in 2 3; do
-  run "mpi$n" timeout 1200 mpiexec -n "$n" python -m pytest tests -q -p no:cacheprovider --with-mpi --only-mpi \
+  run "mpi$n" timeout 1200 mpiexec -n "$n" python -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
       -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
 done
 run lint ruff check mpisgd tests benchmarks scripts examples
