@@ -116,6 +116,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
+# run the scheduler every 2 s: a requeued job becomes eligible with no event to start it
+SchedulerParameters=sched_interval=2
 KillWait=5
 # MPICH names its /dev/shm segment after <job id>.<step id> under srun, and killed jobs leave theirs
 # behind: job ids that start where the last test's did would attach to those (see docs/slurm.md)
@@ -285,7 +287,8 @@ def _wait_job(c: Cluster, job: int, timeout_s: float) -> str:
 
 @pytest.mark.skipif(not FASHION.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_requeued_job_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
-    """Requeue a running job once it has a checkpoint: the second attempt resumes from it and finishes."""
+    """Signal a running job as its time limit would once it has a checkpoint: it requeues itself, and
+    the second attempt resumes from the checkpoint and finishes."""
     run_dir = tmp_path / "run"
     env = {**cluster.env, "RUN_DIR": str(run_dir)}
     r = subprocess.run(["sbatch", f"--chdir={tmp_path}", "--output=job-%j.out",
@@ -302,12 +305,14 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Pa
         assert time.monotonic() < deadline, f"no checkpoint after 120 s\n{out.read_text() if out.exists() else ''}"
         assert _job_state(cluster, job)[0] in ("PENDING", "CONFIGURING", "RUNNING"), out.read_text()
         time.sleep(0.1)
-    rq = cluster.run("scontrol", "requeue", str(job))
+    # what Slurm does before the time limit (--signal=B:USR1@120): the script's trap requeues the job
+    rq = cluster.run("scancel", "--batch", "--signal=USR1", str(job))
     assert rq.returncode == 0, rq.stderr
     state = _wait_job(cluster, job, 240)
     text = out.read_text()
     assert state == "COMPLETED", f"{state}\n{text}"
     assert "attempt 1" in text and "attempt 2" in text, text
+    assert "time limit near, requeueing job" in text.split("attempt 2")[0], text
     resumed = re.search(r"resumed from \S+ at step (\d+)", text)
     assert resumed and int(resumed.group(1)) >= 20, text
     assert "final test accuracy" in text.split("attempt 2")[1], text
