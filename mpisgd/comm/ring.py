@@ -40,6 +40,7 @@ SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~1
 MIN_SEGMENT_BYTES = 128 << 10  # ... but smaller for mid-size buffers, so that they still pipeline
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
+SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
 DET_ALLGATHER_BYTES = 16 << 10  # deterministic mode: below this, one MPI Allgather + ordered sum (latency-bound)
 
 
@@ -100,14 +101,16 @@ class RingOp:
         seg = min(red.segment_bytes, max(red.min_segment_bytes, -(-dst.nbytes // (self.k * PIPELINE_SLICES))))
         self.slice_elems = self.k * max(1, seg // dst.itemsize)
         self.nslices = -(-n // self.slice_elems)
-        self.window = min(red.window, self.nslices)
         self.max_chunk = -(-min(n, self.slice_elems) // self.k)
+        per_slice = self.k if red.deterministic else 1  # scratch segments a slice holds
+        fit = max(1, SCRATCH_CAP_BYTES // (per_slice * self.max_chunk * dst.itemsize))
+        self.window = min(red.window, self.nslices, fit)
         self.base = red.tags.next_op()
         self.pending: deque[list[Any]] = deque()
         self.sends: list[Any] = []
         self.first_sends: dict[tuple[int, int], Any] = {}  # (slice, chunk) -> the first send reading that chunk
         self.next_slice = 0
-        nslots = self.window * (self.k if red.deterministic else 1)
+        nslots = self.window * per_slice
         self.scratch = red.take_scratch(dst.dtype, nslots * self.max_chunk, self.xp)
         self.done = False
         for _ in range(self.window):
