@@ -53,7 +53,7 @@ def _launch(tmp_path: Path, n: int, *, late_rank: int, sleep_s: float, timeout_s
 
 
 def test_stall_names_the_late_rank_and_recovers(tmp_path: Path) -> None:
-    proc, _ = _launch(tmp_path, 3, late_rank=1, sleep_s=3.0, timeout_s=1.0, abort=False)
+    proc, _ = _launch(tmp_path, 3, late_rank=1, sleep_s=5.0, timeout_s=2.0, abort=False)
     assert proc.returncode == 0, proc.stderr
     assert "stall: gradient all-reduce of step 3 waited" in proc.stderr
     assert "ranks [0, 2] reached it, ranks [1] have not" in proc.stderr
