@@ -17,7 +17,7 @@ from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, 
 from mpisgd.metrics import MetricsWriter, format_epoch, progress_bar
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.optim import SGD
-from mpisgd.parallel import DataParallel, ReplicaError, verify_same
+from mpisgd.parallel import DataParallel, ReplicaError
 from mpisgd.schedule import Schedule, effective_batch
 from mpisgd.timeline import Timeline
 
@@ -32,7 +32,7 @@ class Trainer:
         self.ctx: Context = self._agreed(lambda: init(world, cfg.device))
         self.k, self.rank = self.ctx.size, self.ctx.rank
         self.is_root = self.rank == 0
-        self._agreed(lambda: verify_same(world, cfg.digest(), "the configuration (command-line options)"))
+        self._agreed(self._verify_config)
         self.threads = cfg.threads or default_threads(self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
             set_threads(self.threads)
@@ -77,6 +77,21 @@ class Trainer:
             error = exc
         agree(self.world, error)
         return result
+
+    def _verify_config(self) -> None:
+        """Every rank must run the same options; name the options and ranks that differ."""
+        digests = self.world.allgather(self.cfg.digest())
+        if len(set(digests)) == 1:
+            return
+        configs = self.world.allgather(self.cfg.to_dict())
+        diffs = []
+        for key in configs[0]:
+            values = [c.get(key) for c in configs]
+            if any(v != values[0] for v in values):
+                odd = [r for r, v in enumerate(values) if v != values[0]]
+                diffs.append(f"--{key.replace('_', '-')} is {values[0]!r} on rank 0 but "
+                             + ", ".join(f"{values[r]!r} on rank {r}" for r in odd))
+        raise UsageError("ranks were started with different options: " + "; ".join(diffs))
 
     def _load_data(self) -> tuple[Dataset, Dataset, str]:
         cfg = self.cfg
@@ -215,7 +230,11 @@ class Trainer:
                 lr = self.schedule(self.global_step)
                 micro = [self.train_loader.batch(self.batches.indices(perm, step, i), slot=i)
                          for i in range(cfg.accum_steps)]
+                skipped = dp.skipped_steps
                 loss = dp.train_step(micro, lr)
+                if dp.skipped_steps > skipped and (dp.skipped_steps <= 10 or dp.skipped_steps % 100 == 0):
+                    self.log(f"warning: non-finite gradient at step {self.global_step}: step skipped "
+                             f"(--on-nan skip; {dp.skipped_steps} skipped so far)")
                 loss_sum += loss
                 steps += 1
                 self.global_step += 1
@@ -223,7 +242,9 @@ class Trainer:
                     self.metrics.write({"kind": "step", "step": self.global_step, "epoch": epoch + 1,
                                         "lr": lr, "loss": float(loss)})
                 if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
+                    dp.watchdog.enter(f"replica check at step {self.global_step}")
                     dp.check_replicas()
+                    dp.watchdog.exit()
                 self._maybe_checkpoint(epoch, step, end_of_epoch=step + 1 == spe)
                 bar.update()
             bar.close()
@@ -254,9 +275,11 @@ class Trainer:
         total = np.zeros_like(local)
         from mpi4py import MPI  # noqa: PLC0415
 
+        self.dp.watchdog.enter(f"end of epoch {epoch + 1}: metrics and evaluation")
         self.world.Allreduce(local, total, op=MPI.SUM)
         mean = total / self.k
         test_acc = self.evaluate()
+        self.dp.watchdog.exit()
         step_time = train_time / max(1, steps)
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
         algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
