@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -10,13 +9,7 @@ from mpi4py import MPI
 
 from mpisgd.comm.base import Array, Handle, Reducer
 
-
-@functools.lru_cache(maxsize=64)  # on the latency path of every small all-reduce
-def _datatype_of(dtype: np.dtype) -> MPI.Datatype:
-    try:
-        return MPI.Datatype.fromcode(dtype.char)
-    except (KeyError, ValueError):
-        raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+_PREDEFINED: dict[np.dtype, MPI.Datatype] = {}  # on the latency path of every small all-reduce
 
 
 def mpi_datatype(dtype: Any) -> MPI.Datatype:
@@ -24,7 +17,14 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
 
     mpi4py.util.dtlib builds a derived (duplicated) type, on which MPICH refuses MPI_SUM.
     """
-    return _datatype_of(np.dtype(dtype))
+    dt = _PREDEFINED.get(dtype)
+    if dt is None:
+        dtype = np.dtype(dtype)
+        try:
+            dt = _PREDEFINED[dtype] = MPI.Datatype.fromcode(dtype.char)
+        except (KeyError, ValueError):
+            raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+    return dt
 
 
 def mpi_buffer(buf: Array) -> list[Any]:
