@@ -89,9 +89,11 @@ class HierarchicalReducer(Reducer):
 
     def describe(self) -> str:
         det = ", deterministic" if self.deterministic else ""
+        if self.nodes == 1:
+            return f"hierarchical (one node: the ring over its {self.size} ranks{det})"
         return f"hierarchical ({self.nodes} node(s), {self.node.Get_size()} rank(s) on this one{det})"
 
-    def _node_phase(self, buf: Array) -> Handle:
+    def _node_phase(self, buf: Array, blocking: bool = False) -> Handle:
         if self.node.Get_size() == 1:
             return Done()
         try:
@@ -100,26 +102,41 @@ class HierarchicalReducer(Reducer):
             dt = None
         if self.deterministic or dt is None:
             return self.node_ring.start(buf)
-        if self.local_rank == 0:
-            return _Req(self.node.Ireduce(MPI.IN_PLACE, [buf, dt], op=MPI.SUM, root=0))
-        return _Req(self.node.Ireduce([buf, dt], None, op=MPI.SUM, root=0))
+        send, recv = (MPI.IN_PLACE, [buf, dt]) if self.local_rank == 0 else ([buf, dt], None)
+        if blocking:  # MPICH's blocking Reduce/Bcast are better tuned than its schedule-based Ireduce/Ibcast
+            self.node.Reduce(send, recv, op=MPI.SUM, root=0)
+            return Done()
+        return _Req(self.node.Ireduce(send, recv, op=MPI.SUM, root=0))
 
     def _leader_phase(self, buf: Array) -> Handle:
         return self.leader_ring.start(buf) if self.leader_ring is not None else Done()
 
-    def _bcast_phase(self, buf: Array) -> Handle:
+    def _bcast_phase(self, buf: Array, blocking: bool = False) -> Handle:
         if self.node.Get_size() == 1:
             return Done()
-        return _Req(self.node.Ibcast([buf.reshape(-1).view(np.uint8), MPI.BYTE], root=0))
+        raw = [buf.reshape(-1).view(np.uint8), MPI.BYTE]
+        if blocking:
+            self.node.Bcast(raw, root=0)
+            return Done()
+        return _Req(self.node.Ibcast(raw, root=0))
 
     def start(self, buf: Array) -> Handle:
         if self.size == 1 or buf.size == 0:
             return Done()
+        if self.nodes == 1:  # one node: nothing crosses a network, so it is the ring over the node
+            return self.node_ring.start(buf)
         return _Chain([lambda: self._node_phase(buf), lambda: self._leader_phase(buf),
                        lambda: self._bcast_phase(buf)])
 
     def allreduce_(self, buf: Array) -> None:
-        self.start(buf).wait()
+        if self.size == 1 or buf.size == 0:
+            return
+        if self.nodes == 1:
+            self.node_ring.allreduce_(buf)
+            return
+        self._node_phase(buf, blocking=True).wait()
+        self._leader_phase(buf).wait()
+        self._bcast_phase(buf, blocking=True)
 
     def close(self) -> None:
         if self.leader_ring is not None:

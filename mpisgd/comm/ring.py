@@ -37,7 +37,7 @@ from mpisgd.backend import is_device_array
 from mpisgd.comm.base import Array, Done, Handle, Reducer
 
 SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
-MIN_SEGMENT_BYTES = 128 << 10  # ... but smaller for mid-size buffers, so that they still pipeline
+MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that they still pipeline
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
