@@ -14,7 +14,7 @@ What it measures, on 2 emulated hosts whose links are unlimited, 10 Gbit/s or 1 
   * MPI_Allreduce time against size on each link (a probe run under the same mpiexec), to which an
     alpha-beta model t(n, p) = 2(p-1) alpha + 2(p-1)/p n / beta is fitted (least squares, per link).
 
-The fitted model, with the k = 1 compute times, then PREDICTS the efficiency at 8 to 1024 ranks
+The fitted model, with the fastest measured per-rank compute times, then PREDICTS the efficiency at 8 to 1024 ranks
 (one rank per node, ring all-reduce across nodes): those numbers are model output, not measurements.
 Each training launch runs 2 epochs of 6 steps; the second epoch is reported (the first is warm-up).
 Every cluster run's link byte counters must show the gradients crossed the network.
@@ -294,7 +294,17 @@ def analyse(result: dict) -> None:
             nbytes = params_of(r["width"]) * 4 // (2 if "fp16" in r["options"] else 1)
             cap = 1.0 if "--bucket-mb 1" in r["options"] else 100.0 if "--bucket-mb 100" in r["options"] else 25.0
             r["model_allreduce_ms"] = 1e3 * allreduce_time(nbytes, 2, *fits[r["link"]], n_buckets(nbytes, cap))
-    compute = {r["width"]: r for r in rows if r["k"] == 1}
+    # per-rank compute for the predictions: the fastest fwd+bwd+opt seen at k = 1 or 2 (not oversubscribed,
+    # no fp16 casts inside backward); on a shared machine interference only ever adds time
+    compute: dict[int, dict] = {}
+    for r in rows:
+        if r["k"] <= 2 and "fp16" not in r["options"]:
+            t = r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]
+            w = r["width"]
+            if w not in compute or t < sum(compute[w][key] for key in ("forward_ms", "backward_ms", "optimizer_ms")):
+                compute[w] = r
+    result["compute_for_predictions"] = {w: {key: r[key] for key in ("forward_ms", "backward_ms", "optimizer_ms")}
+                                         for w, r in compute.items()}
     # nominal links: this stack's fitted software latency (unlimited link) with a real line rate
     alpha_sw = fits.get("unlimited", next(iter(fits.values())))[0]
     nominal = {f"nominal {g} Gbit/s": (alpha_sw, g * 1e9 / 8) for g in (10, 100)}
@@ -335,9 +345,9 @@ def markdown(res: dict) -> str:
                         ("rabenseifner", "recursive halving/doubling (2 log2 p latency steps, MPICH's "
                                          "large-message algorithm)")):
         lines += ["", f"## PREDICTED efficiency at p ranks, {title} — model output, not measured\n",
-                  "One rank per node, per-rank compute from the k=1 runs; cells: no overlap / backward "
-                  "overlapped. 'nominal' links use the fitted software latency of the unlimited link with a "
-                  "real line rate.\n",
+                  "One rank per node, per-rank compute = the fastest fwd+bwd+opt measured at k <= 2; cells: "
+                  "no overlap / all-reduce hidden behind backward (an upper bound). 'nominal' links use the "
+                  "fitted software latency of the unlimited link with a real line rate.\n",
                   "| link | W | " + " | ".join(f"p={p}" for p in PREDICT_P) + " |",
                   "|---|---|" + "---|" * len(PREDICT_P)]
         for link in res["fits"]:
@@ -357,7 +367,7 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 6.2))
     base_rows = [r for r in res["rows"] if r["options"] == "default" and r["k"] > 1]
     ax = axes[0]
     for k in sorted({r["k"] for r in base_rows}):
@@ -385,17 +395,17 @@ def plot(res: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     ax = axes[2]
     for q_link, ls in (("1gbit", "-"), ("nominal 10 Gbit/s", "--"), ("nominal 100 Gbit/s", ":")):
-        for w in sorted({p["width"] for p in res["predictions"]}):
+        for i, w in enumerate(sorted({p["width"] for p in res["predictions"]})):
             pts = [(p["p"], p["eff_rabenseifner_overlap"]) for p in res["predictions"]
                    if p["link"] == q_link and p["width"] == w]
             if pts:
-                ax.plot(*zip(*pts), ls=ls, marker=".", label=f"W={w}, {q_link}")
+                ax.plot(*zip(*pts), ls=ls, color=f"C{i}", marker=".", label=f"W={w}, {q_link}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("ranks p (one per node)")
     ax.set_ylabel("predicted efficiency (log-latency all-reduce, overlap)")
     ax.set_title("PREDICTED by the fitted alpha-beta model")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
