@@ -9,9 +9,10 @@ one veth pair per host; a link can be rate-limited (``tc ... tbf``) or cut
 (``ip link set ... down``).
 
 MPICH's hydra ``mpiexec`` runs inside the first host and reaches the others
-through ``-launcher ssh -launcher-exec WRAPPER``: the generated WRAPPER drops
+through ``-launcher ssh -launcher-exec scripts/cluster/launcher.sh``: it drops
 the ssh options and runs the proxy command with ``ip netns exec`` in the named
-host's namespace, under that host's name. No ssh daemon is needed.
+host's namespace (``NETCLUSTER_HOSTS`` maps names to namespaces), under that
+host's name. No ssh daemon is needed.
 
 Why ``UCX_TLS=tcp,self`` (and *not* ``MPIR_CVAR_NOLOCAL=1``), measured here:
 by default UCX's shared-memory transports connect ranks in different
@@ -72,23 +73,7 @@ _serial = itertools.count()
 NET_ENV = {"UCX_TLS": "tcp,self", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-WRAPPER = """#!/bin/sh
-# hydra's ssh launcher calls: WRAPPER [ssh options] HOST COMMAND...; run COMMAND in HOST's namespace.
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -[bcDEeFIiJLlmOopQRSWw]) shift 2 ;;  # ssh options that take an argument
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-host=$1; shift
-case "$host" in
-{cases}
-  *) echo "netcluster wrapper: unknown host '$host'" >&2; exit 255 ;;
-esac
-# ssh hands the remote shell one command string: join and re-parse it the same way
-exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
-"""
+LAUNCHER = Path(__file__).resolve().parent / "launcher.sh"  # hydra's ssh stand-in
 
 
 class ClusterUnavailable(RuntimeError):
@@ -272,10 +257,11 @@ class NetCluster:
             _ip("-n", h.ns, "link", "set", IFACE, "up")
         if self.rate:
             self.set_rate(self.rate)
-        cases = "\n".join(f"  {h.name}) ns={h.ns} ;;" for h in self.hosts)
-        self.wrapper = self.workdir / "launcher.sh"
-        self.wrapper.write_text(WRAPPER.format(cases=cases))
-        self.wrapper.chmod(0o755)
+        self.wrapper = LAUNCHER
+        if not os.access(LAUNCHER, os.X_OK):  # a checkout that lost the mode bit: run a private copy
+            self.wrapper = self.workdir / LAUNCHER.name
+            shutil.copy(LAUNCHER, self.wrapper)
+            self.wrapper.chmod(0o755)
         self.hostfile = self.workdir / "hostfile"
         self.hostfile.write_text("".join(f"{h.name}:{h.ranks}\n" for h in self.hosts))
 
@@ -341,11 +327,12 @@ class NetCluster:
         return sum(h.ranks for h in self.hosts)
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, **NET_ENV, **self.extra_env}
+        hosts = " ".join(f"{h.name}={h.ns}" for h in self.hosts)  # read by launcher.sh
+        return {**os.environ, **NET_ENV, "NETCLUSTER_HOSTS": hosts, **self.extra_env}
 
     def mpiexec_cmd(self, argv: Sequence[str], n: int | None = None) -> list[str]:
         """The command line that runs `mpiexec ... argv` from inside the first host."""
-        if self.wrapper is None:
+        if self.hostfile is None:
             raise RuntimeError("the cluster is not set up: use it as a context manager")
         mpiexec = shutil.which("mpiexec") or "mpiexec"
         h1 = self.hosts[0]
@@ -428,7 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with NetCluster(a.hosts, a.ranks_per_host, a.rate) as cluster:
             print(f"netcluster: {cluster.describe()}", file=sys.stderr)
-            print(f"netcluster: {shlex.join(cluster.mpiexec_cmd(cmd))}", file=sys.stderr)
+            env = {k: v for k, v in cluster.env().items() if k in NET_ENV or k in ("NETCLUSTER_HOSTS",)}
+            print(f"netcluster: env {shlex.join(f'{k}={v}' for k, v in env.items())} "
+                  f"{shlex.join(cluster.mpiexec_cmd(cmd))}", file=sys.stderr)
             res = cluster.run(cmd, timeout=a.timeout)
             sys.stdout.write(res.stdout)
             sys.stderr.write(res.stderr)
