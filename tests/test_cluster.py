@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,23 @@ def test_cleans_up_everything_even_on_error(available: None) -> None:
         assert ns not in listed
         assert not (netcluster.NETNS_ETC / ns).exists()
     assert not Path(str(made["workdir"])).exists()
+
+
+def test_removes_stale_namespaces_of_dead_runs(available: None) -> None:
+    """A SIGKILLed run leaves its namespaces; the next cluster removes those whose creator is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=10)
+    stale = f"{netcluster.PREFIX}{dead.pid}x0-h1"
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=20)
+    (netcluster.NETNS_ETC / stale).mkdir(parents=True, exist_ok=True)
+    try:
+        with NetCluster(hosts=2):
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+            assert stale not in listed
+            assert not (netcluster.NETNS_ETC / stale).exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)
+        shutil.rmtree(netcluster.NETNS_ETC / stale, ignore_errors=True)
 
 
 def test_cli_cleans_up_when_terminated(available: None) -> None:
