@@ -1,9 +1,9 @@
 """All-reduce bandwidth, nccl-tests style: ``mpiexec -n N python benchmarks/allreduce_bw.py``.
 
 For each backend and size: out-of-place and in-place time (us, averaged over
-iterations and then over ranks; with --trials N, the median (or --stat min) of N such means),
-algbw = size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and
-#wrong, the elements that differ from the exact sum after a checked run (values
+iterations and then over ranks; with --trials N, the median, or with --stat min
+the minimum, of N such means, taken round-robin over the backends), algbw =
+size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that differ from the exact sum after a checked run (values
 are small integers, exact in every dtype). Warm-up iterations and a barrier
 precede each timing. Exit status 1 if anything was wrong.
 """
@@ -64,43 +64,55 @@ def iterations(nbytes: int, args: argparse.Namespace) -> int:
     return max(5, min(200, int(args.bytes_per_size / max(nbytes, 1))))
 
 
-def measure(red: Reducer, comm: Any, backend: Backend, nbytes: int, dtype: np.dtype, inplace: bool,
-            args: argparse.Namespace) -> tuple[float, int]:
-    """(mean time per all-reduce in us over iterations and ranks, #wrong summed over ranks)."""
+def measure_all(reducers: dict[str, Reducer], comm: Any, backend: Backend, nbytes: int, dtype: np.dtype,
+                inplace: bool, args: argparse.Namespace) -> dict[str, tuple[float, int]]:
+    """Per backend: (time per all-reduce in us, #wrong summed over ranks).
+
+    Each backend is checked on fresh data after its warm-up; then the timed
+    blocks (iterations averaged, then averaged over ranks) run round-robin over
+    the backends, --trials times, and the median (or min) block is reported, so
+    that a change of load on a shared machine hits every backend alike.
+    """
     xp, k, rank = backend.xp, comm.Get_size(), comm.Get_rank()
     count = max(1, nbytes // dtype.itemsize)
-    src = xp.empty(count, dtype=dtype)
+    src = xp.empty(count, dtype=dtype)  # shared by the backends: timing does not need fresh values
     dst = src if inplace else xp.empty(count, dtype=dtype)
 
-    def once() -> None:
+    def once(red: Reducer) -> None:
         if inplace:
             red.allreduce_(dst)
         else:
             red.allreduce(src, dst)
 
-    fill(xp, src, rank)
-    if not inplace:
-        dst[...] = 0
-    with np.errstate(over="ignore"):
-        for _ in range(args.warmup):
-            once()
-    fill(xp, src, rank)  # the checked run
-    once()
-    if backend.is_gpu:
-        xp.cuda.get_current_stream().synchronize()
-    wrong = comm.allreduce(count_wrong(dst, k))
-    n = iterations(nbytes, args)
-    trials = []
-    for _ in range(args.trials):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        with np.errstate(over="ignore"):  # in place, values double every iteration: inf is as fast to add
-            for _ in range(n):
-                once()
+    def sync() -> None:
         if backend.is_gpu:
             xp.cuda.get_current_stream().synchronize()
-        trials.append(comm.allreduce((time.perf_counter() - t0) / n) / k)
-    return float(np.min(trials) if args.stat == "min" else np.median(trials)) * 1e6, wrong
+
+    wrong = {}
+    for name, red in reducers.items():
+        fill(xp, src, rank)
+        with np.errstate(over="ignore"):  # in place, values double every iteration: inf is as fast to add
+            for _ in range(args.warmup):
+                once(red)
+        fill(xp, src, rank)  # the checked run
+        if not inplace:
+            dst[...] = 0
+        once(red)
+        sync()
+        wrong[name] = comm.allreduce(count_wrong(dst, k))
+    n = iterations(nbytes, args)
+    blocks: dict[str, list[float]] = {name: [] for name in reducers}
+    for _ in range(args.trials):
+        for name, red in reducers.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            with np.errstate(over="ignore"):
+                for _ in range(n):
+                    once(red)
+            sync()
+            blocks[name].append(comm.allreduce((time.perf_counter() - t0) / n) / k)
+    pick = np.min if args.stat == "min" else np.median
+    return {name: (float(pick(blocks[name])) * 1e6, wrong[name]) for name in reducers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,21 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         + "   (" + ", ".join("in-place" if m else "out-of-place" for m in modes) + "; GB/s)")
     records: list[dict[str, Any]] = []
     total_wrong = 0
-    for nbytes in sizes:  # backends interleaved per size: a load change on a shared machine hits all alike
-        for name, red in reducers.items():
-            cells = []
-            for inplace in modes:
-                t_us, wrong = measure(red, comm, backend, nbytes, dtype, inplace, args)
+    for nbytes in sizes:
+        cells: dict[str, list[str]] = {name: [] for name in reducers}
+        for inplace in modes:
+            for name, (t_us, wrong) in measure_all(reducers, comm, backend, nbytes, dtype, inplace, args).items():
                 algbw = nbytes / (t_us * 1e-6) / 1e9
                 busbw = algbw * 2 * (k - 1) / k
                 total_wrong += wrong
-                cells.append(f"{t_us:9.1f} {algbw:7.3f} {busbw:7.3f} {wrong:6d}")
+                cells[name].append(f"{t_us:9.1f} {algbw:7.3f} {busbw:7.3f} {wrong:6d}")
                 records.append({"backend": name, "size_bytes": nbytes, "count": nbytes // dtype.itemsize,
                                 "dtype": str(dtype), "inplace": inplace, "time_us": round(t_us, 3),
                                 "algbw_gbps": round(algbw, 4), "busbw_gbps": round(busbw, 4), "wrong": wrong,
                                 "ranks": k, "device": backend.device})
-            out(f"  {name:>13} {nbytes:11d} {nbytes // dtype.itemsize:10d} {dtype.name:>8}   " + "   ".join(cells),
-                flush=True)
+        for name in reducers:
+            out(f"  {name:>13} {nbytes:11d} {nbytes // dtype.itemsize:10d} {dtype.name:>8}   "
+                + "   ".join(cells[name]), flush=True)
     for red in reducers.values():
         red.close()
     out(f"# out of bounds values: {total_wrong} {'ERROR' if total_wrong else 'OK'}")

@@ -101,6 +101,25 @@ def test_nonblocking_ops_in_flight_together_advance_by_test_and_finish_by_wait()
     assert done
 
 
+def test_test_alone_completes_an_operation():
+    """Polling test() (as DataParallel does during backward) must finish the work without wait()."""
+    comm = world()
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = RingReducer(comm, segment_bytes=1024, window=2)
+    for det in (False, True):
+        red.deterministic = det
+        x = np.full(50_000, rank + 1, dtype="float64")
+        h = red.start(x)
+        polls = 0
+        while not h.test() and polls < 10_000_000:
+            polls += 1
+        finished = h.test()
+        h.wait()
+        ok = finished and bool((x == k * (k + 1) / 2).all())
+        assert all(comm.allgather(ok)), f"deterministic={det}: test() did not complete the operation"
+    red.close()
+
+
 def test_many_random_lengths_against_mpi():
     comm = world()
     red = RingReducer(comm, segment_bytes=40, window=3)
