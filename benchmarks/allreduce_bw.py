@@ -3,8 +3,9 @@
 For each backend and size: out-of-place and in-place time (us, averaged over
 iterations and then over ranks; with --trials N, the median, or with --stat min
 the minimum, of N such means, taken round-robin over the backends), algbw =
-size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that differ from the exact sum after a checked run (values
-are small integers, exact in every dtype). Warm-up iterations and a barrier
+size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong,
+the elements that differ from the exact sum after a checked run (values are
+small integers, exact in every dtype). Warm-up iterations and a barrier
 precede each timing. Exit status 1 if anything was wrong.
 """
 
