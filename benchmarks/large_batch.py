@@ -129,7 +129,8 @@ def write_report(records: list[dict[str, Any]], out: Path, title: str) -> None:
         rows.append({"B": r["batch"], "recipe": r["recipe"], "k x b x m": f"{r['ranks']}x{r['micro_batch']}x"
                      f"{r['accum_steps']}", "final_error_pct": round(100 * s["final_error"], 2),
                      "best_error_pct": round(100 * s["best_error"], 2),
-                     "epochs": f"{r['epochs_done']}/{r['epochs_budget']}", "steps": r["steps"],
+                     "epochs": f"{r['epochs_done']}/{r['epochs_budget']}",
+                     "steps": r["diverged_at_step"] if r["diverged"] else r["steps"],
                      "wall_s": round(r["wall_s"], 1), "status": status})
     if not rows:
         return

@@ -103,21 +103,35 @@ def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = N
 
 
 def plot_error_vs_batch(series: dict[str, list[tuple[int, float, bool]]], out: str, title: str = "") -> str:
-    """Final test error against effective batch B (log2 axis): recipe -> [(B, error, diverged)]."""
+    """Final test error against effective batch B (log2 axis): recipe -> [(B, error, diverged)].
+
+    Diverged runs are drawn as crosses on a band at the top of the axes, so the
+    interesting range of errors is not squashed by the 90 % of chance level.
+    """
     plt = _pyplot()
+    ok = [100 * e for pts in series.values() for _, e, d in pts if not d]
+    cap = max(ok) * 1.15 if ok else 100.0  # the band of diverged runs
+    any_diverged = any(d for pts in series.values() for _, _, d in pts)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, unsorted in series.items():
+    for i, (name, unsorted) in enumerate(series.items()):
         points = sorted(unsorted)
-        xs, ys = [p[0] for p in points], [100 * p[1] for p in points]
-        line = ax.plot(xs, ys, "o-", label=name)[0]
-        bad = [(x, y) for x, y, d in zip(xs, ys, (p[2] for p in points)) if d]
-        if bad:  # diverged runs sit at chance level, marked with a cross
-            ax.plot(*zip(*bad), "x", ms=10, mew=2, color=line.get_color())
+        xs = [p[0] * (1 + 0.04 * (i - 1)) for p in points]  # a small offset keeps overlapping lines visible
+        ys = [cap if p[2] else 100 * p[1] for p in points]
+        line = ax.plot(xs, ys, marker="osd^v"[i % 5], ls="-", label=name)[0]
+        bad = [(x, y) for x, y, p in zip(xs, ys, points) if p[2]]
+        if bad:
+            ax.plot(*zip(*bad), "x", ms=11, mew=2.5, color=line.get_color())
+    if any_diverged:
+        ax.axhspan(cap * 0.97, cap * 1.05, color="0.9", zorder=0)
+        ax.text(0.01, cap * 1.0, " diverged (x)", transform=ax.get_yaxis_transform(), va="center", fontsize=8)
+        ax.set_ylim(0, cap * 1.05)
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="effective batch size B = k*b*m", ylabel="final test error (%)", title=title)
     ax.title.set_fontsize(8)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(title="x: diverged (chance)", fontsize=8, title_fontsize=8)
+    ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

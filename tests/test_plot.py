@@ -95,7 +95,7 @@ def test_report_writer(tmp_path):
             for B in (64, 2048) for r, div in (("none", False), ("linear", B == 2048))]
     lb.write_report(recs, tmp_path, "test")
     table = (tmp_path / "large_batch.md").read_text()
-    assert "| 2048 | linear | 2x512x2 | 90.0 | 90.0 | 0/2 | 10 | 1.0 | diverged at step 3 |" in table
+    assert "| 2048 | linear | 2x512x2 | 90.0 | 90.0 | 0/2 | 3 | 1.0 | diverged at step 3 |" in table
     assert "| 64 | none | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
     assert is_png(tmp_path / "large_batch.png") and (tmp_path / "large_batch.csv").exists()
 
