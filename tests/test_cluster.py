@@ -186,6 +186,21 @@ def test_byte_counters_catch_shared_memory_fallback(available: None) -> None:
         c.check_traffic(res, min_bytes=8 << 20)
 
 
+def test_rate_limit_slows_the_link(available: None) -> None:
+    """At 100 Mbit/s, two 8 MiB all-reduces between 2 hosts (each rank sends ~8 MiB per all-reduce)
+    cannot take less than 16 MiB / 12.5 MB/s = 1.34 s; unlimited, they take a fraction of that here."""
+    code = ("import time, numpy as np; from mpi4py import MPI; c = MPI.COMM_WORLD; a = np.ones(1 << 20); "
+            "c.Allreduce(MPI.IN_PLACE, a[:8]); c.Barrier(); t = time.perf_counter(); "
+            "[c.Allreduce(MPI.IN_PLACE, a) for _ in range(2)]; e = c.allreduce(time.perf_counter() - t, op=MPI.MAX); "
+            "print('ELAPSED', e) if c.rank == 0 else None")
+    floor_s = 2 * (8 << 20) / (100e6 / 8)
+    with NetCluster(hosts=2, ranks_per_host=1, rate="100mbit") as c:
+        res = c.run([sys.executable, "-c", code], timeout=60)
+    assert res.returncode == 0, res.stderr
+    elapsed = float(res.stdout.split("ELAPSED")[1])
+    assert elapsed >= 0.8 * floor_s, f"{elapsed:.2f} s for 16 MiB at 100 Mbit/s: the rate limit is not applied"
+
+
 # --- training across hosts = training on one host -------------------------------------------
 
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 1), (3, 1)])
