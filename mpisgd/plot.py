@@ -95,7 +95,9 @@ def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = N
     a_lr.set(xlabel="step", ylabel="learning rate")
     for a in (a_loss, a_err, a_lr):
         a.grid(alpha=0.3)
-    a_err.legend(fontsize=8)
+    a_loss.legend(fontsize=8)  # every file has step records or epoch records; the loss panel shows most
+    if a_err.lines:
+        a_err.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
