@@ -65,7 +65,7 @@ class Trainer:
             return None
         from mpisgd.watchdog import Watchdog  # noqa: PLC0415 - starts a thread: only when asked
 
-        return Watchdog(self.world, self.cfg.stall_timeout, self.cfg.stall_abort)
+        return Watchdog(self.world, self.cfg.stall_timeout, self.cfg.stall_abort, abort_comm=self.world)
 
     def _agreed(self, fn: Callable[[], T]) -> T:
         """Run a set-up stage on every rank; if it fails anywhere, every rank fails together."""

@@ -40,13 +40,16 @@ PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
 
 
 class Watchdog:
-    def __init__(self, comm: Any, timeout_s: float, abort: bool = False) -> None:
+    def __init__(self, comm: Any, timeout_s: float, abort: bool = False, abort_comm: Any = None) -> None:
+        """``abort_comm``: what to MPI_Abort (the application's world communicator). Aborting a
+        duplicate ends only the local rank when a node is unreachable, and the launcher then waits."""
         if timeout_s <= 0:
             raise ValueError(f"stall timeout must be > 0 seconds, got {timeout_s}")
         from mpi4py import MPI  # noqa: PLC0415 - only needed once a watchdog is made
 
         self._MPI = MPI
         self.comm = comm.Dup()
+        self.abort_comm = comm if abort_comm is None else abort_comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout_s, self.abort = float(timeout_s), abort
         self.threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE  # may the thread call MPI?
@@ -189,7 +192,7 @@ class Watchdog:
 
     def _abort(self) -> None:
         _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
-        self.comm.Abort(1)
+        self.abort_comm.Abort(1)
 
 
 def _say(msg: str) -> None:

@@ -238,12 +238,6 @@ STALL_S = 5.0
 CUT_BOUND_S = 40.0  # after the cut: stall timeout + the abort's own time, with room for a loaded machine
 
 
-def watchdog_wired() -> bool:
-    """Whether the training loop builds mpisgd.watchdog.Watchdog (another piece of work adds it)."""
-    return any("Watchdog(" in (ROOT / "mpisgd" / f).read_text()
-               for f in ("loop.py", "train.py", "parallel.py") if (ROOT / "mpisgd" / f).exists())
-
-
 def test_cut_link_ends_the_job(available: None, tmp_path: Path) -> None:
     """Cut h2's cable mid-training. MPICH by itself does not notice (blocked collective, no data in flight,
     no keep-alive: seen hanging > 120 s here); mpisgd's stall watchdog must end the job non-zero."""
@@ -274,14 +268,6 @@ def test_cut_link_ends_the_job(available: None, tmp_path: Path) -> None:
     print(json.dumps({"rc": res.returncode, "timed_out": res.timed_out, "s_after_cut": round(after_cut, 1),
                       "steps": steps, "processes_left_on_h2": len(orphans), "stderr": res.stderr[-600:]}))
     text = res.stdout + res.stderr
-    if res.timed_out and not watchdog_wired():
-        pytest.xfail("MPICH alone hangs after a cut link and mpisgd's --stall-timeout is not wired into "
-                     "training yet")
-    if res.timed_out and "MPI_Abort(comm=" in text and "MPI_Abort(MPI_COMM_WORLD" not in text:
-        # measured: MPI_Abort on a Dup of COMM_WORLD only ends the local ranks; hydra then waits for the
-        # unreachable host's proxy forever. MPI_Abort(MPI_COMM_WORLD) ends the job in ~1 s after the stall.
-        pytest.xfail("the watchdog detected the stall but aborted on a duplicated communicator; across a cut "
-                     "link only MPI.COMM_WORLD.Abort ends the job (fix in mpisgd/watchdog.py)")
     assert not res.timed_out, f"job still running {CUT_BOUND_S} s after the cut:\n{res.stderr[-2000:]}"
     assert res.returncode != 0, "a job whose link was cut must not report success"
     assert "stall" in text.lower(), f"no stall report:\n{res.stderr[-2000:]}"
