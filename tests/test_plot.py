@@ -17,6 +17,13 @@ pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
+    a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD", "MPIR_CVAR_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)} | ONE_THREAD
+
+
 def is_png(path: Path) -> bool:
     return path.exists() and path.read_bytes()[:8] == PNG
 
@@ -64,7 +71,7 @@ def test_curves_from_metrics_files(tmp_path):
 def test_plot_cli_as_module(tmp_path):
     out = tmp_path / "lr.png"
     r = subprocess.run([sys.executable, "-m", "mpisgd.plot", "lr", "--out", str(out), "--epochs", "2"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr
     assert is_png(out)
 
@@ -103,7 +110,7 @@ def test_report_writer(tmp_path):
 def test_benchmark_quick_smoke_run(tmp_path):
     r = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64,1024",
                         "--recipes", "none,linear+warmup", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **ONE_THREAD})
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads((tmp_path / "large_batch.json").read_text())
     assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(64, "none"), (64, "linear+warmup"),
@@ -112,5 +119,5 @@ def test_benchmark_quick_smoke_run(tmp_path):
     assert is_png(tmp_path / "large_batch.png")
     again = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64",
                             "--recipes", "none", "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert "skipped" in again.stdout  # finished points are not rerun
