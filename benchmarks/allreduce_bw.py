@@ -62,7 +62,7 @@ def count_wrong(result: Any, k: int) -> int:
 def iterations(nbytes: int, args: argparse.Namespace) -> int:
     if args.iters:
         return args.iters
-    return max(5, min(200, int(args.bytes_per_size / max(nbytes, 1))))
+    return max(3, min(200, int(args.bytes_per_size / max(nbytes, 1))))
 
 
 def measure_all(reducers: dict[str, Reducer], comm: Any, backend: Backend, nbytes: int, dtype: np.dtype,
@@ -196,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
-    """Markdown: busbw per backend and size, with ring/mpi, auto/best(mpi, ring) and deterministic/ring."""
+    """Markdown: busbw per backend and size, then speed ratios (time of the reference / time of the backend):
+    ring/mpi, auto/best(mpi, ring), deterministic/ring and deterministic/auto (> 1: faster)."""
     rows = [r for r in records if r["inplace"] == inplace]
     by = {(r["backend"], r["size_bytes"]): r for r in rows}
     names = list(dict.fromkeys(r["backend"] for r in rows))
     ratios = [("ring/mpi", "ring", ("mpi",)), ("auto/best", "auto", ("mpi", "ring")),
-              ("det/ring", "deterministic", ("ring",))]
+              ("det/ring", "deterministic", ("ring",)), ("det/auto", "deterministic", ("auto",))]
     ratios = [x for x in ratios if x[1] in names and all(b in names for b in x[2])]
     head = ["size", *[f"{n} busbw" for n in names], "mpi time_us" if "mpi" in names else None,
             *[x[0] for x in ratios]]

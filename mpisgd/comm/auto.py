@@ -10,9 +10,10 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.mpi import MpiReducer, mpi_datatype
 from mpisgd.comm.ring import RingReducer
 
-# Measured with benchmarks/allreduce_bw.py at k = 2 on the development machine (docs/allreduce.md):
-# below this MPICH's Allreduce is faster (latency; its shared-memory path), from it on our ring is.
-CROSSOVER_BYTES = 1 << 20
+# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2, 2 shared cores; docs/allreduce.md):
+# below 16 MiB MPICH's Allreduce is as fast or faster (latency, its shared-memory collectives); from
+# 16 MiB on our ring is as fast, and 2-3x faster from 32 MiB, where MPICH's large-message path drops.
+CROSSOVER_BYTES = 16 << 20
 
 
 class AutoReducer(Reducer):
@@ -43,7 +44,7 @@ class AutoReducer(Reducer):
         return self._pick(buf).start(buf)
 
     def describe(self) -> str:
-        return f"auto (mpi below {self.crossover_bytes >> 10} KiB, else {self.ring.describe()})"
+        return f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB, else {self.ring.describe()})"
 
     def close(self) -> None:
         self.ring.close()
