@@ -13,11 +13,27 @@ Library use, Horovod-style::
 
 __version__ = "0.1.0"
 
-from mpisgd import nn  # noqa: E402
-from mpisgd.context import Context, init  # noqa: E402
-from mpisgd.optim import SGD  # noqa: E402
-from mpisgd.parallel import DataParallel, NonFiniteError, ReplicaError  # noqa: E402
-from mpisgd.schedule import Schedule, effective_batch, scaled_lr  # noqa: E402
+import importlib
+from typing import Any
+
+# Lazy attributes (PEP 562): `import mpisgd.config` or `python -m mpisgd.plot` must not start MPI,
+# which importing mpi4py.MPI (through context/parallel) does.
+_LAZY = {
+    "nn": ("mpisgd.nn", None), "Context": ("mpisgd.context", "Context"), "init": ("mpisgd.context", "init"),
+    "SGD": ("mpisgd.optim", "SGD"), "DataParallel": ("mpisgd.parallel", "DataParallel"),
+    "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
+    "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
+    "scaled_lr": ("mpisgd.schedule", "scaled_lr"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mpisgd' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    return value if attr is None else getattr(value, attr)
+
 
 __all__ = ["SGD", "Context", "DataParallel", "NonFiniteError", "ReplicaError", "Schedule", "__version__",
            "effective_batch", "init", "nn", "scaled_lr"]

@@ -105,6 +105,9 @@ class Config:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise UsageError("warmup length must be >= 0")
+        if self.warmup_steps is None and self.warmup_epochs > self.epochs:
+            raise UsageError(f"--warmup-epochs {self.warmup_epochs:g} is longer than the run "
+                             f"(--epochs {self.epochs})")
         if not 0 < self.decay_factor <= 1:
             raise UsageError(f"--decay-factor must be in (0, 1], got {self.decay_factor}")
         if self.decay == "step" and not self.decay_epochs:
