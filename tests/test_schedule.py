@@ -98,7 +98,9 @@ def test_from_config_all_phases():
 def test_warmup_longer_than_the_run_is_a_usage_error():
     with pytest.raises(UsageError, match="longer than the run"):
         Schedule(base_lr=0.1, peak_lr=0.2, warmup_steps=11, total_steps=10)
-    cfg = parse_config(["--warmup-epochs", "5", "--epochs", "3"])
+    with pytest.raises(UsageError, match="longer than the run"):  # caught at parse time
+        parse_config(["--warmup-epochs", "5", "--epochs", "3"], quiet=True)
+    cfg = parse_config(["--warmup-steps", "40", "--epochs", "3"])  # in steps: known only with the data
     with pytest.raises(UsageError, match="longer than the run"):
         Schedule.from_config(cfg, 1, steps_per_epoch=10, total_steps=30)
 
