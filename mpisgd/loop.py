@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -146,7 +147,7 @@ class Trainer:
         per_host: dict[str, int] = {}
         for h, _, _ in ranks:
             per_host[h] = per_host.get(h, 0) + 1
-        cores = default_threads(1)
+        cores = os.cpu_count() or 1  # the node's cores (a bound rank's affinity shows only its own)
         worst = max(per_host.values())
         if self.ctx.backend.device == "cpu" and worst * self.threads > cores:
             self.log(f"warning: {worst} rank(s) x {self.threads} thread(s) on a node with {cores} core(s): "

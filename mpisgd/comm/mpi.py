@@ -21,7 +21,9 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
     if dt is None:
         dtype = np.dtype(dtype)
         try:
-            dt = _PREDEFINED[dtype] = MPI.Datatype.fromcode(dtype.char)
+            # Datatype.fromcode is mpi4py >= 4; 3.x (Debian's python3-mpi4py) keeps the same table private
+            fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__
+            dt = _PREDEFINED[dtype] = fromcode(dtype.char)
         except (KeyError, ValueError):
             raise TypeError(f"no predefined MPI datatype for {dtype}") from None
     return dt
