@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from mpisgd.backend import Backend, select_backend, to_numpy  # noqa: E402
 from mpisgd.comm import create_reducer  # noqa: E402
 from mpisgd.comm.base import Reducer  # noqa: E402
+from mpisgd.comm.ring import RingReducer  # noqa: E402
 
 CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "hierarchical")
 GPU_BACKENDS = ("nccl", "mpi", "ring", "auto")
@@ -42,8 +43,14 @@ def parse_size(text: str) -> int:
 
 
 def make_reducer(name: str, comm: Any, backend: Backend, args: argparse.Namespace) -> Reducer:
-    if name == "deterministic":
-        return create_reducer("ring", comm, backend=backend, deterministic=True, cuda_aware=args.cuda_aware)
+    if name == "deterministic":  # the mechanism itself (create_reducer skips it at k <= 2, where it is not needed)
+        if backend.is_gpu:
+            from mpisgd.comm.cuda import DirectReducer, StagedReducer, probe_cuda_aware  # noqa: PLC0415
+
+            direct, why = probe_cuda_aware(comm, args.cuda_aware)
+            ring = RingReducer(comm, deterministic=True)
+            return DirectReducer(ring, why) if direct else StagedReducer(ring, why)
+        return RingReducer(comm, deterministic=True)
     return create_reducer(name, comm, backend=backend, cuda_aware=args.cuda_aware, compress=args.compress)
 
 

@@ -105,7 +105,7 @@ def test_test_alone_completes_an_operation():
     """Polling test() (as DataParallel does during backward) must finish the work without wait()."""
     comm = world()
     k, rank = comm.Get_size(), comm.Get_rank()
-    red = RingReducer(comm, segment_bytes=1024, window=2)
+    red = RingReducer(comm, segment_bytes=1024, window=2, det_gather_bytes=0)
     for det in (False, True):
         red.deterministic = det
         x = np.full(50_000, rank + 1, dtype="float64")
@@ -154,7 +154,8 @@ def test_deterministic_bitwise_equal_across_bucket_and_segment_sizes(dtype):
     results = []
     for segment_bytes, window, bucket in ((1 << 20, 4, None), (64, 2, 997), (256, 3, 4096), (40, 1, 13),
                                           (1 << 20, 4, 5)):
-        red = RingReducer(comm, deterministic=True, segment_bytes=segment_bytes, window=window)
+        red = RingReducer(comm, deterministic=True, segment_bytes=segment_bytes, window=window,
+                          det_gather_bytes=16 << 10)  # buckets of 13 and 997 gather, the others exchange
         y = x.copy()
         cuts = [0, y.size] if bucket is None else list(range(0, y.size, bucket)) + [y.size]
         for a, b in zip(cuts[:-1], cuts[1:]):
@@ -170,10 +171,10 @@ def test_deterministic_bitwise_equal_across_bucket_and_segment_sizes(dtype):
 
 
 def test_deterministic_small_and_large_paths_give_the_same_bits():
-    """Below DET_ALLGATHER_BYTES one Allgather, above it the exchange: the order, hence the bits, agree."""
+    """Below det_gather_bytes one Allgather, above it the exchange: the order, hence the bits, agree."""
     comm = world()
     x = np.random.default_rng(5 + comm.Get_rank()).standard_normal(20_000).astype("float32")
-    red = RingReducer(comm, deterministic=True)
+    red = RingReducer(comm, deterministic=True, det_gather_bytes=16 << 10)
     whole = x.copy()
     red.allreduce_(whole)
     tiny = x.copy()

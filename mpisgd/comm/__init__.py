@@ -18,7 +18,8 @@ strategy          when to use it
 
 Options: ``deterministic`` fixes the summation order (rank order, whatever the
 buffer boundaries) so results are bitwise reproducible across bucket sizes;
-``mpi``, ``ring`` and ``auto`` then all use the deterministic ring, and
+``mpi``, ``ring`` and ``auto`` then all use the deterministic ring (except at
+k <= 2, where any order gives the same bits and nothing changes), and
 ``nccl`` refuses. ``compress="fp16"`` sends float16 on the wire. With GPU
 buffers, ``cuda_aware`` (auto|direct|staged) decides whether MPI gets device
 pointers or pinned host copies; ``auto`` probes (see mpisgd.comm.cuda).
@@ -76,6 +77,8 @@ def create_reducer(name: str, comm: Any, *, backend: Any = None, deterministic: 
 
         red: Reducer = NcclReducer(comm)
         return CompressedReducer(red) if compress == "fp16" else red
+    if deterministic and comm.Get_size() <= 2 and name in ("auto", "mpi", "ring"):
+        deterministic = False  # two operands: a + b == b + a bitwise, every algorithm is already deterministic
     if name == "hierarchical":
         red = HierarchicalReducer(comm, deterministic=deterministic)
     elif deterministic or name == "ring" or (name == "mpi" and compress == "fp16" and not _mpi_sums_fp16()):

@@ -41,7 +41,8 @@ MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that the
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
-DET_ALLGATHER_BYTES = 16 << 10  # deterministic mode: below this, one MPI Allgather + ordered sum (latency-bound)
+DET_ALLGATHER_BYTES = 1 << 20  # deterministic: k * nbytes up to this: one MPI Allgather + ordered sum (at k = 2 the
+#                                same volume as the exchange, without its Python message rounds)
 
 
 def chunk_bounds(n: int, k: int) -> list[int]:
@@ -265,7 +266,7 @@ class _GatherSumOp:
     def __init__(self, red: RingReducer, src: Array, dst: Array) -> None:
         xp = red.xp_of(dst)
         k = red.size
-        gathered = xp.empty((k, dst.size), dtype=dst.dtype)
+        gathered = red.gather_buffer(k * dst.nbytes, xp).view(dst.dtype).reshape(k, dst.size)
         red.comm.Allgather(_bytes(src), _bytes(gathered.reshape(-1)))
         xp.add(gathered[0], gathered[1], out=dst)
         for j in range(2, k):
@@ -284,16 +285,18 @@ class RingReducer(Reducer):
     name = "ring"
 
     def __init__(self, comm: Any, *, deterministic: bool = False, segment_bytes: int = SEGMENT_BYTES,
-                 window: int = WINDOW) -> None:
+                 window: int = WINDOW, det_gather_bytes: int = DET_ALLGATHER_BYTES) -> None:
         if segment_bytes < 1 or window < 1:
             raise ValueError(f"segment_bytes and window must be >= 1, got {segment_bytes} and {window}")
         super().__init__(comm.Dup())  # our own tag space: never matches the caller's messages
         self.deterministic = deterministic
+        self.det_gather_bytes = det_gather_bytes
         self.segment_bytes = segment_bytes
         self.min_segment_bytes = min(segment_bytes, MIN_SEGMENT_BYTES)
         self.window = window
         self.tags = _Tags(self.comm, 2 * self.size)
         self._free: list[Array] = []  # scratch buffers, reused so pages are touched once
+        self._gather: dict[str, Array] = {}
 
     def describe(self) -> str:
         det = ", deterministic" if self.deterministic else ""
@@ -313,6 +316,13 @@ class RingReducer(Reducer):
             if s.dtype == dtype and s.size >= n and type(s).__module__ == xp.__name__.split(".")[0]:
                 return self._free.pop(idx)[:n]
         return xp.empty(n, dtype=dtype)
+
+    def gather_buffer(self, nbytes: int, xp: Any) -> Array:
+        """Bytes for the deterministic small path; grows only, so its pages are touched once (blocking use only)."""
+        buf = self._gather.get(xp.__name__)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._gather[xp.__name__] = xp.empty(max(nbytes, 4096), dtype=np.uint8)
+        return buf[:nbytes]
 
     def give_scratch(self, s: Array) -> None:
         base = s.base if s.base is not None else s
@@ -339,11 +349,12 @@ class RingReducer(Reducer):
             if src is not dst and dst.size:
                 dst[...] = src
             return Done()
-        if self.deterministic and dst.nbytes * self.size <= DET_ALLGATHER_BYTES:
+        if self.deterministic and dst.nbytes * self.size <= self.det_gather_bytes:
             return _GatherSumOp(self, src, dst)
         return RingOp(self, src, dst)
 
     def close(self) -> None:
         self._free.clear()
+        self._gather.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
