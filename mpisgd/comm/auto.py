@@ -10,10 +10,10 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.mpi import MpiReducer, mpi_datatype
 from mpisgd.comm.ring import RingReducer
 
-# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2, 2 shared cores; docs/allreduce.md):
-# below 16 MiB MPICH's Allreduce is as fast or faster (latency, its shared-memory collectives); from
-# 16 MiB on our ring is as fast, and 2-3x faster from 32 MiB, where MPICH's large-message path drops.
-CROSSOVER_BYTES = 16 << 20
+# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md): below 512 KiB
+# MPICH's Allreduce wins (latency: our ring pays 2(k-1) message rounds of Python); from 512 KiB our
+# ring is as fast or faster, and 2-3x faster from 32 MiB, where MPICH's large-message path drops.
+CROSSOVER_BYTES = 512 << 10
 
 
 class AutoReducer(Reducer):
