@@ -172,16 +172,17 @@ class StagedReducer(Reducer):
         d2h.wait_event(ready)
         step = max(1, self.chunk_bytes // flat.itemsize)
         bounds = [(a, min(a + step, flat.size)) for a in range(0, flat.size, step)]
+        size, base = flat.itemsize, host.ctypes.data
         copied = []
-        for a, b in bounds:
-            flat[a:b].get(stream=d2h, out=host[a:b])
+        for a, b in bounds:  # MemoryPointer's *_async copies: asynchronous in every CuPy version (get() may block)
+            flat[a:b].data.copy_to_host_async(ctypes.c_void_p(base + a * size), (b - a) * size, d2h)
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(d2h)
             copied.append(ev)
         for (a, b), ev in zip(bounds, copied):
             ev.synchronize()
             self.inner.allreduce_(host[a:b])
-            flat[a:b].set(host[a:b], stream=h2d)
+            flat[a:b].data.copy_from_host_async(ctypes.c_void_p(base + a * size), (b - a) * size, h2d)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(h2d)
         cupy.cuda.get_current_stream().wait_event(done)  # later kernels see the result

@@ -271,6 +271,8 @@ class _GatherSumOp:
         xp.add(gathered[0], gathered[1], out=dst)
         for j in range(2, k):
             xp.add(dst, gathered[j], out=dst)
+        if is_device_array(dst):  # complete means complete: the next MPI call may read dst
+            xp.cuda.get_current_stream().synchronize()
 
     def test(self) -> bool:
         return True
@@ -313,7 +315,7 @@ class RingReducer(Reducer):
 
     def take_scratch(self, dtype: Any, n: int, xp: Any) -> Array:
         for idx, s in enumerate(self._free):
-            if s.dtype == dtype and s.size >= n and type(s).__module__ == xp.__name__.split(".")[0]:
+            if s.dtype == dtype and s.size >= n and type(s).__module__.split(".")[0] == xp.__name__.split(".")[0]:
                 return self._free.pop(idx)[:n]
         return xp.empty(n, dtype=dtype)
 
