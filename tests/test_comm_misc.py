@@ -154,7 +154,8 @@ def test_benchmark_exits_non_zero_on_a_wrong_result(tmp_path):
 
 def test_mpi_suites_at_four_ranks():
     """The in-process MPI tests at k = 4 (oversubscribed: correctness, not speed)."""
-    res = run_mpi(4, "-m", "pytest", "tests/test_comm_ring.py", "tests/test_comm_hierarchical.py", "-q",
+    res = run_mpi(4, "-m", "pytest", "tests/test_comm_ring.py", "tests/test_comm_hierarchical.py",
+                  "tests/test_comm_training.py", "-q",
                   "-p", "no:cacheprovider", "--with-mpi", "--only-mpi", "-x",
                   timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
