@@ -120,6 +120,24 @@ def test_test_alone_completes_an_operation():
     red.close()
 
 
+def test_scratch_cap_limits_slices_in_flight_without_changing_results(monkeypatch):
+    from mpisgd.comm import ring
+
+    monkeypatch.setattr(ring, "SCRATCH_CAP_BYTES", 1)  # one slice in flight at a time
+    comm = world()
+    failures = []
+    for det in (False, True):
+        red = RingReducer(comm, deterministic=det, segment_bytes=256, det_gather_bytes=0)
+        for n in (5, 999, 4000):
+            x = local_values(n, "int64", comm.Get_rank())
+            want = oracle(comm, x)
+            red.allreduce_(x)
+            if not np.array_equal(x, want):
+                failures.append((det, n))
+        red.close()
+    assert all_ok(comm, failures) == []
+
+
 def test_many_random_lengths_against_mpi():
     comm = world()
     red = RingReducer(comm, segment_bytes=40, window=3)
