@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpisgd.comm import HierarchicalReducer, MpiReducer
+from mpisgd.comm import HierarchicalReducer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -30,8 +30,7 @@ def test_hierarchical_equals_mpi_with_faked_nodes(layout, deterministic):
     for dtype in ("int32", "int64", "float32", "float64", "float16"):
         for n in (1, 2, 3, 17, 5000):
             x = ((np.arange(n) + 5 * rank) % 9).astype(dtype)
-            want = x.copy()
-            MpiReducer(comm).allreduce_(want)
+            want = np.sum(comm.allgather(x), axis=0, dtype=np.int64).astype(dtype)  # exact: small integers
             h = red.start(x)
             h.test()
             h.wait()

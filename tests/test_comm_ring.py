@@ -33,8 +33,13 @@ def local_values(n: int, dtype: str, rank: int) -> np.ndarray:
 
 
 def oracle(comm, x: np.ndarray) -> np.ndarray:
+    """MPI_Allreduce's answer; where the library has no SUM for the dtype (float16 outside MPICH),
+    the exact sum of the gathered inputs (they are small integers)."""
     y = x.copy()
-    MpiReducer(comm).allreduce_(y)
+    try:
+        MpiReducer(comm).allreduce_(y)
+    except TypeError:
+        y = np.sum(comm.allgather(x), axis=0, dtype=np.int64).astype(x.dtype)
     return y
 
 
