@@ -35,7 +35,7 @@ from mpisgd.comm.auto import CROSSOVER_BYTES, AutoReducer
 from mpisgd.comm.base import Done, Handle, Reducer
 from mpisgd.comm.compress import CompressedReducer
 from mpisgd.comm.hierarchical import HierarchicalReducer
-from mpisgd.comm.mpi import MpiReducer, mpi_datatype
+from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
 STRATEGIES = ("auto", "mpi", "ring", "hierarchical", "nccl")
@@ -44,11 +44,7 @@ CUDA_AWARE = ("auto", "direct", "staged")
 
 
 def _mpi_sums_fp16() -> bool:
-    try:
-        mpi_datatype(np.float16)
-    except TypeError:
-        return False
-    return True
+    return mpi_sum_type(np.float16) is not None
 
 
 def create_reducer(name: str, comm: Any, *, backend: Any = None, deterministic: bool = False,

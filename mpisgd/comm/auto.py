@@ -7,7 +7,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpisgd.comm.base import Array, Handle, Reducer
-from mpisgd.comm.mpi import MpiReducer, mpi_datatype
+from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
 # Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md): below 512 KiB
@@ -28,14 +28,18 @@ class AutoReducer(Reducer):
         self.ring = ring or RingReducer(comm)
 
     def _pick(self, buf: Array) -> Reducer:
-        return self.mpi if buf.nbytes < self.crossover_bytes else self.ring
+        if buf.nbytes < self.crossover_bytes and mpi_sum_type(buf.dtype) is not None:
+            return self.mpi
+        return self.ring  # large, or a dtype the library cannot sum
 
     def allreduce_(self, buf: Array) -> None:
         if buf.nbytes < self.crossover_bytes:  # inlined: at 4 B every 100 ns is a few percent of the latency
-            if self.size > 1:
-                self.comm.Allreduce(MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], MPI.SUM)
-        else:
-            self.ring.allreduce_(buf)
+            dt = mpi_sum_type(buf.dtype)
+            if dt is not None:
+                if self.size > 1:
+                    self.comm.Allreduce(MPI.IN_PLACE, [buf, dt], MPI.SUM)
+                return
+        self.ring.allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
         self._pick(dst).allreduce(src, dst)

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpisgd.comm.base import Array, Done, Handle, Reducer
-from mpisgd.comm.mpi import mpi_datatype
+from mpisgd.comm.mpi import mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
 
@@ -96,10 +96,7 @@ class HierarchicalReducer(Reducer):
     def _node_phase(self, buf: Array, blocking: bool = False) -> Handle:
         if self.node.Get_size() == 1:
             return Done()
-        try:
-            dt = mpi_datatype(buf.dtype)
-        except TypeError:
-            dt = None
+        dt = mpi_sum_type(buf.dtype)
         if self.deterministic or dt is None:
             return self.node_ring.start(buf)
         send, recv = (MPI.IN_PLACE, [buf, dt]) if self.local_rank == 0 else ([buf, dt], None)

@@ -25,8 +25,22 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
             fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__
             dt = _PREDEFINED[dtype] = fromcode(dtype.char)
         except (KeyError, ValueError):
-            raise TypeError(f"no predefined MPI datatype for {dtype}") from None
+            raise TypeError(f"no predefined MPI datatype for {dtype}, so this MPI cannot sum it; "
+                            "use the ring or auto strategy") from None
     return dt
+
+
+_SUMMABLE: dict[Any, MPI.Datatype | None] = {}
+
+
+def mpi_sum_type(dtype: Any) -> MPI.Datatype | None:
+    """mpi_datatype, or None where the library has none (float16 outside MPICH): callers pick the ring."""
+    if dtype not in _SUMMABLE:
+        try:
+            _SUMMABLE[dtype] = mpi_datatype(dtype)
+        except TypeError:
+            _SUMMABLE[dtype] = None
+    return _SUMMABLE[dtype]
 
 
 def mpi_buffer(buf: Array) -> list[Any]:

@@ -59,6 +59,11 @@ def _bytes(a: Array) -> list[Any]:
     return [a.view(np.uint8), MPI.BYTE]  # CuPy's view accepts NumPy dtypes too
 
 
+def _human(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and not nbytes % (1 << 20) else \
+        f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 and not nbytes % (1 << 10) else f"{nbytes} B"
+
+
 def _flat(buf: Array, what: str) -> Array:
     if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
         raise ValueError(f"{what} must be a contiguous array (got strides {buf.strides}); pass a copy")
@@ -302,7 +307,7 @@ class RingReducer(Reducer):
 
     def describe(self) -> str:
         det = ", deterministic" if self.deterministic else ""
-        seg = f"{self.min_segment_bytes >> 10}-{self.segment_bytes >> 10} KiB"
+        seg = f"{_human(self.min_segment_bytes)}-{_human(self.segment_bytes)}"
         return f"ring (segments of {seg}, window {self.window}{det})"
 
     @staticmethod
