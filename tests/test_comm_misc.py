@@ -4,6 +4,7 @@ CPU machine, the benchmark's helpers; and, through run_mpi, the MPI suites at k 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -15,6 +16,11 @@ from mpisgd.comm.ring import RingReducer, chunk_bounds
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_bw  # noqa: E402
+
+# scripts/test.sh also runs this file on every rank under mpiexec (pytest-mpi's --with-mpi keeps
+# unmarked tests): the tests that start their own processes run once, in the serial pass.
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+own_processes = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 
 
 def self_comm():
@@ -69,6 +75,7 @@ def test_factory_errors_say_how_to_fix_them(kwargs, match):
         create_reducer(name, self_comm(), **kwargs)
 
 
+@own_processes
 def test_cpu_path_never_imports_cupy():
     code = ("import sys, numpy as np; from mpi4py import MPI; from mpisgd.comm import create_reducer\n"
             "for n in ('auto', 'mpi', 'ring', 'hierarchical'):\n"
@@ -77,7 +84,10 @@ def test_cpu_path_never_imports_cupy():
             "assert 'cupy' not in sys.modules, 'cupy imported'\n")
     import subprocess
 
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    from mpisgd.comm.cuda import _child_env
+
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env=_child_env())
     assert res.returncode == 0, res.stderr
 
 
@@ -112,6 +122,7 @@ def test_benchmark_check_counts_wrong_elements():
     assert allreduce_bw.count_wrong(bad, k) == 2
 
 
+@own_processes
 def test_benchmark_runs_verifies_and_writes_json_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bw.jsonl", tmp_path / "bw.png"
@@ -129,6 +140,7 @@ def test_benchmark_runs_verifies_and_writes_json_and_plot(tmp_path):
     assert "out of bounds values: 0 OK" in res.stdout
 
 
+@own_processes
 def test_benchmark_exits_non_zero_on_a_wrong_result(tmp_path):
     """A reducer that adds 1 to element 0 must be caught by the #wrong column and the exit code."""
     script = tmp_path / "broken.py"
@@ -152,6 +164,7 @@ def test_benchmark_exits_non_zero_on_a_wrong_result(tmp_path):
     assert "ERROR" in res.stdout
 
 
+@own_processes
 def test_mpi_suites_at_four_ranks():
     """The in-process MPI tests at k = 4 (oversubscribed: correctness, not speed)."""
     res = run_mpi(4, "-m", "pytest", "tests/test_comm_ring.py", "tests/test_comm_hierarchical.py",
