@@ -115,7 +115,8 @@ def test_configuration_mismatch_names_the_odd_rank(tag: str) -> None:
     env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
     r = subprocess.run([*cmd, ":", *odd], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("mpisgd: error") == 1 and "--hidden is (32,) on rank 0 but (64,) on rank 2" in r.stderr, r.stderr
+    assert r.stderr.count("mpisgd: error") == 1, r.stderr
+    assert "--hidden is (32,) on rank 0 but (64,) on rank 2" in r.stderr, r.stderr
     assert_no_rank_left(tag)
 
 
