@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
+    if "--threads" not in train_args:  # the reference workload: one BLAS thread per rank at every k
+        train_args += ["--threads", "1"]
     ks = [int(k) for k in args.ks.split(",")]
     hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
