@@ -45,7 +45,11 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Read one IDX file (``.gz`` or plain) into a NumPy array in native byte order."""
     path = Path(path)
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:  # streamed: the compressed bytes are never all in memory
+                raw = f.read()
+        else:
+            raw = path.read_bytes()
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
@@ -59,7 +63,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if len(raw) != expected:
         what = "truncated" if len(raw) < expected else "longer than its header says"
         raise DataError(f"{path} is {what}: dims {dims} need {expected} bytes, file has {len(raw)}")
-    return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+    data = np.frombuffer(raw, dtype, offset=header).reshape(dims)
+    if dtype.itemsize == 1:
+        return data  # bytes have no byte order: keep the (read-only) view, no 47 MB copy
+    return data.astype(dtype.newbyteorder("="))
 
 
 def _find(directory: Path, stem: str) -> Path | None:
