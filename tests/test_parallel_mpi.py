@@ -146,3 +146,18 @@ def test_nonfinite_gradient_stops_every_rank_together():
     dp.train_step([(x, y)], lr=0.1)
     assert dp.skipped_steps == 1 and np.array_equal(before, dp.flat.params)
     dp.close()
+
+
+def test_a_rank_out_of_step_fails_fast_on_every_rank():
+    """A rank one step ahead is named before any gradient of the step is reduced."""
+    comm = world()
+    dp = train(comm, 8, 2)
+    if comm.Get_rank() == comm.Get_size() - 1:
+        dp.step_count += 1
+    data = synthetic(64, seed=3)
+    x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
+    before = dp.flat.params.copy()
+    with pytest.raises(ReplicaError, match=rf"rank\(s\) \[{comm.Get_size() - 1}\] out of step"):
+        dp.train_step([(x, y)], lr=0.1)
+    assert np.array_equal(before, dp.flat.params)  # nothing was reduced or applied
+    dp.close()
