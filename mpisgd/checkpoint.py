@@ -61,11 +61,6 @@ def save_params(path: str, model: Any) -> None:
     atomic_savez(path, flat=to_numpy(model.flat.params), **named)
 
 
-def load_params(path: str) -> np.ndarray:
-    with np.load(path, allow_pickle=False) as z:
-        return z["flat"]
-
-
 @dataclass
 class TrainState:
     params: np.ndarray

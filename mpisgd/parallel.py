@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,9 @@ class Bucket:
     start: int  # element range [start, stop) of the flat gradient buffer
     stop: int
     first_layer: int  # the lowest layer index in the bucket: done last in backward
+    name: str = ""  # for the timeline, made once (not per step)
     handle: Handle | None = None
-    t_start: float = 0.0
+    t_start: float = 0.0  # when its all-reduce started; 0 once it is seen complete
 
 
 @dataclass
@@ -60,11 +62,6 @@ class StepTimes:
     optimizer: float = 0.0
     steps: int = 0
     bytes_reduced: int = 0
-    bucket_times: list[tuple[int, float]] = field(default_factory=list)  # (nbytes, seconds) per bucket
-
-    @property
-    def compute(self) -> float:
-        return self.forward + self.backward + self.optimizer
 
 
 def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
@@ -80,6 +77,8 @@ def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list
             current, cap = [], bucket_cap_mb * 2**20
     if current:
         buckets.append(Bucket(current[-1][1], current[0][2], current[-1][0]))
+    for i, bucket in enumerate(buckets):
+        bucket.name = f"allreduce b{i}"
     return buckets
 
 
@@ -91,11 +90,7 @@ def shapes_digest(model: Sequential) -> str:
 
 def differing_ranks(values: Sequence[Any]) -> list[int]:
     """Ranks whose value differs from the most common one (rank 0's on a tie)."""
-    counts: dict[Any, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    best = max(counts.values())
-    majority = values[0] if counts[values[0]] == best else max(counts, key=counts.__getitem__)
+    majority = Counter(values).most_common(1)[0][0]  # ties go to the first seen: rank 0's
     return [r for r, v in enumerate(values) if v != majority]
 
 
@@ -257,7 +252,7 @@ class DataParallel:
 
     def _start(self, bucket: Bucket) -> None:
         self._sync()
-        self.timeline.begin(f"allreduce b{self.buckets.index(bucket)}", cat="comm")
+        self.timeline.begin(bucket.name, cat="comm")
         bucket.t_start = time.perf_counter()
         bucket.handle = self.reducer.start(self.flat.grads[bucket.start:bucket.stop])
 
@@ -266,8 +261,7 @@ class DataParallel:
         nbytes = (bucket.stop - bucket.start) * self.flat.dtype.itemsize
         self.times.comm_total += elapsed
         self.times.bytes_reduced += nbytes
-        self.times.bucket_times.append((nbytes, elapsed))
-        self.timeline.end(f"allreduce b{self.buckets.index(bucket)}", cat="comm")
+        self.timeline.end(bucket.name, cat="comm")
         bucket.t_start = 0.0  # marks it complete
 
     def finish_gradients(self) -> None:

@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.backend import is_device_array
+
 Array = Any  # numpy.ndarray or cupy.ndarray
 
 
 def xp_of(a: Array) -> Any:
     """The array module of ``a``, without importing CuPy for NumPy arrays."""
-    if type(a).__module__.split(".")[0] == "cupy":
+    if is_device_array(a):
         import cupy  # noqa: PLC0415
 
         return cupy
