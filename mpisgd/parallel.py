@@ -235,7 +235,10 @@ class DataParallel:
         mine = np.array([self.step_count, self.flat.size, self.flat.dtype.itemsize, len(self.buckets)],
                         dtype=np.int64)
         every = np.empty((self.k, mine.size), dtype=np.int64)
+        # watched like every blocking collective: a rank stopped between steps waits here
+        self.watchdog.enter(f"step check-in of step {self.step_count}")
         self.comm.Allgather(mine, every)
+        self.watchdog.exit()
         if (every != every[0]).any():
             rows = [tuple(int(v) for v in row) for row in every]
             bad = differing_ranks(rows)

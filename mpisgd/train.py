@@ -11,6 +11,7 @@ import sys
 import traceback
 from typing import Any
 
+from mpisgd.abort import abort_job
 from mpisgd.config import Config, UsageError, parse_config
 
 
@@ -58,7 +59,7 @@ def _report(exc: BaseException, world: Any) -> int:
     if size > 1:
         print(f"mpisgd: rank {rank} aborts the job (MPI_Abort) so that no rank waits forever",
               file=sys.stderr, flush=True)
-        world.Abort(code)
+        abort_job(world, code)
     return code
 
 

@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Any
 
+from mpisgd.abort import abort_job
+
 TAG = 7_340  # our own duplicate communicator: no other traffic can match it
 PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
 
@@ -192,7 +194,7 @@ class Watchdog:
 
     def _abort(self) -> None:
         _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
-        self.abort_comm.Abort(1)
+        abort_job(self.abort_comm, 1)
 
 
 def _say(msg: str) -> None:

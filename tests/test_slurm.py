@@ -121,7 +121,7 @@ SchedulerParameters=sched_interval=2
 KillWait=5
 # MPICH names its /dev/shm segment after <job id>.<step id> under srun, and killed jobs leave theirs
 # behind: job ids that start where the last test's did would attach to those (see docs/slurm.md)
-FirstJobId={secrets.randbelow(10**8) + 10**6}
+FirstJobId={secrets.randbelow(6 * 10**7) + 10**6}
 NodeName={host} CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)

@@ -78,6 +78,40 @@ def test_stall_abort_ends_the_job_promptly(tmp_path: Path) -> None:
     assert "done" not in proc.stdout
 
 
+DP_SCRIPT = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+sys.path.insert(0, {root!r})
+import mpisgd
+from mpisgd.watchdog import Watchdog
+
+comm = MPI.COMM_WORLD
+model = mpisgd.nn.mlp((8,)).materialize(np, "float64", seed=0)
+wd = Watchdog(comm, 1.0)
+dp = mpisgd.DataParallel(model, mpisgd.SGD(model.flat), comm, watchdog=wd)
+rng = np.random.default_rng(comm.Get_rank())
+x, y = rng.standard_normal((4, 784)), rng.integers(0, 10, 4)
+for step in range(4):
+    if step == 2 and comm.Get_rank() == 1:
+        time.sleep(3.0)  # between steps: the others wait in the next step's first collective
+    dp.train_step([(x, y)], lr=0.1)
+dp.close()
+print(f"rank {{comm.Get_rank()}} done", flush=True)
+"""
+
+
+def test_a_rank_late_between_steps_is_named(tmp_path: Path) -> None:
+    """The first collective of a step (the check-in) is watched too, not only the gradient all-reduce."""
+    script = tmp_path / "late_step.py"
+    script.write_text(DP_SCRIPT.format(root=str(ROOT)))
+    proc = run_mpi(2, str(script), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stall: step check-in of step 2 waited" in proc.stderr, proc.stderr
+    assert "ranks [0] reached it, ranks [1] have not" in proc.stderr, proc.stderr
+    assert proc.stdout.count("done") == 2
+
+
 def test_timeout_must_be_positive() -> None:
     from mpisgd.watchdog import Watchdog
 
