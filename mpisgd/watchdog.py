@@ -101,6 +101,9 @@ class Watchdog:
     def close(self) -> None:
         """Stop the thread and free the duplicate communicator (every rank calls this)."""
         if self._thread is not None:
+            # rank 0 waits here for every rank's "close": watched like a collective, so a rank that
+            # stops after the last collective is still named (and aborted) instead of hanging rank 0
+            self.enter("shutdown (every rank closing the watchdog)")
             if self.rank != 0 and self.threaded:
                 self._pending.append(self.comm.isend(("close",), 0, TAG))
                 self._MPI.Request.waitall(self._pending)
@@ -109,6 +112,7 @@ class Watchdog:
             while self._thread.is_alive():  # rank 0's thread leaves once every rank said close
                 self._thread.join(1.0)
             self._settle_notices()
+            self.exit()
         self.comm.Free()
 
     def _settle_notices(self) -> None:

@@ -112,6 +112,44 @@ def test_a_rank_late_between_steps_is_named(tmp_path: Path) -> None:
     assert proc.stdout.count("done") == 2
 
 
+CLOSE_SCRIPT = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+sys.path.insert(0, {root!r})
+from mpisgd.watchdog import Watchdog
+
+comm = MPI.COMM_WORLD
+wd = Watchdog(comm, 1.0, sys.argv[1] == "1")
+wd.enter("gradient all-reduce of step 0")
+comm.Allreduce(MPI.IN_PLACE, np.ones(4))
+wd.exit()
+if comm.Get_rank() == 1:
+    time.sleep(float(sys.argv[2]))  # after the last collective: rank 0 waits for it in close()
+wd.close()
+print(f"rank {{comm.Get_rank()}} done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_rank_late_to_close_is_named(tmp_path: Path, abort: bool) -> None:
+    """Rank 0's close() waits for every rank: a rank that stops after the last collective is named too,
+    and with abort the job ends instead of hanging in close()."""
+    script = tmp_path / "late_close.py"
+    script.write_text(CLOSE_SCRIPT.format(root=str(ROOT)))
+    t0 = time.monotonic()
+    proc = run_mpi(2, str(script), "1" if abort else "0", "100" if abort else "3", timeout=90)
+    assert "stall: shutdown (every rank closing the watchdog) waited" in proc.stderr, proc.stderr
+    assert "ranks [0] reached it, ranks [1] have not" in proc.stderr, proc.stderr
+    if abort:
+        assert proc.returncode != 0 and "aborts the job (--stall-abort)" in proc.stderr
+        assert time.monotonic() - t0 < 30
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "stall resolved: shutdown" in proc.stderr
+        assert proc.stdout.count("done") == 2
+
+
 def test_timeout_must_be_positive() -> None:
     from mpisgd.watchdog import Watchdog
 
