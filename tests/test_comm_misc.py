@@ -53,6 +53,22 @@ def test_one_rank_is_a_no_op_for_every_cpu_strategy(name, deterministic, compres
     assert np.array_equal(out, x)
 
 
+def test_auto_crosses_over_where_measured_in_place_and_out_of_place():
+    from mpisgd.comm.auto import CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES, AutoReducer
+
+    red = AutoReducer(self_comm())
+    just_below, at = np.empty(CROSSOVER_BYTES // 4 - 1, "float32"), np.empty(CROSSOVER_BYTES // 4, "float32")
+    assert red._pick(just_below, red.crossover_bytes) is red.mpi
+    assert red._pick(at, red.crossover_bytes) is red.ring
+    assert red.oop_crossover_bytes == OUT_OF_PLACE_CROSSOVER_BYTES < CROSSOVER_BYTES
+    assert red._pick(np.empty(OUT_OF_PLACE_CROSSOVER_BYTES // 4, "float32"), red.oop_crossover_bytes) is red.ring
+    assert "1 MiB in place, 0.25 MiB out of place" in red.describe()
+    red.close()
+    one = AutoReducer(self_comm(), crossover_bytes=1024)  # an explicit crossover applies to both modes
+    assert one.oop_crossover_bytes == 1024
+    one.close()
+
+
 def test_ring_rejects_a_non_contiguous_buffer_and_bad_parameters():
     red = RingReducer(self_comm())
     with pytest.raises(ValueError, match="contiguous"):

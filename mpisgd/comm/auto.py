@@ -10,25 +10,38 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
-# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md): below 512 KiB
-# MPICH's Allreduce wins (latency: our ring pays 2(k-1) message rounds of Python); from 512 KiB our
-# ring is as fast or faster, and 2-3x faster from 32 MiB, where MPICH's large-message path drops.
-CROSSOVER_BYTES = 512 << 10
+# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md), two quiet runs:
+# below the crossover MPICH's Allreduce wins (latency: our ring pays 2(k-1) message rounds of Python);
+# above it our ring is as fast or faster, and 2-3x faster from 32 MiB, where MPICH's large-message path
+# drops. MPICH's in-place path is the quicker one at mid sizes, so the two modes cross at different
+# sizes: in place, ring/mpi was 0.94 and 0.88 at 512 KiB and 1.03-1.04 at 1 MiB; out of place, 0.73-0.77
+# at 128 KiB and 1.03-1.05 at 256 KiB. Training buckets are in place.
+CROSSOVER_BYTES = 1 << 20
+OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
 
 
 class AutoReducer(Reducer):
-    """Per buffer: ``mpi`` when ``nbytes < crossover_bytes``, else ``ring``; one size test of overhead."""
+    """Per buffer: ``mpi`` below the crossover, else ``ring``; one size test of overhead.
+
+    ``crossover_bytes`` applies in place (``allreduce_``, ``start``); out of place uses
+    ``out_of_place_crossover_bytes``, which defaults to the measured value when ``crossover_bytes``
+    is left at its default and to ``crossover_bytes`` when that is given."""
 
     name = "auto"
 
-    def __init__(self, comm: Any, *, crossover_bytes: int = CROSSOVER_BYTES, ring: RingReducer | None = None) -> None:
+    def __init__(self, comm: Any, *, crossover_bytes: int = CROSSOVER_BYTES,
+                 out_of_place_crossover_bytes: int | None = None, ring: RingReducer | None = None) -> None:
         super().__init__(comm)
         self.crossover_bytes = crossover_bytes
+        if out_of_place_crossover_bytes is None:
+            out_of_place_crossover_bytes = OUT_OF_PLACE_CROSSOVER_BYTES if crossover_bytes == CROSSOVER_BYTES \
+                else crossover_bytes
+        self.oop_crossover_bytes = out_of_place_crossover_bytes
         self.mpi = MpiReducer(comm)
         self.ring = ring or RingReducer(comm)
 
-    def _pick(self, buf: Array) -> Reducer:
-        if buf.nbytes < self.crossover_bytes and mpi_sum_type(buf.dtype) is not None:
+    def _pick(self, buf: Array, crossover_bytes: int) -> Reducer:
+        if buf.nbytes < crossover_bytes and mpi_sum_type(buf.dtype) is not None:
             return self.mpi
         return self.ring  # large, or a dtype the library cannot sum
 
@@ -42,13 +55,14 @@ class AutoReducer(Reducer):
         self.ring.allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
-        self._pick(dst).allreduce(src, dst)
+        self._pick(dst, self.oop_crossover_bytes).allreduce(src, dst)
 
     def start(self, buf: Array) -> Handle:
-        return self._pick(buf).start(buf)
+        return self._pick(buf, self.crossover_bytes).start(buf)
 
     def describe(self) -> str:
-        return f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB, else {self.ring.describe()})"
+        return (f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB in place, "
+                f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, else {self.ring.describe()})")
 
     def close(self) -> None:
         self.ring.close()
