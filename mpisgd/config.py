@@ -67,7 +67,8 @@ class Config:
                                   "through pinned host memory (staged)", ("auto", "direct", "staged"))
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
-    stall_timeout: float = opt(0.0, "seconds before a stalled collective is reported (0: never)")
+    stall_timeout: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
+                                      "reached it (0: no watchdog)")
     stall_abort: bool = opt(False, "abort the job when the stall check fires")
     # files and output
     metrics_file: str | None = opt(None, "append one JSON object per epoch to this file (rank 0)")

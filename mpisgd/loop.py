@@ -318,7 +318,10 @@ class Trainer:
                      f"{last['comm_total_ms']:.2f} ms/step in flight; compare benchmarks/allreduce_bw.py")
         self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s")
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
+        """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
+        machinery, which every rank must do together (the watchdog waits for every rank's close)."""
         self.metrics.close()
-        self.dp.close()
+        if collective:
+            self.dp.close()
 

@@ -297,6 +297,8 @@ class DataParallel:
             sync_device(self.backend)
 
     def close(self) -> None:
+        """Collective: every rank calls it together. A rank that fails alone must not call it (with a
+        watchdog, rank 0 would wait for the others' close); abort the job instead."""
         self.watchdog.close()
         self.reducer.close()
         self.comm.Free()

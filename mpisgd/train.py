@@ -64,13 +64,22 @@ def _report(exc: BaseException, world: Any) -> int:
 
 
 def run(cfg: Config, world: Any) -> int:
+    from mpisgd.context import AgreedError  # noqa: PLC0415
     from mpisgd.loop import Trainer  # noqa: PLC0415 - heavy imports after argument checks
+    from mpisgd.parallel import NonFiniteError, ReplicaError  # noqa: PLC0415
 
     trainer = Trainer(cfg, world)
     try:
         trainer.fit()
-    finally:
+    except (AgreedError, ReplicaError, NonFiniteError):  # raised by every rank together
         trainer.close()
+        raise
+    except BaseException:
+        # only this rank failed: the others may be inside a collective, so no collective shutdown
+        # (it would wait for them for ever); keep the metrics written so far, then _report aborts
+        trainer.close(collective=False)
+        raise
+    trainer.close()
     return 0
 
 

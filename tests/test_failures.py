@@ -76,12 +76,13 @@ def assert_no_rank_left(tag: str) -> None:
 
 
 # -- an exception on one rank ----------------------------------------------------------------
-@pytest.mark.parametrize("k", [2, 3])
-def test_exception_on_one_rank_ends_the_job(k: int, tag: str) -> None:
-    r, elapsed = launch(k, tag, *SYNTH, "--fail-at-step", "5", "--fail-rank", "1")
+# rank 0 too: it runs the watchdog's thread (on by default), whose shutdown waits for every rank
+@pytest.mark.parametrize(("k", "failing"), [(2, 1), (3, 1), (2, 0), (3, 0)])
+def test_exception_on_one_rank_ends_the_job(k: int, failing: int, tag: str) -> None:
+    r, elapsed = launch(k, tag, *SYNTH, "--fail-at-step", "5", "--fail-rank", str(failing), timeout=90)
     assert r.returncode != 0
     assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
-    assert f"mpisgd: rank 1 of {k} failed" in r.stderr, r.stderr
+    assert f"mpisgd: rank {failing} of {k} failed" in r.stderr, r.stderr
     assert "RuntimeError: injected failure at step 5" in r.stderr, r.stderr
     assert "final test accuracy" not in r.stdout
     assert_no_rank_left(tag)
