@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
     args = parser.parse_args()
     result = numpy_loop(args) if args.impl == "numpy" else torch_ddp(args)
+    from mpisgd.metrics import peak_rss_mib  # noqa: PLC0415
+
+    result["peak_rss_mib"] = peak_rss_mib()  # rank 0's (DDP ranks hold the same)
     if result.pop("rank", 0) == 0:
         print(json.dumps(result))
 

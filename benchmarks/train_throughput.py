@@ -47,7 +47,7 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str) -> dict:
     epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
     last = epochs[-1]
     return {"impl": f"mpisgd k={k}", "k": k, "samples_per_s": last["samples_per_s"],
-            **{key: last[key] for key in SPLIT}}
+            **{key: last[key] for key in SPLIT}, "peak_rss_mib": last.get("peak_rss_mib", float("nan"))}
 
 
 def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str) -> dict | None:
@@ -102,11 +102,11 @@ def main() -> None:
     print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
           f"rank unless noted; medians of {args.repeats} interleaved launches; extra args: {' '.join(train_args)}")
     print(f"{'implementation':<22}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
-          f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}")
+          f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}{'peak MiB':>10}")
     for name, s in summary.items():
         eff = s["samples_per_s"] / (s["k"] * base) if base and name.startswith("mpisgd") else float("nan")
         cols = "".join(f"{s.get(key, float('nan')):>{w}.2f}" for key, w in zip(SPLIT, (8, 8, 9, 9, 8, 9)))
-        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}")
+        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{s.get('peak_rss_mib', float('nan')):>10.0f}")
         s["efficiency"] = eff
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

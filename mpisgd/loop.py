@@ -15,7 +15,7 @@ from mpisgd.checkpoint import CheckpointError, TrainState, check_compatible, fin
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, default_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
-from mpisgd.metrics import MetricsWriter, format_epoch, progress_bar
+from mpisgd.metrics import MetricsWriter, format_epoch, peak_rss_mib, progress_bar
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError
@@ -280,6 +280,7 @@ class Trainer:
         self.world.Allreduce(local, total, op=MPI.SUM)
         mean = total / self.k
         test_acc = self.evaluate()
+        peak_mib = self.world.allreduce(peak_rss_mib(), op=MPI.MAX)  # the largest rank's peak
         self.dp.watchdog.exit()
         step_time = train_time / max(1, steps)
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
@@ -296,6 +297,7 @@ class Trainer:
             "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
             "world_size": self.k, "effective_batch": self.B,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (self.k - 1) / self.k,
+            "peak_rss_mib": peak_mib,
         }
         self.history.append(record)
         self.metrics.write(record)
@@ -316,7 +318,8 @@ class Trainer:
             self.log(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s achieved in training (start "
                      f"to completion, overlapped with backward), {last['comm_exposed_ms']:.2f} ms/step exposed of "
                      f"{last['comm_total_ms']:.2f} ms/step in flight; compare benchmarks/allreduce_bw.py")
-        self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s")
+        peak = f" | peak memory {last['peak_rss_mib']:.0f} MiB per rank (RSS, largest rank)" if last else ""
+        self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s{peak}")
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel

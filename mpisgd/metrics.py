@@ -8,6 +8,16 @@ import sys
 from typing import Any
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix only
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
 class MetricsWriter:
     """Appends one JSON object per line; a no-op on ranks other than 0 or without a path."""
 

@@ -54,6 +54,9 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     for key in ("epoch", "step", "lr", "train_loss", "test_acc", "samples_per_s", "comm_frac"):
         assert key in epochs[-1]
     assert 0.6 < epochs[-1]["test_acc"] <= 1.0 and epochs[-1]["train_loss"] < epochs[0]["train_loss"] * 1.2
+    # peak memory of the largest rank: above the 47 MiB uint8 training set every rank holds, below 1 GiB
+    assert 47 < epochs[-1]["peak_rss_mib"] < 1024, epochs[-1]
+    assert f"peak memory {epochs[-1]['peak_rss_mib']:.0f} MiB per rank" in out
     steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind":"step"' in line]
     assert len(steps) == epochs[-1]["step"] == 2 * (4096 // 128)
 
