@@ -12,12 +12,12 @@ from typing import Any
 GRACE_S = 1.0
 
 
-def abort_job(comm: Any, code: int, grace_s: float | None = None) -> None:
-    """Flush our streams, give the launcher ``grace_s`` to forward them, then ``MPI_Abort(comm, code)``."""
+def abort_job(comm: Any, code: int) -> None:
+    """Flush our streams, give the launcher ``GRACE_S`` to forward them, then ``MPI_Abort(comm, code)``."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream must not stop the abort
             pass
-    time.sleep(GRACE_S if grace_s is None else grace_s)
+    time.sleep(GRACE_S)
     comm.Abort(code)

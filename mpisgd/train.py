@@ -41,10 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 def _report(exc: BaseException, world: Any) -> int:
     """Agreed errors: rank 0 prints one line, every rank returns. Others: print with rank, abort all."""
     from mpisgd.context import AgreedError  # noqa: PLC0415
-    from mpisgd.parallel import NonFiniteError, ReplicaError  # noqa: PLC0415
 
     rank, size = world.Get_rank(), world.Get_size()
-    if isinstance(exc, (AgreedError, ReplicaError, NonFiniteError)):  # raised by every rank together
+    if isinstance(exc, _errors_every_rank_raises()):
         if rank == 0:
             print(f"mpisgd: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code if isinstance(exc, AgreedError) else 1
@@ -63,15 +62,21 @@ def _report(exc: BaseException, world: Any) -> int:
     return code
 
 
-def run(cfg: Config, world: Any) -> int:
+def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
+    """Errors raised by every rank together (decided collectively): no abort, a collective shutdown."""
     from mpisgd.context import AgreedError  # noqa: PLC0415
-    from mpisgd.loop import Trainer  # noqa: PLC0415 - heavy imports after argument checks
     from mpisgd.parallel import NonFiniteError, ReplicaError  # noqa: PLC0415
+
+    return AgreedError, ReplicaError, NonFiniteError
+
+
+def run(cfg: Config, world: Any) -> int:
+    from mpisgd.loop import Trainer  # noqa: PLC0415 - heavy imports after argument checks
 
     trainer = Trainer(cfg, world)
     try:
         trainer.fit()
-    except (AgreedError, ReplicaError, NonFiniteError):  # raised by every rank together
+    except _errors_every_rank_raises():
         trainer.close()
         raise
     except BaseException:

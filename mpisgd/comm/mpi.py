@@ -48,7 +48,9 @@ def mpi_buffer(buf: Array) -> list[Any]:
     return [buf, mpi_datatype(buf.dtype)]
 
 
-class _Request:
+class RequestHandle:
+    """A Handle over one non-blocking MPI request."""
+
     def __init__(self, req: MPI.Request) -> None:
         self.req = req
 
@@ -75,4 +77,4 @@ class MpiReducer(Reducer):
             dst[...] = src
 
     def start(self, buf: Array) -> Handle:
-        return _Request(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM))
+        return RequestHandle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM))
