@@ -54,14 +54,16 @@ def test_one_rank_is_a_no_op_for_every_cpu_strategy(name, deterministic, compres
 
 
 def test_auto_crosses_over_where_measured_in_place_and_out_of_place():
-    from mpisgd.comm.auto import CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES, AutoReducer
+    from mpisgd.comm.auto import P2P_CROSSOVER_BYTES, P2P_OUT_OF_PLACE_CROSSOVER_BYTES, AutoReducer
 
-    red = AutoReducer(self_comm())
-    just_below, at = np.empty(CROSSOVER_BYTES // 4 - 1, "float32"), np.empty(CROSSOVER_BYTES // 4, "float32")
+    red = AutoReducer(self_comm())  # one rank: no shared window, so the point-to-point ring's crossovers
+    assert red.ring.shm is None
+    cross, oop = P2P_CROSSOVER_BYTES, P2P_OUT_OF_PLACE_CROSSOVER_BYTES
+    just_below, at = np.empty(cross // 4 - 1, "float32"), np.empty(cross // 4, "float32")
     assert red._pick(just_below, red.crossover_bytes) is red.mpi
     assert red._pick(at, red.crossover_bytes) is red.ring
-    assert red.oop_crossover_bytes == OUT_OF_PLACE_CROSSOVER_BYTES < CROSSOVER_BYTES
-    assert red._pick(np.empty(OUT_OF_PLACE_CROSSOVER_BYTES // 4, "float32"), red.oop_crossover_bytes) is red.ring
+    assert red.oop_crossover_bytes == oop < cross
+    assert red._pick(np.empty(oop // 4, "float32"), red.oop_crossover_bytes) is red.ring
     assert "1 MiB in place, 0.25 MiB out of place" in red.describe()
     red.close()
     one = AutoReducer(self_comm(), crossover_bytes=1024)  # an explicit crossover applies to both modes
@@ -76,6 +78,8 @@ def test_ring_rejects_a_non_contiguous_buffer_and_bad_parameters():
     red.close()
     with pytest.raises(ValueError, match="segment_bytes"):
         RingReducer(self_comm(), segment_bytes=0)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        RingReducer(self_comm(), transport="tcp")
 
 
 @pytest.mark.parametrize("kwargs,match", [

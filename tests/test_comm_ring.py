@@ -48,12 +48,25 @@ def all_ok(comm, failures: list) -> list:
     return [f for per_rank in comm.allgather(failures) for f in per_rank]
 
 
-@pytest.mark.parametrize("segment_bytes,window", [(1 << 20, 4), (8, 2), (24, 1)])
-def test_ring_equals_mpi_allreduce_bitwise_every_dtype_and_length(segment_bytes, window):
+# (transport, segment or shared-memory chunk bytes, window): p2p messages with large, tiny and odd segments;
+# the shared window (one node: always so under mpiexec here) with large, tiny and odd chunks
+TRANSPORTS = [("p2p", 1 << 20, 4), ("p2p", 8, 2), ("p2p", 24, 1), ("shm", 1 << 20, 0), ("shm", 8, 0), ("shm", 100, 0)]
+
+
+def ring(comm, transport: str, nbytes: int, window: int = 2, **kw):
+    if transport == "shm":
+        red = RingReducer(comm, transport="shm", shm_chunk_bytes=nbytes, **kw)
+        assert red.shm is not None, "every rank is on one node here: the shared window must be in use"
+        return red
+    return RingReducer(comm, transport="p2p", segment_bytes=nbytes, window=window, **kw)
+
+
+@pytest.mark.parametrize("transport,nbytes,window", TRANSPORTS)
+def test_ring_equals_mpi_allreduce_bitwise_every_dtype_and_length(transport, nbytes, window):
     comm = world()
-    red = RingReducer(comm, segment_bytes=segment_bytes, window=window)
+    red = ring(comm, transport, nbytes, window)
     failures = []
-    lengths = LENGTHS if segment_bytes > 1024 else LENGTHS[:-1]  # tiny segments: thousands of messages
+    lengths = LENGTHS if nbytes > 1024 else LENGTHS[:-1]  # tiny segments: thousands of messages
     for dtype in DTYPES:
         for n in lengths:
             x = local_values(n, dtype, comm.Get_rank())
@@ -72,10 +85,11 @@ def test_ring_equals_mpi_allreduce_bitwise_every_dtype_and_length(segment_bytes,
     assert all_ok(comm, failures) == []
 
 
-def test_ring_random_floats_within_rounding_of_the_exact_sum():
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_ring_random_floats_within_rounding_of_the_exact_sum(transport):
     comm = world()
     k, rank = comm.Get_size(), comm.Get_rank()
-    red = RingReducer(comm, segment_bytes=256)
+    red = ring(comm, transport, 256)
     everyone = np.random.default_rng(1).standard_normal((k, 10_007))
     exact = everyone.sum(axis=0)
     errors = {}
@@ -88,10 +102,11 @@ def test_ring_random_floats_within_rounding_of_the_exact_sum():
     assert worst <= 1.0, f"relative error / tolerance = {worst}"
 
 
-def test_nonblocking_ops_in_flight_together_advance_by_test_and_finish_by_wait():
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_nonblocking_ops_in_flight_together_advance_by_test_and_finish_by_wait(transport):
     comm = world()
     k, rank = comm.Get_size(), comm.Get_rank()
-    red = RingReducer(comm, segment_bytes=64, window=2)
+    red = ring(comm, transport, 64)
     bufs = [np.full(n, rank + 1, dtype="int64") for n in (3, 500, 20_000, 1)]
     handles = [red.start(b) for b in bufs]
     for _ in range(5):  # the way DataParallel polls after each layer
@@ -106,12 +121,13 @@ def test_nonblocking_ops_in_flight_together_advance_by_test_and_finish_by_wait()
     assert done
 
 
-def test_test_alone_completes_an_operation():
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_test_alone_completes_an_operation(transport):
     """Polling test() (as DataParallel does during backward) must finish the work without wait()."""
     comm = world()
     k, rank = comm.Get_size(), comm.Get_rank()
-    red = RingReducer(comm, segment_bytes=1024, window=2, det_gather_bytes=0)
-    for det in (False, True):
+    red = ring(comm, transport, 1024, det_gather_bytes=0)
+    for det in ((False, True) if transport == "p2p" else (False,)):  # deterministic (k >= 3) uses messages
         red.deterministic = det
         x = np.full(50_000, rank + 1, dtype="float64")
         h = red.start(x)
@@ -132,7 +148,7 @@ def test_scratch_cap_limits_slices_in_flight_without_changing_results(monkeypatc
     comm = world()
     failures = []
     for det in (False, True):
-        red = RingReducer(comm, deterministic=det, segment_bytes=256, det_gather_bytes=0)
+        red = RingReducer(comm, deterministic=det, segment_bytes=256, det_gather_bytes=0, transport="p2p")
         for n in (5, 999, 4000):
             x = local_values(n, "int64", comm.Get_rank())
             want = oracle(comm, x)
@@ -143,9 +159,10 @@ def test_scratch_cap_limits_slices_in_flight_without_changing_results(monkeypatc
     assert all_ok(comm, failures) == []
 
 
-def test_many_random_lengths_against_mpi():
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_many_random_lengths_against_mpi(transport):
     comm = world()
-    red = RingReducer(comm, segment_bytes=40, window=3)
+    red = ring(comm, transport, 40, window=3)
     lengths = np.random.default_rng(7).integers(0, 3000, size=25)  # same on every rank
     failures = []
     for n in lengths:
@@ -156,6 +173,34 @@ def test_many_random_lengths_against_mpi():
             failures.append(int(n))
     red.close()
     assert all_ok(comm, failures) == []
+
+
+def test_both_transports_give_the_same_bits_on_random_floats():
+    """Same ring, same summation order (chunk c summed from rank c on): only the transport differs."""
+    comm = world()
+    x = np.random.default_rng(11 + comm.Get_rank()).standard_normal(30_011).astype("float32")
+    results = []
+    for transport, nbytes in (("p2p", 1 << 20), ("p2p", 4096), ("shm", 4096), ("shm", 1 << 20)):
+        red = ring(comm, transport, nbytes)
+        y = x.copy()
+        red.allreduce_(y)
+        red.close()
+        results.append(y.tobytes())
+    # chunk boundaries differ between slicings, so compare like with like: same slice geometry
+    assert all(comm.allgather(results[1] == results[2])), "p2p and shm disagree at the same chunking"
+    assert all(comm.allgather(results[0] == results[3])), "p2p and shm disagree at the same chunking"
+
+
+def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
+    comm = world()
+    red = RingReducer(comm)
+    chosen = red.shm is not None
+    desc = red.describe()
+    red.close()
+    assert all(comm.allgather(chosen)), "auto transport on one node should be the shared window"
+    assert "shared-memory window" in desc
+    with pytest.raises(ValueError, match="transport must be one of auto, shm, p2p"):
+        RingReducer(comm, transport="tcp")
 
 
 def rank_order_sum(comm, x: np.ndarray) -> np.ndarray:
@@ -243,6 +288,16 @@ def test_auto_is_right_on_both_sides_of_its_crossover():
         ok.append(bool((x == k * (k + 1) / 2).all() and (y == k * (k - 1) // 2).all()))
     red.close()
     assert all(all(o) for o in comm.allgather(ok))
+
+
+def test_auto_uses_the_crossovers_measured_for_the_shared_window_on_one_node():
+    from mpisgd.comm.auto import CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES
+
+    comm = world()
+    red = AutoReducer(comm)
+    got = (red.ring.shm is not None, red.crossover_bytes, red.oop_crossover_bytes)
+    red.close()
+    assert all(g == (True, CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES) for g in comm.allgather(got)), got
 
 
 @pytest.mark.parametrize("name", ["auto", "mpi", "ring", "hierarchical"])

@@ -10,35 +10,42 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
-# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md), two quiet runs:
-# below the crossover MPICH's Allreduce wins (latency: our ring pays 2(k-1) message rounds of Python);
-# above it our ring is as fast or faster, and 2-3x faster from 32 MiB, where MPICH's large-message path
-# drops. MPICH's in-place path is the quicker one at mid sizes, so the two modes cross at different
-# sizes: in place, ring/mpi was 0.94 and 0.88 at 512 KiB and 1.03-1.04 at 1 MiB; out of place, 0.73-0.77
-# at 128 KiB and 1.03-1.05 at 256 KiB. Training buckets are in place.
-CROSSOVER_BYTES = 1 << 20
-OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
+# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md). Below the crossover
+# MPICH's Allreduce wins (latency: our ring pays Python per step); above it our ring is faster. MPICH's
+# in-place path is its quicker one at mid sizes, so in place and out of place cross at different sizes.
+# Ring through the shared-memory window (every rank on one node), 2026-11-30: in place ring/mpi was 0.87-0.88
+# at 256 KiB and 1.22-1.31 at 512 KiB; out of place 0.70-0.80 at 32 KiB and 1.20-1.58 at 64 KiB.
+CROSSOVER_BYTES = 512 << 10
+OUT_OF_PLACE_CROSSOVER_BYTES = 64 << 10
+# Ring over point-to-point messages (ranks on several nodes), two runs of 2026-11-29 on one node: in place
+# 0.88-0.94 at 512 KiB and 1.03-1.04 at 1 MiB; out of place 0.73-0.77 at 128 KiB and 1.03-1.05 at 256 KiB.
+P2P_CROSSOVER_BYTES = 1 << 20
+P2P_OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
 
 
 class AutoReducer(Reducer):
     """Per buffer: ``mpi`` below the crossover, else ``ring``; one size test of overhead.
 
     ``crossover_bytes`` applies in place (``allreduce_``, ``start``); out of place uses
-    ``out_of_place_crossover_bytes``, which defaults to the measured value when ``crossover_bytes``
-    is left at its default and to ``crossover_bytes`` when that is given."""
+    ``out_of_place_crossover_bytes``. Left out, both are the values measured for the ring's transport
+    (shared window or messages); an explicit ``crossover_bytes`` alone sets both."""
 
     name = "auto"
 
-    def __init__(self, comm: Any, *, crossover_bytes: int = CROSSOVER_BYTES,
+    def __init__(self, comm: Any, *, crossover_bytes: int | None = None,
                  out_of_place_crossover_bytes: int | None = None, ring: RingReducer | None = None) -> None:
         super().__init__(comm)
-        self.crossover_bytes = crossover_bytes
-        if out_of_place_crossover_bytes is None:
-            out_of_place_crossover_bytes = OUT_OF_PLACE_CROSSOVER_BYTES if crossover_bytes == CROSSOVER_BYTES \
-                else crossover_bytes
-        self.oop_crossover_bytes = out_of_place_crossover_bytes
         self.mpi = MpiReducer(comm)
         self.ring = ring or RingReducer(comm)
+        shm = self.ring.shm is not None
+        if crossover_bytes is None:
+            crossover_bytes = CROSSOVER_BYTES if shm else P2P_CROSSOVER_BYTES
+            if out_of_place_crossover_bytes is None:
+                out_of_place_crossover_bytes = OUT_OF_PLACE_CROSSOVER_BYTES if shm else \
+                    P2P_OUT_OF_PLACE_CROSSOVER_BYTES
+        self.crossover_bytes = crossover_bytes
+        self.oop_crossover_bytes = crossover_bytes if out_of_place_crossover_bytes is None \
+            else out_of_place_crossover_bytes
 
     def _pick(self, buf: Array, crossover_bytes: int) -> Reducer:
         if buf.nbytes < crossover_bytes and mpi_sum_type(buf.dtype) is not None:

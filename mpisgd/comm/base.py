@@ -16,6 +16,15 @@ class Handle(Protocol):
         """Block until the buffer holds the result."""
 
 
+def chunk_bounds(n: int, k: int) -> list[int]:
+    """k+1 offsets splitting n elements into k near-equal chunks (the first n % k one longer; some empty if n < k)."""
+    q, rem = divmod(n, k)
+    out = [0]
+    for c in range(k):
+        out.append(out[-1] + q + (1 if c < rem else 0))
+    return out
+
+
 class Done:
     """A handle for an operation that completed at start (blocking strategies, k = 1)."""
 

@@ -34,24 +34,17 @@ import numpy as np
 from mpi4py import MPI
 
 from mpisgd.backend import is_device_array
-from mpisgd.comm.base import Array, Done, Handle, Reducer
+from mpisgd.comm.base import Array, Done, Handle, Reducer, chunk_bounds
+from mpisgd.comm.shm import SHM_CHUNK_BYTES, ShmTransport, single_node_comm
 
 SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
 MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that they still pipeline
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
+TRANSPORTS = ("auto", "shm", "p2p")  # auto: shm when every rank shares one node, else p2p
 DET_ALLGATHER_BYTES = 1 << 20  # deterministic: k * nbytes up to this: one MPI Allgather + ordered sum (at k = 2 the
 #                                same volume as the exchange, without its Python message rounds)
-
-
-def chunk_bounds(n: int, k: int) -> list[int]:
-    """k+1 offsets splitting n elements into k near-equal chunks (the first n % k one longer; some empty if n < k)."""
-    q, rem = divmod(n, k)
-    out = [0]
-    for c in range(k):
-        out.append(out[-1] + q + (1 if c < rem else 0))
-    return out
 
 
 def _bytes(a: Array) -> list[Any]:
@@ -292,10 +285,23 @@ class RingReducer(Reducer):
     name = "ring"
 
     def __init__(self, comm: Any, *, deterministic: bool = False, segment_bytes: int = SEGMENT_BYTES,
-                 window: int = WINDOW, det_gather_bytes: int = DET_ALLGATHER_BYTES) -> None:
+                 window: int = WINDOW, det_gather_bytes: int = DET_ALLGATHER_BYTES, transport: str = "auto",
+                 shm_chunk_bytes: int = SHM_CHUNK_BYTES) -> None:
         if segment_bytes < 1 or window < 1:
             raise ValueError(f"segment_bytes and window must be >= 1, got {segment_bytes} and {window}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"ring transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         super().__init__(comm.Dup())  # our own tag space: never matches the caller's messages
+        # host buffers on one node go through a shared window (mpisgd.comm.shm); the deterministic ring's
+        # exchange stays on messages (at k <= 2 create_reducer drops deterministic: any order is exact)
+        self.shm: ShmTransport | None = None
+        if transport != "p2p" and self.size > 1 and not (deterministic and self.size > 2):
+            node = single_node_comm(self.comm)
+            if node is not None:
+                self.shm = ShmTransport(node, shm_chunk_bytes)
+            elif transport == "shm":
+                self.comm.Free()
+                raise ValueError("ring transport 'shm' needs every rank on one node; use 'auto' or 'p2p'")
         self.deterministic = deterministic
         self.det_gather_bytes = det_gather_bytes
         self.segment_bytes = segment_bytes
@@ -308,6 +314,9 @@ class RingReducer(Reducer):
     def describe(self) -> str:
         det = ", deterministic" if self.deterministic else ""
         seg = f"{_human(self.min_segment_bytes)}-{_human(self.segment_bytes)}"
+        if self.shm is not None:
+            return f"ring (shared-memory window, chunks of {_human(self.shm.slot_bytes)}; messages, " \
+                f"segments of {seg}, for device buffers{det})"
         return f"ring (segments of {seg}, window {self.window}{det})"
 
     @staticmethod
@@ -358,10 +367,15 @@ class RingReducer(Reducer):
             return Done()
         if self.deterministic and dst.nbytes * self.size <= self.det_gather_bytes:
             return _GatherSumOp(self, src, dst)
+        if self.shm is not None and not is_device_array(dst):
+            return self.shm.start(src, dst)
         return RingOp(self, src, dst)
 
     def close(self) -> None:
         self._free.clear()
         self._gather.clear()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
