@@ -193,12 +193,25 @@ def test_both_transports_give_the_same_bits_on_random_floats():
 
 def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
     comm = world()
+    from mpisgd.comm.ring import RingOp
+    from mpisgd.comm.shm import ShmRingOp
+
+    k, rank = comm.Get_size(), comm.Get_rank()
     red = RingReducer(comm)
     chosen = red.shm is not None
     desc = red.describe()
+    red.shm_max_bytes = 1024  # above it, messages: both paths in one reducer, interleaved
+    small, large = np.full(100, rank + 1, "float64"), np.full(1000, rank + 1, "float64")
+    ops = [red.start(small), red.start(large)]
+    kinds = [type(op) for op in ops]
+    for op in ops:
+        op.wait()
     red.close()
+    ok = bool((small == k * (k + 1) / 2).all() and (large == k * (k + 1) / 2).all())
     assert all(comm.allgather(chosen)), "auto transport on one node should be the shared window"
-    assert "shared-memory window" in desc
+    assert "shared-memory window" in desc and "messages in segments" in desc
+    assert kinds == [ShmRingOp, RingOp]
+    assert all(comm.allgather(ok))
     with pytest.raises(ValueError, match="transport must be one of auto, shm, p2p"):
         RingReducer(comm, transport="tcp")
 

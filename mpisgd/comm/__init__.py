@@ -9,8 +9,9 @@ strategy          when to use it
 ``mpi``           the MPI library's ``Allreduce``; the test oracle; lowest
                   latency for small buffers, and the right choice when the
                   library is tuned for the network (vendor MPI on a cluster)
-``ring``          our pipelined ring (reduce-scatter + all-gather); large
-                  buffers on libraries whose large-message Allreduce is weak
+``ring``          our ring (reduce-scatter + all-gather): through a shared-
+                  memory window when every rank is on one node, else
+                  pipelined messages; large buffers
 ``hierarchical``  several ranks per node and a slow network between nodes:
                   reduce inside the node, ring among node leaders, broadcast
 ``nccl``          GPU buffers with NCCL (CuPy); fastest between GPUs

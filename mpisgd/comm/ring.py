@@ -22,6 +22,12 @@ one MPI Allgather and the same ordered sum, so the bits do not depend on size.
 
 Messages carry a tag derived from (operation, slice, step), so receives may be
 posted in any order and several operations may be in flight on one reducer.
+
+Transport: when every rank shares one node, host buffers below SHM_MAX_BYTES
+go through an MPI-3 shared-memory window instead of messages
+(mpisgd.comm.shm: the same ring order, one copy per step fewer);
+``transport="shm"`` uses it for every size, ``"p2p"`` never. Device buffers and
+the deterministic exchange (k >= 3) always use messages.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that the
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment (per peer when deterministic)
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
-TRANSPORTS = ("auto", "shm", "p2p")  # auto: shm when every rank shares one node, else p2p
+TRANSPORTS = ("auto", "shm", "p2p")  # auto: shm when every rank shares one node (below SHM_MAX_BYTES), else p2p
+# Above this, messages win even on one node (k = 2, 2026-11-30): the window's lock-stepped slices were
+# 1.5-1.9x MPI from 32 MiB against 2.5-2.9x for the pipelined messages, and the two crossed between 8 and
+# 24 MiB from run to run (docs/allreduce.md).
+SHM_MAX_BYTES = 16 << 20
 DET_ALLGATHER_BYTES = 1 << 20  # deterministic: k * nbytes up to this: one MPI Allgather + ordered sum (at k = 2 the
 #                                same volume as the exchange, without its Python message rounds)
 
@@ -295,6 +305,7 @@ class RingReducer(Reducer):
         # host buffers on one node go through a shared window (mpisgd.comm.shm); the deterministic ring's
         # exchange stays on messages (at k <= 2 create_reducer drops deterministic: any order is exact)
         self.shm: ShmTransport | None = None
+        self.shm_max_bytes = SHM_MAX_BYTES if transport == "auto" else None
         if transport != "p2p" and self.size > 1 and not (deterministic and self.size > 2):
             node = single_node_comm(self.comm)
             if node is not None:
@@ -315,8 +326,9 @@ class RingReducer(Reducer):
         det = ", deterministic" if self.deterministic else ""
         seg = f"{_human(self.min_segment_bytes)}-{_human(self.segment_bytes)}"
         if self.shm is not None:
-            return f"ring (shared-memory window, chunks of {_human(self.shm.slot_bytes)}; messages, " \
-                f"segments of {seg}, for device buffers{det})"
+            upto = "" if self.shm_max_bytes is None else \
+                f" below {_human(self.shm_max_bytes)}, messages in segments of {seg} above"
+            return f"ring (shared-memory window, chunks of {_human(self.shm.slot_bytes)}{upto}{det})"
         return f"ring (segments of {seg}, window {self.window}{det})"
 
     @staticmethod
@@ -367,7 +379,8 @@ class RingReducer(Reducer):
             return Done()
         if self.deterministic and dst.nbytes * self.size <= self.det_gather_bytes:
             return _GatherSumOp(self, src, dst)
-        if self.shm is not None and not is_device_array(dst):
+        if self.shm is not None and not is_device_array(dst) and \
+                (self.shm_max_bytes is None or dst.nbytes < self.shm_max_bytes):
             return self.shm.start(src, dst)
         return RingOp(self, src, dst)
 
