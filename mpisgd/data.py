@@ -42,31 +42,47 @@ class DataError(UsageError):
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read one IDX file (``.gz`` or plain) into a NumPy array in native byte order."""
+    """Read one IDX file (``.gz`` or plain) into a NumPy array in native byte order.
+
+    The payload is read into the array a MiB at a time: reading the whole file
+    as bytes (or gzip's ``readinto`` of the whole array) holds the data twice
+    at the peak, 45 MiB more for the training images.
+    """
     path = Path(path)
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:  # streamed: the compressed bytes are never all in memory
-                raw = f.read()
-        else:
-            raw = path.read_bytes()
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            magic = f.read(4)
+            if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
+                raise DataError(f"{path} is not an IDX file (bad magic number {magic.hex() or 'none'})")
+            dtype, ndim = np.dtype(_IDX_DTYPES[magic[2]]), magic[3]
+            header = 4 + 4 * ndim
+            raw_dims = f.read(4 * ndim)
+            if len(raw_dims) < 4 * ndim:
+                raise DataError(f"{path} is truncated: header needs {header} bytes, file has {4 + len(raw_dims)}")
+            dims = tuple(int(d) for d in np.frombuffer(raw_dims, ">u4"))
+            data = np.empty(dims, dtype)
+            expected = header + data.nbytes
+            got = header + _read_into(f, memoryview(data).cast("B") if data.nbytes else memoryview(b""))
+            if got == expected and f.read(1):
+                raise DataError(f"{path} is longer than its header says: dims {dims} need {expected} bytes")
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'none'})")
-    dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path} is truncated: header needs {header} bytes, file has {len(raw)}")
-    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
-    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(raw) != expected:
-        what = "truncated" if len(raw) < expected else "longer than its header says"
-        raise DataError(f"{path} is {what}: dims {dims} need {expected} bytes, file has {len(raw)}")
-    data = np.frombuffer(raw, dtype, offset=header).reshape(dims)
-    if dtype.itemsize == 1:
-        return data  # bytes have no byte order: keep the (read-only) view, no 47 MB copy
-    return data.astype(dtype.newbyteorder("="))
+    if got != expected:
+        raise DataError(f"{path} is truncated: dims {dims} need {expected} bytes, file has {got}")
+    if dtype.itemsize > 1 and dtype.byteorder not in ("=", "|"):
+        data = data.astype(dtype.newbyteorder("="))
+    return data
+
+
+def _read_into(f: Any, view: memoryview, piece: int = 1 << 20) -> int:
+    """Fill view from f a piece at a time (gzip's readinto of a large view makes a whole-size temporary)."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done: done + piece])
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _find(directory: Path, stem: str) -> Path | None:

@@ -23,7 +23,6 @@ from mpisgd.schedule import Schedule, effective_batch
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
-EVAL_BATCH = 1000
 
 
 class Trainer:
@@ -264,8 +263,9 @@ class Trainer:
         n = len(self.test_set)
         mine = np.array_split(np.arange(n), self.k)[self.rank]
         correct = 0
-        for start in range(0, len(mine), EVAL_BATCH):
-            x, y = self.test_loader.batch(mine[start:start + EVAL_BATCH])
+        b = self.batches.local_batch  # the training shape: the model's activation buffers are reused, not doubled
+        for start in range(0, len(mine), b):
+            x, y = self.test_loader.batch(mine[start:start + b])
             correct += accuracy_count(self.model.forward(x), y)
         return self.world.allreduce(correct) / n
 

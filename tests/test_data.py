@@ -59,6 +59,27 @@ def test_idx_rejects_truncated(tmp_path):
         read_idx(tmp_path / "t")
 
 
+@pytest.mark.parametrize("cut", [3, 10, 4 * 28 * 28 - 1])  # in the magic, in the dims, in the payload
+def test_idx_rejects_truncated_anywhere(tmp_path, cut):
+    write_idx(tmp_path / "t", np.zeros((4, 28, 28), np.uint8))
+    (tmp_path / "t").write_bytes((tmp_path / "t").read_bytes()[:cut])
+    with pytest.raises(DataError, match="truncated|not an IDX file"):
+        read_idx(tmp_path / "t")
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_rejects_trailing_bytes(tmp_path, compress):
+    arr = np.arange(3 * 1024 * 700, dtype=np.uint32).astype(">i4").reshape(3, -1)  # several read pieces
+    write_idx(tmp_path / "x", arr, code=0x0C)
+    (tmp_path / "x").write_bytes((tmp_path / "x").read_bytes() + b"\0")
+    if compress:
+        (tmp_path / "x.gz").write_bytes(gzip.compress((tmp_path / "x").read_bytes()))
+    with pytest.raises(DataError, match="longer than its header says"):
+        read_idx(tmp_path / ("x.gz" if compress else "x"))
+    write_idx(tmp_path / "ok", arr, code=0x0C)  # and without the extra byte: big-endian int32 read back
+    np.testing.assert_array_equal(read_idx(tmp_path / "ok"), arr.astype(np.int32))
+
+
 def test_idx_rejects_wrong_magic(tmp_path):
     (tmp_path / "m").write_bytes(b"\x12\x34\x08\x01" + b"\x00" * 8)
     with pytest.raises(DataError, match="not an IDX file"):
