@@ -64,10 +64,11 @@ def test_auto_crosses_over_where_measured_in_place_and_out_of_place():
     assert red._pick(at, red.crossover_bytes) is red.ring
     assert red.oop_crossover_bytes == oop < cross
     assert red._pick(np.empty(oop // 4, "float32"), red.oop_crossover_bytes) is red.ring
-    assert "1 MiB in place, 0.25 MiB out of place" in red.describe()
+    assert red.start_crossover_bytes == cross
+    assert "1 MiB in place, 0.25 MiB out of place, 1 MiB non-blocking" in red.describe()
     red.close()
-    one = AutoReducer(self_comm(), crossover_bytes=1024)  # an explicit crossover applies to both modes
-    assert one.oop_crossover_bytes == 1024
+    one = AutoReducer(self_comm(), crossover_bytes=1024)  # an explicit crossover applies to every mode
+    assert one.oop_crossover_bytes == one.start_crossover_bytes == 1024
     one.close()
 
 

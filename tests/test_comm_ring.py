@@ -192,25 +192,34 @@ def test_both_transports_give_the_same_bits_on_random_floats():
 
 
 def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
-    comm = world()
     from mpisgd.comm.ring import RingOp
     from mpisgd.comm.shm import ShmRingOp
 
+    comm = world()
     k, rank = comm.Get_size(), comm.Get_rank()
     red = RingReducer(comm)
     chosen = red.shm is not None
     desc = red.describe()
-    red.shm_max_bytes = 1024  # above it, messages: both paths in one reducer, interleaved
+    red.shm_max_bytes = 1024
     small, large = np.full(100, rank + 1, "float64"), np.full(1000, rank + 1, "float64")
-    ops = [red.start(small), red.start(large)]
-    kinds = [type(op) for op in ops]
-    for op in ops:
-        op.wait()
+    picks = [red.uses_shm(small, blocking=True), red.uses_shm(large, blocking=True),
+             red.uses_shm(small, blocking=False)]
+    red.allreduce_(small)  # blocking below the limit: the window
+    red.allreduce_(large)  # above it: messages
+    overlapped = red.start(y := np.full(10, rank, "int32"))  # non-blocking: messages, even when small
+    kind = type(overlapped)
+    overlapped.wait()
+    forced = RingReducer(comm, transport="shm")
+    forced_kind = type(h := forced.start(z := np.full(10, rank, "int32")))
+    h.wait()
+    forced.close()
     red.close()
-    ok = bool((small == k * (k + 1) / 2).all() and (large == k * (k + 1) / 2).all())
+    ok = bool((small == k * (k + 1) / 2).all() and (large == k * (k + 1) / 2).all()
+              and (y == k * (k - 1) // 2).all() and (z == k * (k - 1) // 2).all())
     assert all(comm.allgather(chosen)), "auto transport on one node should be the shared window"
     assert "shared-memory window" in desc and "messages in segments" in desc
-    assert kinds == [ShmRingOp, RingOp]
+    assert picks == [True, False, False]
+    assert kind is RingOp and forced_kind is ShmRingOp
     assert all(comm.allgather(ok))
     with pytest.raises(ValueError, match="transport must be one of auto, shm, p2p"):
         RingReducer(comm, transport="tcp")
@@ -304,13 +313,14 @@ def test_auto_is_right_on_both_sides_of_its_crossover():
 
 
 def test_auto_uses_the_crossovers_measured_for_the_shared_window_on_one_node():
-    from mpisgd.comm.auto import CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES
+    from mpisgd.comm.auto import CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES, P2P_CROSSOVER_BYTES
 
     comm = world()
     red = AutoReducer(comm)
-    got = (red.ring.shm is not None, red.crossover_bytes, red.oop_crossover_bytes)
+    got = (red.ring.shm is not None, red.crossover_bytes, red.oop_crossover_bytes, red.start_crossover_bytes)
     red.close()
-    assert all(g == (True, CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES) for g in comm.allgather(got)), got
+    want = (True, CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES, P2P_CROSSOVER_BYTES)  # start(): messages
+    assert all(g == want for g in comm.allgather(got)), got
 
 
 @pytest.mark.parametrize("name", ["auto", "mpi", "ring", "hierarchical"])

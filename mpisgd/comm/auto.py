@@ -17,8 +17,9 @@ from mpisgd.comm.ring import RingReducer
 # at 256 KiB and 1.22-1.31 at 512 KiB; out of place 0.70-0.80 at 32 KiB and 1.20-1.58 at 64 KiB.
 CROSSOVER_BYTES = 512 << 10
 OUT_OF_PLACE_CROSSOVER_BYTES = 64 << 10
-# Ring over point-to-point messages (ranks on several nodes), two runs of 2026-11-29 on one node: in place
-# 0.88-0.94 at 512 KiB and 1.03-1.04 at 1 MiB; out of place 0.73-0.77 at 128 KiB and 1.03-1.05 at 256 KiB.
+# Ring over messages (ranks on several nodes, and every non-blocking start), two runs of 2026-11-29 on
+# one node: in place 0.88-0.94 at 512 KiB and 1.03-1.04 at 1 MiB; out of place 0.73-0.77 at 128 KiB and
+# 1.03-1.05 at 256 KiB. Iallreduce measured the same as Allreduce at 64 KiB-16 MiB.
 P2P_CROSSOVER_BYTES = 1 << 20
 P2P_OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
 
@@ -26,26 +27,28 @@ P2P_OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
 class AutoReducer(Reducer):
     """Per buffer: ``mpi`` below the crossover, else ``ring``; one size test of overhead.
 
-    ``crossover_bytes`` applies in place (``allreduce_``, ``start``); out of place uses
-    ``out_of_place_crossover_bytes``. Left out, both are the values measured for the ring's transport
-    (shared window or messages); an explicit ``crossover_bytes`` alone sets both."""
+    Three crossovers, because the ring's transport differs by call (RingReducer.uses_shm): blocking
+    in place (``crossover_bytes``), blocking out of place (``out_of_place_crossover_bytes``) and
+    non-blocking ``start`` (``start_crossover_bytes``: always messages). Left out, each is the value
+    measured for its transport; an explicit ``crossover_bytes`` alone sets all three."""
 
     name = "auto"
 
     def __init__(self, comm: Any, *, crossover_bytes: int | None = None,
-                 out_of_place_crossover_bytes: int | None = None, ring: RingReducer | None = None) -> None:
+                 out_of_place_crossover_bytes: int | None = None, start_crossover_bytes: int | None = None,
+                 ring: RingReducer | None = None) -> None:
         super().__init__(comm)
         self.mpi = MpiReducer(comm)
         self.ring = ring or RingReducer(comm)
-        shm = self.ring.shm is not None
+        shm = self.ring.shm is not None and self.ring.shm_max_bytes is not None  # auto transport on one node
         if crossover_bytes is None:
             crossover_bytes = CROSSOVER_BYTES if shm else P2P_CROSSOVER_BYTES
-            if out_of_place_crossover_bytes is None:
-                out_of_place_crossover_bytes = OUT_OF_PLACE_CROSSOVER_BYTES if shm else \
-                    P2P_OUT_OF_PLACE_CROSSOVER_BYTES
+            out_of_place_crossover_bytes = out_of_place_crossover_bytes or \
+                (OUT_OF_PLACE_CROSSOVER_BYTES if shm else P2P_OUT_OF_PLACE_CROSSOVER_BYTES)
+            start_crossover_bytes = start_crossover_bytes or P2P_CROSSOVER_BYTES
         self.crossover_bytes = crossover_bytes
-        self.oop_crossover_bytes = crossover_bytes if out_of_place_crossover_bytes is None \
-            else out_of_place_crossover_bytes
+        self.oop_crossover_bytes = out_of_place_crossover_bytes or crossover_bytes
+        self.start_crossover_bytes = start_crossover_bytes or crossover_bytes
 
     def _pick(self, buf: Array, crossover_bytes: int) -> Reducer:
         if buf.nbytes < crossover_bytes and mpi_sum_type(buf.dtype) is not None:
@@ -65,11 +68,12 @@ class AutoReducer(Reducer):
         self._pick(dst, self.oop_crossover_bytes).allreduce(src, dst)
 
     def start(self, buf: Array) -> Handle:
-        return self._pick(buf, self.crossover_bytes).start(buf)
+        return self._pick(buf, self.start_crossover_bytes).start(buf)
 
     def describe(self) -> str:
         return (f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB in place, "
-                f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, else {self.ring.describe()})")
+                f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, "
+                f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()})")
 
     def close(self) -> None:
         self.ring.close()
