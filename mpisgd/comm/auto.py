@@ -65,6 +65,11 @@ class AutoReducer(Reducer):
         self.ring.allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
+        if dst.nbytes < self.oop_crossover_bytes and self.size > 1:  # inlined, as in allreduce_
+            dt = mpi_sum_type(dst.dtype)
+            if dt is not None:
+                self.comm.Allreduce([src, dt], [dst, dt], MPI.SUM)
+                return
         self._pick(dst, self.oop_crossover_bytes).allreduce(src, dst)
 
     def start(self, buf: Array) -> Handle:
