@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gzip
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,13 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
             if len(raw_dims) < 4 * ndim:
                 raise DataError(f"{path} is truncated: header needs {header} bytes, file has {4 + len(raw_dims)}")
             dims = tuple(int(d) for d in np.frombuffer(raw_dims, ">u4"))
+            expected = header + math.prod(dims) * dtype.itemsize  # Python ints: a corrupt header cannot overflow
+            # never allocate what the file cannot hold: plain files have their exact size, and deflate
+            # expands at most ~1032-fold (a corrupt header must give this error, not a MemoryError)
+            on_disk = path.stat().st_size
+            if expected > (on_disk * 1032 if path.suffix == ".gz" else on_disk):
+                raise DataError(f"{path} is truncated: dims {dims} need {expected} bytes, file has {on_disk}")
             data = np.empty(dims, dtype)
-            expected = header + data.nbytes
             got = header + _read_into(f, memoryview(data).cast("B") if data.nbytes else memoryview(b""))
             if got == expected and f.read(1):
                 raise DataError(f"{path} is longer than its header says: dims {dims} need {expected} bytes")

@@ -68,6 +68,16 @@ def test_idx_rejects_truncated_anywhere(tmp_path, cut):
 
 
 @pytest.mark.parametrize("compress", [False, True])
+def test_idx_with_an_impossible_header_is_a_clear_error_not_an_allocation(tmp_path, compress):
+    header = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">III", 2**31, 2**31, 28)
+    raw = header + b"\0" * 100
+    name = "h.gz" if compress else "h"
+    (tmp_path / name).write_bytes(gzip.compress(raw) if compress else raw)
+    with pytest.raises(DataError, match="truncated"):
+        read_idx(tmp_path / name)
+
+
+@pytest.mark.parametrize("compress", [False, True])
 def test_idx_rejects_trailing_bytes(tmp_path, compress):
     arr = np.arange(3 * 1024 * 700, dtype=np.uint32).astype(">i4").reshape(3, -1)  # several read pieces
     write_idx(tmp_path / "x", arr, code=0x0C)

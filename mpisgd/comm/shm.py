@@ -18,8 +18,9 @@ Per slice of k chunks (one chunk = one slot, ``chunk_bytes``):
 - all-gather: every rank copies each reduced chunk from its owner's result
   slot (one copy per chunk instead of the ring's two per step).
 
-Summation order is the point-to-point ring's (chunk c starts at rank c), so at
-k = 2 both transports give the same bits. No barrier closes a slice: the next
+Summation order is the point-to-point ring's (chunk c starts at rank c), so
+both transports give the same bits where they cut the buffer alike (at k = 2,
+always). No barrier closes a slice: the next
 slice (or operation) writes a result slot only after a barrier that every
 rank reaches after its all-gather reads.
 """
