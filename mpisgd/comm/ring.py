@@ -52,7 +52,7 @@ WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * s
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch (deterministic needs k segments each)
 TRANSPORTS = ("auto", "shm", "p2p")  # auto: shm when every rank shares one node (below SHM_MAX_BYTES), else p2p
 # Above this, messages win even on one node (k = 2, 2026-11-30): the window's lock-stepped slices were
-# 1.5-1.9x MPI from 32 MiB against 2.5-2.9x for the pipelined messages, and the two crossed between 8 and
+# 1.5-2.1x MPI from 32 MiB against 2.2-3.1x for the pipelined messages, and the two crossed between 8 and
 # 24 MiB from run to run (docs/allreduce.md).
 SHM_MAX_BYTES = 16 << 20
 DET_ALLGATHER_BYTES = 1 << 20  # deterministic: k * nbytes up to this: one MPI Allgather + ordered sum (at k = 2 the
