@@ -200,6 +200,9 @@ def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
     red = RingReducer(comm)
     chosen = red.shm is not None
     desc = red.describe()
+    overlapped_only = red.start(np.zeros(4))
+    overlapped_only.wait()
+    unmapped = red.shm.win is None  # training (non-blocking only) never allocates the window
     red.shm_max_bytes = 1024
     small, large = np.full(100, rank + 1, "float64"), np.full(1000, rank + 1, "float64")
     picks = [red.uses_shm(small, blocking=True), red.uses_shm(large, blocking=True),
@@ -219,6 +222,7 @@ def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
     assert all(comm.allgather(chosen)), "auto transport on one node should be the shared window"
     assert "shared-memory window" in desc and "messages in segments" in desc
     assert picks == [True, False, False]
+    assert unmapped
     assert kind is RingOp and forced_kind is ShmRingOp
     assert all(comm.allgather(ok))
     with pytest.raises(ValueError, match="transport must be one of auto, shm, p2p"):

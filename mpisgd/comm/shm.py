@@ -58,10 +58,15 @@ class ShmTransport:
         self.node = node  # owned: freed in close()
         self.k, self.r = node.Get_size(), node.Get_rank()
         self.slot_bytes = -(-chunk_bytes // _ALIGN) * _ALIGN
-        self.win = MPI.Win.Allocate_shared(3 * self.slot_bytes, 1, comm=node)
+        self.win: Any = None  # mapped at the first operation: a process that never uses it never holds one
+        self.mem: list[Array] = []
+        self.queue: deque[ShmRingOp] = deque()
+
+    def _map(self) -> None:
+        """Allocate and map the window (collective: every rank starts the same first operation)."""
+        self.win = MPI.Win.Allocate_shared(3 * self.slot_bytes, 1, comm=self.node)
         self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole life: Sync() is then the memory fence
         self.mem = [np.frombuffer(self.win.Shared_query(j)[0], dtype=np.uint8) for j in range(self.k)]
-        self.queue: deque[ShmRingOp] = deque()
 
     def slot(self, rank: int, s: int, dtype: Any, n: int) -> Array:
         """The first n elements of slot s (0, 1: reduce-scatter; 2: result) of ``rank``."""
@@ -69,6 +74,8 @@ class ShmTransport:
         return self.mem[rank][lo: lo + n * np.dtype(dtype).itemsize].view(dtype)
 
     def start(self, src: Array, dst: Array) -> ShmRingOp:
+        if self.win is None:
+            self._map()
         op = ShmRingOp(self, src, dst)
         self.queue.append(op)
         self.progress(op, block=False)  # the first step now: overlap starts at once
@@ -89,8 +96,10 @@ class ShmTransport:
         for op in list(self.queue):  # complete what was started: every rank started the same operations
             self.progress(op, block=True)
         self.mem.clear()
-        self.win.Unlock_all()
-        self.win.Free()
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
         self.node.Free()
 
 
