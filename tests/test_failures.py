@@ -11,13 +11,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ONE_THREAD, mpiexec_cmd, run_mpi
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd, run_mpi
 
 SYNTH = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32",
          "--progress", "off")
@@ -137,22 +138,38 @@ def _start_long_run(k: int, tag: str, tmp_path: Path, *args: str) -> subprocess.
     return p
 
 
-def _wait_end(p: subprocess.Popen, limit_s: float = 90) -> tuple[str, str, float]:
+def _wait_end(p: subprocess.Popen, tag: str, limit_s: float = 90) -> tuple[str, str, float]:
     t0 = time.monotonic()
     try:
         out, err = p.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
+        where = _describe_ranks(tag)  # before the kill: what each rank and thread was doing
         p.kill()
         out, err = p.communicate(timeout=30)
-        pytest.fail(f"the job hung: still running {limit_s} s after the rank went away\n{err[-2000:]}")
+        pytest.fail(f"the job hung: still running {limit_s} s after the rank went away\n{where}\n{err[-2000:]}")
     return out, err, time.monotonic() - t0
+
+
+def _describe_ranks(tag: str) -> str:
+    """Each live rank's threads with their state and kernel wait channel, for a hang's post-mortem."""
+    lines = []
+    for rank, pid in sorted(rank_pids(tag).items()):
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            try:
+                stat = (task / "stat").read_text()
+                name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+                wchan = (task / "wchan").read_text() or "-"
+            except (OSError, ValueError):
+                continue
+            lines.append(f"rank {rank} pid {pid} thread {task.name} ({name}): state {state}, waiting in {wchan}")
+    return "\n".join(lines) or "no rank alive"
 
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_killed_rank_ends_the_job(k: int, tag: str, tmp_path: Path) -> None:
     p = _start_long_run(k, tag, tmp_path)
     os.kill(rank_pids(tag)[1], signal.SIGKILL)
-    out, err, elapsed = _wait_end(p)
+    out, err, elapsed = _wait_end(p, tag)
     assert p.returncode != 0
     assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
     if "BAD TERMINATION" in out + err:  # MPICH's hydra: names the pid and the signal, exits with its number
@@ -166,7 +183,7 @@ def test_stopped_rank_is_reported_and_aborted_by_the_watchdog(tag: str, tmp_path
     stopped = rank_pids(tag)[1]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        out, err, elapsed = _wait_end(p)
+        out, err, elapsed = _wait_end(p, tag)
     finally:
         try:
             os.kill(stopped, signal.SIGKILL)
@@ -177,6 +194,32 @@ def test_stopped_rank_is_reported_and_aborted_by_the_watchdog(tag: str, tmp_path
     assert "aborts the job (--stall-abort)" in err, err[-2000:]
     assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
     assert_no_rank_left(tag)
+
+
+# -- the abort itself stuck -------------------------------------------------------------------
+STUCK_ABORT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from mpisgd.abort import abort_job
+
+class StuckComm:
+    def Abort(self, code):  # an MPI_Abort that never returns (a library lock held forever)
+        time.sleep(600)
+
+print("aborting", flush=True)
+abort_job(StuckComm(), 1, grace_s=0.1, deadline_s=0.5)
+print("abort returned", flush=True)
+"""
+
+
+def test_a_stuck_mpi_abort_still_ends_the_rank() -> None:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", STUCK_ABORT.format(root=str(ROOT))], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    assert "aborting" in r.stdout and "abort returned" not in r.stdout
+    assert "MPI_Abort did not end this rank within 0.5 s; killing it (SIGKILL)" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 20
 
 
 # -- non-finite gradients --------------------------------------------------------------------
