@@ -7,6 +7,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim import SGD
 
@@ -155,3 +156,62 @@ def test_fresh_state_has_no_previous_rate():
 def test_bad_hyperparameters(kw, message):
     with pytest.raises(ValueError, match=message):
         SGD(FlatBuffer([(3,)], np.float64, np), **kw)
+
+
+# -- the BLAS path (mpisgd.blas) ---------------------------------------------------------------
+FORMS = [dict(), dict(weight_decay=1e-3), dict(momentum=0.9), dict(momentum=0.9, weight_decay=1e-3),
+         dict(momentum=0.9, nesterov=True, weight_decay=1e-3), dict(momentum=0.9, momentum_correction=True),
+         dict(momentum=0.9, nesterov=True, momentum_correction=True)]
+
+
+def _blas_or_skip(dtype: type) -> None:
+    if level1_for(np.zeros(4, dtype)) is None:
+        pytest.skip("NumPy's BLAS has no usable axpy/axpby/asum here (or MPISGD_BLAS_LEVEL1=0): ufuncs only")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", FORMS)
+def test_blas_step_matches_the_ufunc_step(kw, dtype):
+    """Same iterates on the quadratic, through a warmup and a decay, up to rounding."""
+    _blas_or_skip(dtype)
+    runs = []
+    for level1 in (True, False):
+        flat = FlatBuffer([(N,)], dtype, np)
+        flat.params[...] = W0
+        opt = SGD(flat, level1=level1, **kw)
+        assert (opt.blas is not None) == level1
+        for lr in WARMUP_THEN_DECAY:
+            flat.grads[...] = grad(flat.params.astype(np.float64))
+            opt.step(lr)
+        runs.append(flat.params.copy())
+    rtol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(runs[0], runs[1], rtol=rtol, atol=rtol)
+    assert not np.array_equal(runs[1], W0.astype(dtype))  # it moved
+
+
+def test_blas_routines_agree_with_numpy():
+    _blas_or_skip(np.float32)
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal(100_003).astype(np.float32) for _ in range(2))
+    b = level1_for(x, y)
+    assert b is not None
+    got = y.copy()
+    b.axpy(-0.3, x, got)
+    np.testing.assert_allclose(got, y - np.float32(0.3) * x, rtol=1e-6, atol=1e-6)
+    got = y.copy()
+    b.axpby(0.5, x, 0.9, got)
+    np.testing.assert_allclose(got, np.float32(0.5) * x + np.float32(0.9) * y, rtol=1e-6, atol=1e-6)
+    assert b.asum(x) == pytest.approx(float(np.abs(x.astype(np.float64)).sum()), rel=1e-4)
+    for bad in (np.nan, np.inf, -np.inf):
+        z = x.copy()
+        z[77_777] = bad
+        assert not np.isfinite(b.asum(z))
+
+
+def test_ufuncs_where_blas_cannot_go():
+    x = np.zeros(10, np.float32)
+    assert level1_for(x[::2]) is None  # strided
+    assert level1_for(np.zeros(10, np.float16)) is None  # no such BLAS
+    assert level1_for(x, np.zeros(10, np.float64)) is None  # mixed dtypes
+    assert level1_for(x, np.zeros(9, np.float32)) is None  # mixed sizes
+    assert level1_for([0.0] * 10) is None  # not a NumPy array (CuPy arrays take the ufuncs too)

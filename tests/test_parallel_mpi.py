@@ -161,3 +161,19 @@ def test_a_rank_out_of_step_fails_fast_on_every_rank():
         dp.train_step([(x, y)], lr=0.1)
     assert np.array_equal(before, dp.flat.params)  # nothing was reduced or applied
     dp.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_finite_check_is_exact(dtype):
+    """The cheap check (sum of |g|) overflows on huge finite values: those must still pass; NaN/Inf not."""
+    comm = world()
+    model = mlp((8,)).materialize(np, dtype, seed=0)
+    dp = DataParallel(model, SGD(model.flat, momentum=0.9), comm)
+    g = dp.flat.grads
+    g[...] = np.finfo(g.dtype).max / 4  # finite, but their sum is not
+    assert dp.grads_finite()
+    for bad in (np.nan, np.inf, -np.inf):
+        g[...] = 1.0
+        g[g.size // 2] = bad
+        assert not dp.grads_finite()
+    dp.close()
