@@ -5,11 +5,15 @@
 Each launch is `mpiexec -n k python -m mpisgd.train --epochs 2 ...`; its
 second epoch (the first is the warm-up) gives samples/s over the training steps
 only, and the per-step split (forward, backward, exposed communication, total
-communication, optimizer). Launches are interleaved (k=1, k=2, k=1, ...) so
-that machine noise hits every configuration alike; the table shows medians.
-Efficiency = samples/s(k) / (k * samples/s(1)), same per-rank batch.
-`--compare` adds, interleaved too, the plain NumPy loop on 1 and 2 BLAS
-threads and, when torch is importable, PyTorch DDP (gloo) at the largest k.
+communication, optimizer). Launches are interleaved (k=1, k=2, k=1, ...), the
+order rotated by one each repeat, so that machine noise and drift hit every
+configuration alike; the table shows medians. Efficiency = samples/s(k) /
+(k * samples/s(1)), same per-rank batch. `--compare` adds, interleaved too, the
+plain NumPy loop on 1 and 2 BLAS threads and, when torch is importable, PyTorch
+DDP (gloo) at the largest k (`--baselines` picks among them). The speed
+issue's targets are printed last as ratios within each repeat (launches
+seconds apart), with their median: steadier than a ratio of medians when the
+machine drifts.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
+BASELINES = ("numpy-1t", "numpy-2t", "torch-ddp")
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
 
@@ -71,6 +76,8 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2", help="rank counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated)")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args()
@@ -82,21 +89,26 @@ def main() -> None:
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.compare:
-        jobs += [("numpy", 1, 1), ("numpy", 1, 2)]
-        if have_torch:
+        chosen = args.baselines.split(",")
+        unknown = set(chosen) - set(BASELINES)
+        if unknown:
+            parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
+        jobs += [("numpy", 1, t) for t in (1, 2) if f"numpy-{t}t" in chosen]
+        if "torch-ddp" in chosen and have_torch:
             jobs.append(("torch-ddp", max(ks), 1))
-        else:
+        elif "torch-ddp" in chosen:
             print("# torch not importable: PyTorch DDP skipped (pip install torch==2.13.0)")
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for impl, k, threads in jobs:
+            for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
                 res = run_mpisgd(k, train_args, tmp) if impl == "mpisgd" else \
                     run_baseline(impl, k, threads, hidden, batch)
                 if res:
+                    res["repeat"] = rep
                     runs.setdefault(res["impl"], []).append(res)
                     print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s", flush=True)
-    summary = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("impl",)}
+    summary = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("impl", "repeat")}
                for name, rs in runs.items()}
     base = summary.get("mpisgd k=1", {}).get("samples_per_s")
     print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
@@ -108,10 +120,35 @@ def main() -> None:
         cols = "".join(f"{s.get(key, float('nan')):>{w}.2f}" for key, w in zip(SPLIT, (8, 8, 9, 9, 8, 9)))
         print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{s.get('peak_rss_mib', float('nan')):>10.0f}")
         s["efficiency"] = eff
+    ratios = paired_ratios(runs, max(ks))
+    if ratios:
+        print("\nthe speed issue's ratios, within each repeat (then their median):")
+        for label, values in ratios.items():
+            print(f"  {label:<44}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "train_args": train_args,
-                                               "repeats": args.repeats}, indent=1))
+        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "ratios": ratios,
+                                               "train_args": train_args, "repeats": args.repeats}, indent=1))
+
+
+def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]:
+    """Each target's ratio per repeat, from launches of the same repeat only (a repeat missing a side is
+    left out)."""
+    by_rep = {name: {r["repeat"]: r for r in rs} for name, rs in runs.items()}
+    targets = [  # (label, numerator, denominator, key, factor): value = factor * num[key] / den[key]
+        (f"efficiency k={k} (>= 0.85)", f"mpisgd k={k}", "mpisgd k=1", "samples_per_s", 1 / k),
+        ("k=1 step / NumPy loop 1 thread step (<= 1.05)", "mpisgd k=1", "numpy-loop-1t", "step_ms", 1.0),
+        (f"k={k} / NumPy loop on 2 BLAS threads (>= 1.0)", f"mpisgd k={k}", "numpy-loop-2t", "samples_per_s", 1.0),
+        (f"k={k} / PyTorch DDP gloo k={k} (>= 1.6)", f"mpisgd k={k}", "torch-ddp-gloo", "samples_per_s", 1.0),
+    ]
+    out = {}
+    for label, num, den, key, factor in targets:
+        if num == den or num not in by_rep or den not in by_rep:
+            continue
+        reps = sorted(set(by_rep[num]) & set(by_rep[den]))
+        if reps:
+            out[label] = [factor * by_rep[num][r][key] / by_rep[den][r][key] for r in reps]
+    return out
 
 
 if __name__ == "__main__":

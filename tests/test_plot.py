@@ -121,3 +121,24 @@ def test_benchmark_quick_smoke_run(tmp_path):
                             "--recipes", "none", "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert "skipped" in again.stdout  # finished points are not rerun
+
+
+def test_throughput_ratios_are_paired_within_a_repeat():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+
+    def run(impl, rep, sps, step):
+        return {"impl": impl, "repeat": rep, "samples_per_s": sps, "step_ms": step}
+
+    runs = {"mpisgd k=1": [run("mpisgd k=1", 0, 100, 10.0), run("mpisgd k=1", 1, 50, 20.0)],
+            "mpisgd k=2": [run("mpisgd k=2", 0, 170, 12.0), run("mpisgd k=2", 1, 90, 22.0)],
+            "numpy-loop-1t": [run("numpy-loop-1t", 1, 55, 19.0)],  # repeat 0 failed: left out
+            "torch-ddp-gloo": [run("torch-ddp-gloo", 0, 100, 30.0), run("torch-ddp-gloo", 1, 60, 40.0)]}
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["efficiency k=2 (>= 0.85)"] == pytest.approx([0.85, 0.9])
+    assert ratios["k=1 step / NumPy loop 1 thread step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
+    assert ratios["k=2 / PyTorch DDP gloo k=2 (>= 1.6)"] == pytest.approx([1.7, 1.5])
+    assert not any("2 BLAS threads" in label for label in ratios)  # no such runs
