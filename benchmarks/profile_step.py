@@ -3,10 +3,11 @@
     OMP_NUM_THREADS=1 python benchmarks/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
-finite check, optimizer) and, for the same GEMM shapes, the time the same BLAS
-takes for them alone: "GEMM efficiency" = isolated GEMM time / time of
+finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
+must hold. Then, alternating one training step with one pass of the same GEMMs
+alone (same shapes, layouts and out=, the same BLAS), so that machine noise
+hits both alike: "GEMM efficiency" = median isolated GEMM time / median time of
 forward+backward (everything else in forward/backward counts against it).
-Also prints peak memory (ru_maxrss) against the bytes the step must hold.
 """
 
 from __future__ import annotations
@@ -25,14 +26,22 @@ from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
 
 
-def matmul_ms(a: np.ndarray, b: np.ndarray, out: np.ndarray, repeats: int = 50) -> float:
-    """Median time of one GEMM with the same shapes, layout and out= as the step uses."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.matmul(a, b, out=out)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]:
+    """The step's GEMMs as (a, b, out) operands, and their FLOPs: forward y = x W, backward
+    dW = x^T dy and dx = dy W^T (not for the first layer, whose input gradient is skipped)."""
+    sizes = [784, *hidden, 10]
+    rng = np.random.default_rng(0)
+    ops, flops = [], 0
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        x = rng.standard_normal((b, n_in), dtype=np.float32)
+        w = rng.standard_normal((n_in, n_out), dtype=np.float32)
+        dy = rng.standard_normal((b, n_out), dtype=np.float32)
+        ops += [(x, w, np.empty((b, n_out), np.float32)), (x.T, dy, np.empty((n_in, n_out), np.float32))]
+        flops += 4 * b * n_in * n_out
+        if i:
+            ops.append((dy, w.T, np.empty_like(x)))
+            flops += 2 * b * n_in * n_out
+    return ops, flops
 
 
 def main() -> None:
@@ -74,29 +83,32 @@ def main() -> None:
     for k, v in med.items():
         print(f"  {k:<13}{v:8.2f} ms  {100 * v / total:5.1f} %")
 
-    # the same GEMMs alone: forward y = x W, backward dW = x^T dy, dx = dy W^T (not for the first layer)
-    sizes = [784, *args.hidden, 10]
-    rng = np.random.default_rng(0)
-    gemm_ms, flops = 0.0, 0
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        x = rng.standard_normal((b, n_in), dtype=np.float32)
-        w = rng.standard_normal((n_in, n_out), dtype=np.float32)
-        dy = rng.standard_normal((b, n_out), dtype=np.float32)
-        y, dw, dx = np.empty((b, n_out), np.float32), np.empty((n_in, n_out), np.float32), np.empty_like(x)
-        gemm_ms += matmul_ms(x, w, y) + matmul_ms(x.T, dy, dw)
-        flops += 4 * b * n_in * n_out
-        if i:
-            gemm_ms += matmul_ms(dy, w.T, dx)
-            flops += 2 * b * n_in * n_out
-    fb = med["forward"] + med["backward"]
-    print(f"GEMMs alone: {gemm_ms:.2f} ms ({flops / gemm_ms / 1e6:.1f} GFLOP/s); in the step's forward+backward: "
-          f"{fb:.2f} ms ({flops / fb / 1e6:.1f} GFLOP/s); GEMM efficiency {gemm_ms / fb:.3f}")
     flat = model.flat
     need = 3 * flat.nbytes + train.images.nbytes + train.labels.nbytes + sum(
         b * h * 4 * 2 for h in [784, *args.hidden, 10])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the GEMM operands below
     print(f"peak RSS {peak / 2**20:.0f} MiB; parameters+gradients+momentum+activations+data set "
           f"{need / 2**20:.0f} MiB (the interpreter and libraries account for the rest)")
+
+    ops, flops = gemm_set(args.hidden, b)
+    fb_ms, gemm_ms = [], []
+    for step in range(args.steps):
+        x, y = loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))
+        t0 = time.perf_counter()
+        loss.forward_array(model.forward(x), y)
+        model.backward(loss.backward(1.0 / b))
+        t1 = time.perf_counter()
+        opt.step(0.05)
+        t2 = time.perf_counter()
+        for a, w, out in ops:
+            np.matmul(a, w, out=out)
+        t3 = time.perf_counter()
+        fb_ms.append(1e3 * (t1 - t0))
+        gemm_ms.append(1e3 * (t3 - t2))
+    fb, gemm = statistics.median(fb_ms), statistics.median(gemm_ms)
+    print(f"alternating {args.steps} steps with the same GEMMs alone: GEMMs alone {gemm:.2f} ms "
+          f"({flops / gemm / 1e6:.1f} GFLOP/s); the step's forward+backward {fb:.2f} ms "
+          f"({flops / fb / 1e6:.1f} GFLOP/s); GEMM efficiency {gemm / fb:.3f}")
 
 
 if __name__ == "__main__":

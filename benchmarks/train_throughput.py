@@ -124,7 +124,7 @@ def main() -> None:
     if ratios:
         print("\nthe speed issue's ratios, within each repeat (then their median):")
         for label, values in ratios.items():
-            print(f"  {label:<44}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}")
+            print(f"  {label:<48}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "ratios": ratios,
