@@ -142,3 +142,19 @@ def test_throughput_ratios_are_paired_within_a_repeat():
     assert ratios["k=1 step / NumPy loop 1 thread step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
     assert ratios["k=2 / PyTorch DDP gloo k=2 (>= 1.6)"] == pytest.approx([1.7, 1.5])
     assert not any("2 BLAS threads" in label for label in ratios)  # no such runs
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
+def test_throughput_benchmark_smoke_run(tmp_path):
+    """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
+                        "--baselines", "numpy-1t", "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads(out.read_text())
+    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "numpy-loop-1t"}
+    assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
+    assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
+    assert all(v > 0 for v in data["ratios"]["k=1 step / NumPy loop 1 thread step (<= 1.05)"])
+    assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
