@@ -13,7 +13,9 @@ plain NumPy loop on 1 and 2 BLAS threads and, when torch is importable, PyTorch
 DDP (gloo) at the largest k (`--baselines` picks among them). The speed
 issue's targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
-machine drifts.
+machine drifts. `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs
+there are), the hand-written loop on CuPy arrays ("cupy-loop", in place of the
+two NumPy loops) and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str) -> dict:
             **{key: last[key] for key in SPLIT}, "peak_rss_mib": last.get("peak_rss_mib", float("nan"))}
 
 
-def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str) -> dict | None:
+def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, device: str) -> dict | None:
     cmd = (mpiexec(k) if impl == "torch-ddp" else [sys.executable]) + [
         str(ROOT / "benchmarks" / "baselines.py"), impl, "--threads", str(threads), "--hidden", hidden,
-        "--batch-size", batch]
+        "--batch-size", batch, "--device", device]
     env = {**ENV, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if r.returncode:
@@ -78,12 +80,15 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated)")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
     if "--threads" not in train_args:  # the reference workload: one BLAS thread per rank at every k
         train_args += ["--threads", "1"]
+    if "--device" not in train_args:
+        train_args += ["--device", args.device]
     ks = [int(k) for k in args.ks.split(",")]
     hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
@@ -93,7 +98,9 @@ def main() -> None:
         unknown = set(chosen) - set(BASELINES)
         if unknown:
             parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
-        jobs += [("numpy", 1, t) for t in (1, 2) if f"numpy-{t}t" in chosen]
+        # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
+        threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if args.device == "gpu" else 2]
+        jobs += [("numpy", 1, t) for t in threads]
         if "torch-ddp" in chosen and have_torch:
             jobs.append(("torch-ddp", max(ks), 1))
         elif "torch-ddp" in chosen:
@@ -103,7 +110,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
                 res = run_mpisgd(k, train_args, tmp) if impl == "mpisgd" else \
-                    run_baseline(impl, k, threads, hidden, batch)
+                    run_baseline(impl, k, threads, hidden, batch, args.device)
                 if res:
                     res["repeat"] = rep
                     runs.setdefault(res["impl"], []).append(res)
@@ -135,11 +142,13 @@ def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]
     """Each target's ratio per repeat, from launches of the same repeat only (a repeat missing a side is
     left out)."""
     by_rep = {name: {r["repeat"]: r for r in rs} for name, rs in runs.items()}
+    loop = "cupy-loop" if "cupy-loop" in runs else "numpy-loop-1t"
+    ddp = next((name for name in runs if name.startswith("torch-ddp-")), "torch-ddp-gloo")
     targets = [  # (label, numerator, denominator, key, factor): value = factor * num[key] / den[key]
         (f"efficiency k={k} (>= 0.85)", f"mpisgd k={k}", "mpisgd k=1", "samples_per_s", 1 / k),
-        ("k=1 step / NumPy loop 1 thread step (<= 1.05)", "mpisgd k=1", "numpy-loop-1t", "step_ms", 1.0),
+        (f"k=1 step / {loop} step (<= 1.05)", "mpisgd k=1", loop, "step_ms", 1.0),
         (f"k={k} / NumPy loop on 2 BLAS threads (>= 1.0)", f"mpisgd k={k}", "numpy-loop-2t", "samples_per_s", 1.0),
-        (f"k={k} / PyTorch DDP gloo k={k} (>= 1.6)", f"mpisgd k={k}", "torch-ddp-gloo", "samples_per_s", 1.0),
+        (f"k={k} / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k}", ddp, "samples_per_s", 1.0),
     ]
     out = {}
     for label, num, den, key, factor in targets:

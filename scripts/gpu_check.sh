@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# On a GPU machine: the GPU tests of the communication engine, then the all-reduce
-# bandwidth benchmark for each GPU backend (nccl; MPI staged and, if CUDA-aware, direct).
-#   bash scripts/gpu_check.sh            # results in results/allreduce/gpu-*
-#   MAX_BYTES=64M bash scripts/gpu_check.sh
+# On a GPU machine: the GPU tests of the communication engine, the all-reduce
+# bandwidth benchmark for each GPU backend (nccl; MPI staged and, if CUDA-aware, direct),
+# then the speed issue's throughput table on the GPU (mpisgd on CuPy at k = 1 and 2,
+# ranks sharing the GPUs there are, against a hand-written CuPy loop and PyTorch DDP).
+#   bash scripts/gpu_check.sh            # results in results/allreduce/gpu-* and results/throughput/gpu-*
+#   MAX_BYTES=64M REPEATS=2 bash scripts/gpu_check.sh
+# The throughput step needs Fashion-MNIST ($MPISGD_DATA or the Debian path); without it, it is skipped.
 # NCCL needs one GPU per rank, so ranks = number of GPUs (1 on a single-GPU machine:
 # the benchmark then measures the local path only). Exit status: non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 MAX_BYTES=${MAX_BYTES:-256M}
-OUT=${OUT:-results/allreduce}
-mkdir -p "$OUT" results/tmp
+RESULTS=${RESULTS:-results/allreduce}  # not $OUT: the device tool sets that
+mkdir -p "$RESULTS" results/tmp
 
 if ! python -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null; then
   echo "gpu_check: no CuPy or no CUDA device here; install cupy-cuda12x (pip) on a GPU machine" >&2
@@ -41,11 +44,20 @@ echo "gpu_check: CUDA-aware probe says: $direct"
 modes="staged"; [ "$direct" = direct ] && modes="staged direct"
 
 step "bandwidth nccl" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py --device gpu \
-    --backends nccl --max-bytes "$MAX_BYTES" --json "$OUT/gpu-nccl.jsonl" --plot "$OUT/gpu-nccl.png"
+    --backends nccl --max-bytes "$MAX_BYTES" --json "$RESULTS/gpu-nccl.jsonl" --plot "$RESULTS/gpu-nccl.png"
 for mode in $modes; do
   step "bandwidth mpi/ring/auto $mode" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py \
       --device gpu --cuda-aware "$mode" --backends mpi,ring,auto --max-bytes "$MAX_BYTES" \
-      --json "$OUT/gpu-$mode.jsonl" --plot "$OUT/gpu-$mode.png"
+      --json "$RESULTS/gpu-$mode.jsonl" --plot "$RESULTS/gpu-$mode.png"
 done
+
+data=${MPISGD_DATA:-/usr/share/datasets/fashion-mnist}
+if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+  mkdir -p results/throughput
+  step "throughput on the GPU" timeout 1200 python benchmarks/train_throughput.py --device gpu \
+      --repeats "${REPEATS:-2}" --compare --json results/throughput/gpu.json
+else
+  echo "gpu_check: no Fashion-MNIST in $data: throughput table skipped (set MPISGD_DATA)"
+fi
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)"
 exit $status

@@ -139,9 +139,15 @@ def test_throughput_ratios_are_paired_within_a_repeat():
             "torch-ddp-gloo": [run("torch-ddp-gloo", 0, 100, 30.0), run("torch-ddp-gloo", 1, 60, 40.0)]}
     ratios = tt.paired_ratios(runs, 2)
     assert ratios["efficiency k=2 (>= 0.85)"] == pytest.approx([0.85, 0.9])
-    assert ratios["k=1 step / NumPy loop 1 thread step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
+    assert ratios["k=1 step / numpy-loop-1t step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
     assert ratios["k=2 / PyTorch DDP gloo k=2 (>= 1.6)"] == pytest.approx([1.7, 1.5])
     assert not any("2 BLAS threads" in label for label in ratios)  # no such runs
+    # on a GPU: the CuPy loop and DDP over NCCL are the comparisons
+    gpu = {"mpisgd k=1": runs["mpisgd k=1"], "mpisgd k=2": runs["mpisgd k=2"],
+           "cupy-loop": [run("cupy-loop", 0, 120, 8.0)], "torch-ddp-nccl": [run("torch-ddp-nccl", 0, 85, 9.0)]}
+    ratios = tt.paired_ratios(gpu, 2)
+    assert ratios["k=1 step / cupy-loop step (<= 1.05)"] == pytest.approx([10.0 / 8.0])
+    assert ratios["k=2 / PyTorch DDP nccl k=2 (>= 1.6)"] == pytest.approx([2.0])
 
 
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
@@ -156,5 +162,5 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "numpy-loop-1t"}
     assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
     assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
-    assert all(v > 0 for v in data["ratios"]["k=1 step / NumPy loop 1 thread step (<= 1.05)"])
+    assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
     assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
