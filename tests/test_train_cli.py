@@ -80,3 +80,15 @@ def test_bad_input_one_line_exit_2_everywhere(argv, needle):
 def test_help_is_printed_once():
     r = run_mpi(2, "-m", "mpisgd.train", "--help", timeout=60)
     assert r.returncode == 0 and r.stdout.count("usage:") == 1 and "--check-replicas" in r.stdout
+
+
+def test_fp16_compression_on_cpu_warns_and_still_trains(tmp_path):
+    """On the CPU, float16 is software arithmetic: the run says so once, and still learns alike."""
+    out = tmp_path / "fp16.npz"
+    r = run_mpi(2, *SYNTH, "--batch-size", "16", "--max-steps", "10", "--compress", "fp16", "--save-model", str(out))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert (r.stdout + r.stderr).count("warning: --compress fp16 on the CPU") == 1, r.stdout
+    ref = train_params(tmp_path, 2, 16)
+    got = np.load(out, allow_pickle=False)["flat"]
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-3)  # rounded on the wire, not wrong
+    assert "warning: --compress" not in run_mpi(2, *SYNTH, "--max-steps", "2").stdout
