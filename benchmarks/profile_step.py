@@ -60,22 +60,29 @@ def main() -> None:
     loader = BatchLoader(train, np, "float32")
     batches = GlobalBatches(len(train), b, 0, 1)
     perm = epoch_permutation(len(train), 0, 0)
-    phases: dict[str, list[float]] = {k: [] for k in ("data", "forward", "backward", "finite check", "optimizer")}
-    for step in range(args.steps):
-        t0 = time.perf_counter()
+    names = ("data", "forward", "backward", "finite check", "optimizer")
+
+    def timed_step(step: int) -> list[float]:
+        """One training step; the milliseconds of each phase in ``names``."""
+        t = [time.perf_counter()]
         x, y = loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))
-        t1 = time.perf_counter()
+        t.append(time.perf_counter())
         loss.forward_array(model.forward(x), y)
-        t2 = time.perf_counter()
+        t.append(time.perf_counter())
         model.backward(loss.backward(1.0 / b))
-        t3 = time.perf_counter()
+        t.append(time.perf_counter())
         all_finite(model.flat.grads)
-        t4 = time.perf_counter()
+        t.append(time.perf_counter())
         opt.step(0.05)
-        t5 = time.perf_counter()
+        t.append(time.perf_counter())
+        return [1e3 * (t1 - t0) for t0, t1 in zip(t, t[1:])]
+
+    phases: dict[str, list[float]] = {k: [] for k in names}
+    for step in range(args.steps):
+        ms = timed_step(step)
         if step >= 20:  # warm-up
-            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                phases[name].append(1e3 * dt)
+            for name, v in zip(names, ms):
+                phases[name].append(v)
     med = {k: statistics.median(v) for k, v in phases.items()}
     total = sum(med.values())
     print(f"MLP 784-{'-'.join(map(str, args.hidden))}-10, b={b}, float32, {args.threads} BLAS thread(s): "
@@ -93,18 +100,12 @@ def main() -> None:
     ops, flops = gemm_set(args.hidden, b)
     fb_ms, gemm_ms = [], []
     for step in range(args.steps):
-        x, y = loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))
+        ms = timed_step(step)
         t0 = time.perf_counter()
-        loss.forward_array(model.forward(x), y)
-        model.backward(loss.backward(1.0 / b))
-        t1 = time.perf_counter()
-        opt.step(0.05)
-        t2 = time.perf_counter()
         for a, w, out in ops:
             np.matmul(a, w, out=out)
-        t3 = time.perf_counter()
-        fb_ms.append(1e3 * (t1 - t0))
-        gemm_ms.append(1e3 * (t3 - t2))
+        gemm_ms.append(1e3 * (time.perf_counter() - t0))
+        fb_ms.append(ms[1] + ms[2])
     fb, gemm = statistics.median(fb_ms), statistics.median(gemm_ms)
     print(f"alternating {args.steps} steps with the same GEMMs alone: GEMMs alone {gemm:.2f} ms "
           f"({flops / gemm / 1e6:.1f} GFLOP/s); the step's forward+backward {fb:.2f} ms "
