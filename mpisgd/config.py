@@ -63,6 +63,8 @@ class Config:
     overlap: bool = opt(True, "start each bucket's all-reduce during backward")
     deterministic: bool = opt(False, "fixed summation order: bitwise reproducible across bucket sizes")
     compress: str = opt("none", "cast gradients for communication only", ("none", "fp16"))
+    shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
+                                       "all-gather them (same result; CPU only)")
     cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "
                                   "through pinned host memory (staged)", ("auto", "direct", "staged"))
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")

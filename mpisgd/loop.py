@@ -33,6 +33,7 @@ class Trainer:
         self.k, self.rank = self.ctx.size, self.ctx.rank
         self.is_root = self.rank == 0
         self._agreed(self._verify_config)
+        self._agreed(self._verify_device_options)
         self.threads = cfg.threads or default_threads(self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
             set_threads(self.threads)
@@ -45,7 +46,8 @@ class Trainer:
                                allreduce=cfg.allreduce, average=cfg.grad_reduction == "mean",
                                bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
                                timeline=self.timeline, deterministic=cfg.deterministic,
-                               compress=cfg.compress, cuda_aware=cfg.cuda_aware, watchdog=self._watchdog())
+                               compress=cfg.compress, cuda_aware=cfg.cuda_aware, watchdog=self._watchdog(),
+                               shard_optimizer=cfg.shard_optimizer)
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))
@@ -93,6 +95,11 @@ class Trainer:
                              + ", ".join(f"{values[r]!r} on rank {r}" for r in odd))
         raise UsageError("ranks were started with different options: " + "; ".join(diffs))
 
+    def _verify_device_options(self) -> None:
+        if self.cfg.shard_optimizer and self.ctx.backend.is_gpu:
+            raise UsageError("--shard-optimizer runs on the CPU only (its all-gather takes host buffers); "
+                             "drop it or pass --device cpu")
+
     def _load_data(self) -> tuple[Dataset, Dataset, str]:
         cfg = self.cfg
         if cfg.dataset == "synthetic":
@@ -135,6 +142,9 @@ class Trainer:
         self.log(f"all-reduce: {self.dp.reducer.describe()} | {len(bucket_mb)} bucket(s) of "
                  f"{', '.join(bucket_mb)} MiB | overlap {'on' if cfg.overlap else 'off'} | "
                  f"gradient {cfg.grad_reduction}{'' if cfg.grad_reduction == 'mean' else ' (NOT divided by k)'}")
+        if self.dp.sharded:
+            self.log(f"optimizer step: sharded (reduce-scatter of each bucket; each rank updates 1/{self.k} of "
+                     "the parameters, then all-gathers them)")
         self.log("rank map: " + ", ".join(f"{r}:{h}/local {lr}" + ("" if g is None else f"/gpu {g}")
                                           for r, (h, lr, g) in enumerate(ranks or [])))
         self._warn_placement(ranks or [])
@@ -205,6 +215,7 @@ class Trainer:
             return
         spe = self.batches.steps_per_epoch
         next_epoch, next_step = (epoch + 1, 0) if step + 1 >= spe else (epoch, step + 1)
+        self.dp.gather_optimizer_state()  # collective (sharded step): due on every rank at the same step
         if self.is_root:  # only rank 0 writes; no collective, so nothing waits on it
             v = self.optimizer.velocity
             save_checkpoint(cfg.checkpoint_dir, TrainState(

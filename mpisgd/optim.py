@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mpisgd.blas import level1_for
@@ -48,15 +49,29 @@ class SGD:
         self._tmp = None if self.blas else xp.empty_like(flat.params)  # the ufuncs' one temporary
 
     def step(self, lr: float) -> None:
-        if self.blas is not None:
-            self._step_blas(lr)
-        else:
-            self._step_ufuncs(lr)
+        """Update every parameter from the gradient buffer."""
+        self._update(self.flat.params, self.flat.grads, self.velocity, self._tmp, lr)
         self.prev_lr = lr
 
-    def _step_blas(self, lr: float) -> None:
-        """The same update as ``_step_ufuncs``, each line one pass (y += a*x, y = a*x + b*y)."""
-        b, w, g, v, mu = self.blas, self.flat.params, self.flat.grads, self.velocity, self.momentum
+    def step_shards(self, lr: float, shards: Sequence[tuple[int, int, Any]]) -> None:
+        """Update only the parameter ranges ``[lo, hi)`` of ``shards``, each from its own gradient array
+        ``g`` (hi - lo elements; the sharded step of mpisgd.parallel). Element by element the same
+        update as :meth:`step`, so ranks that update disjoint ranges and exchange them arrive at the
+        replicated step's parameters (up to the last bit, where a BLAS kernel's blocking differs)."""
+        w, v, tmp = self.flat.params, self.velocity, self._tmp
+        for lo, hi, g in shards:
+            self._update(w[lo:hi], g, None if v is None else v[lo:hi], None if tmp is None else tmp[lo:hi], lr)
+        self.prev_lr = lr
+
+    def _update(self, w: Any, g: Any, v: Any, tmp: Any, lr: float) -> None:
+        if self.blas is not None:
+            self._update_blas(w, g, v, lr)
+        else:
+            self._update_ufuncs(w, g, v, tmp, lr)
+
+    def _update_blas(self, w: Any, g: Any, v: Any, lr: float) -> None:
+        """The same update as ``_update_ufuncs``, each line one pass (y += a*x, y = a*x + b*y)."""
+        b, mu = self.blas, self.momentum
         assert b is not None
         if self.weight_decay:
             b.axpy(self.weight_decay, w, g)  # d = g + wd*w
@@ -78,9 +93,8 @@ class SGD:
             else:
                 b.axpy(-lr, v, w)
 
-    def _step_ufuncs(self, lr: float) -> None:
-        xp = self.flat.xp
-        w, g, v, mu, tmp = self.flat.params, self.flat.grads, self.velocity, self.momentum, self._tmp
+    def _update_ufuncs(self, w: Any, g: Any, v: Any, tmp: Any, lr: float) -> None:
+        xp, mu = self.flat.xp, self.momentum
         if self.weight_decay:
             xp.multiply(w, self.weight_decay, out=tmp)
             g += tmp  # g becomes d = g + wd*w

@@ -10,6 +10,12 @@
      buffer, filled in reverse layer order) and, with ``overlap``, starts each
      bucket's all-reduce as soon as backward has produced its last gradient;
   4. waits for all buckets, then applies the identical optimizer step.
+
+With ``shard_optimizer`` (k > 1), step 3 becomes a reduce-scatter: each rank
+receives only its chunk of every bucket's averaged gradient, updates only
+those parameters (1/k of the optimizer's work), and an all-gather of the
+parameters then gives every rank the same new replica (ZeRO stage 1's split of
+the update, with the momentum buffer kept whole so that checkpoints do not change).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from mpisgd.backend import Backend, sync_device, to_numpy
 from mpisgd.blas import all_finite
 from mpisgd.comm import Handle, Reducer, create_reducer
+from mpisgd.comm.base import chunk_bounds
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
 from mpisgd.optim import SGD
@@ -48,6 +56,8 @@ class Bucket:
     stop: int
     first_layer: int  # the lowest layer index in the bucket: done last in backward
     name: str = ""  # for the timeline, made once (not per step)
+    counts: list[int] | None = None  # sharded step: each rank's chunk of the bucket (elements, rank order)
+    own: tuple[int, int, int] = (0, 0, 0)  # sharded step: this rank's chunk [lo, hi) and its offset in the shard
     handle: Handle | None = None
     t_start: float = 0.0  # when its all-reduce started; 0 once it is seen complete
 
@@ -125,7 +135,7 @@ class DataParallel:
                  allreduce: str | Reducer = "auto", average: bool = True, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None,
                  deterministic: bool = False, compress: str = "none", cuda_aware: str = "auto",
-                 watchdog: Any = None, fingerprint: bool = True) -> None:
+                 watchdog: Any = None, fingerprint: bool = True, shard_optimizer: bool = False) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
@@ -146,11 +156,32 @@ class DataParallel:
             if isinstance(allreduce, str) else allreduce
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
+        self.sharded = shard_optimizer and self.k > 1
+        if self.sharded and backend is not None and backend.is_gpu:
+            raise ValueError("the sharded optimizer step runs on host buffers only; drop --shard-optimizer "
+                             "or use --device cpu")
+        self._shard_grads = self._plan_shards() if self.sharded else None
         self.loss = SoftmaxCrossEntropy()
         self.times = StepTimes()
         self.step_count = 0
         verify_same(self.comm, shapes_digest(model), "the model (layers, shapes or dtype)")
         self.broadcast_parameters()
+
+    def _plan_shards(self) -> Any:
+        """Give each bucket its chunk bounds (chunk_bounds, rank order) and this rank's part; returns
+        the buffer that receives this rank's chunks of the averaged gradient, back to back."""
+        covered = sorted((b.start, b.stop) for b in self.buckets)
+        if covered[0][0] != 0 or covered[-1][1] != self.flat.size or \
+                any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+            raise ValueError(f"buckets {covered} do not tile the {self.flat.size} parameters")
+        offset = 0
+        for b in self.buckets:
+            bounds = chunk_bounds(b.stop - b.start, self.k)
+            b.counts = [bounds[c + 1] - bounds[c] for c in range(self.k)]
+            lo, hi = b.start + bounds[self.rank], b.start + bounds[self.rank + 1]
+            b.own = (lo, hi, offset)
+            offset += hi - lo
+        return self.flat.xp.empty(offset, dtype=self.flat.dtype)
 
     # -- start identical, check identical -------------------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -217,7 +248,11 @@ class DataParallel:
         t0 = time.perf_counter()
         with tl.span("optimizer"):
             # decided on the reduced gradient, so every rank takes the same branch
-            if self.grads_finite():
+            finite = self.grads_finite()
+            if finite and self.sharded:
+                self.optimizer.step_shards(lr, [(lo, hi, self._shard_grads[off:off + hi - lo])
+                                                for lo, hi, off in (b.own for b in self.buckets)])
+            elif finite:
                 self.optimizer.step(lr)
             elif self.on_nan == "skip":
                 self.skipped_steps += 1
@@ -225,6 +260,8 @@ class DataParallel:
                 raise NonFiniteError(f"non-finite gradient at step {self.step_count} (after the all-reduce); "
                                      "lower --lr, or pass --on-nan skip to skip such steps")
         self.times.optimizer += time.perf_counter() - t0
+        if finite and self.sharded:
+            self.gather_(self.flat.params, f"parameter all-gather of step {self.step_count}")
         self.times.steps += 1
         self.step_count += 1
         return loss_sum / m
@@ -258,7 +295,14 @@ class DataParallel:
         self._sync()
         self.timeline.begin(bucket.name, cat="comm")
         bucket.t_start = time.perf_counter()
-        bucket.handle = self.reducer.start(self.flat.grads[bucket.start:bucket.stop])
+        grads = self.flat.grads[bucket.start:bucket.stop]
+        if self.sharded:
+            assert self._shard_grads is not None and bucket.counts is not None
+            lo, hi, off = bucket.own
+            bucket.handle = self.reducer.start_reduce_scatter(grads, self._shard_grads[off:off + hi - lo],
+                                                              bucket.counts)
+        else:
+            bucket.handle = self.reducer.start(grads)
 
     def _done(self, bucket: Bucket) -> None:
         elapsed = time.perf_counter() - bucket.t_start
@@ -288,8 +332,35 @@ class DataParallel:
         self.times.comm_exposed += time.perf_counter() - t0
 
     def grads_finite(self) -> bool:
-        """Whether the reduced gradient is finite; identical on every rank after the all-reduce."""
-        return all_finite(self.flat.grads, self.flat.xp)
+        """Whether the reduced gradient is finite; identical on every rank after the all-reduce (sharded:
+        each rank checks its chunks, and one small all-reduce makes the answer every rank's)."""
+        if not self.sharded:
+            return all_finite(self.flat.grads, self.flat.xp)
+        mine = all_finite(self._shard_grads, self.flat.xp)
+        self.watchdog.enter(f"finite-gradient vote of step {self.step_count}")
+        every = bool(self.comm.allreduce(mine, op=MPI.LAND))
+        self.watchdog.exit()
+        return every
+
+    def gather_(self, buf: Any, what: str) -> None:
+        """Sharded step: every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place
+        (collective; counted as exposed communication)."""
+        t0 = time.perf_counter()
+        self.watchdog.enter(what)
+        with self.timeline.span("all-gather", cat="comm"):
+            for b in self.buckets:
+                assert b.counts is not None
+                self.reducer.allgather_(buf[b.start:b.stop], b.counts)
+        self.watchdog.exit()
+        elapsed = time.perf_counter() - t0
+        self.times.comm_exposed += elapsed
+        self.times.comm_total += elapsed
+
+    def gather_optimizer_state(self) -> None:
+        """Collective: make the momentum buffer whole on every rank (sharded: each rank updated only its
+        chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
+        if self.sharded and self.optimizer.velocity is not None:
+            self.gather_(self.optimizer.velocity, f"momentum all-gather at step {self.step_count}")
 
     def _sync(self) -> None:
         if self.backend is not None:

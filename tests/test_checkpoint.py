@@ -92,6 +92,20 @@ def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, k):
     np.testing.assert_array_equal(resumed, full)
 
 
+def test_sharded_run_checkpoints_whole_momentum_and_resumes_bitwise(tmp_path):
+    """With --shard-optimizer each rank updates only its chunks of the momentum; the checkpoint must hold
+    all of it (gathered first), or the resumed run would continue from stale momentum and drift."""
+    k, b, sharded = 3, 16, ("--shard-optimizer", "--bucket-mb", "0.002")
+    full, _ = final(tmp_path, "full", k, "--batch-size", str(b), *sharded)
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
+          "--fail-at-step", "70", "--fail-rank", "1", *sharded, expect=1)
+    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--resume", "auto",
+                       *sharded)
+    assert "at step 60" in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
 def test_resume_with_other_k_and_same_effective_batch(tmp_path):
     ck = str(tmp_path / "ck")
     full, _ = final(tmp_path, "full", 1, "--batch-size", "32")

@@ -339,3 +339,37 @@ def test_every_cpu_strategy_by_name(name, deterministic):
     red.close()
     want = k * np.arange(3001) + k * (k - 1) / 2
     assert all(comm.allgather(bool(np.array_equal(x, want)))), desc
+
+
+# -- reduce-scatter and all-gather (the sharded optimizer step) -----------------------------------
+@pytest.mark.parametrize("name", ["mpi", "auto", "ring", "hierarchical"])
+@pytest.mark.parametrize("n", [1, 2, 7, 4099])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
+    """Rank r receives exactly chunk r of the sum (chunk_bounds, rank order; some empty when n < k);
+    the in-place all-gather of those chunks then rebuilds the whole sum on every rank."""
+    from mpisgd.comm.base import chunk_bounds
+
+    comm = world()
+    k, r = comm.Get_size(), comm.Get_rank()
+    x = local_values(n, dtype, r)
+    expected = oracle(comm, x)
+    bounds = chunk_bounds(n, k)
+    counts = [bounds[c + 1] - bounds[c] for c in range(k)]
+    red = create_reducer(name, comm)
+    buf = x.copy()
+    out = np.full(counts[r], 99, dtype=dtype)
+    h = red.start_reduce_scatter(buf, out, counts)
+    while not h.test():
+        pass
+    h.wait()
+    mine = out.copy()
+    whole = np.zeros(n, dtype=dtype)
+    whole[bounds[r]:bounds[r + 1]] = out  # others' chunks arrive through the all-gather
+    red.allgather_(whole, counts)
+    untouched = bool(np.array_equal(buf, x))
+    red.close()
+    np.testing.assert_array_equal(mine, expected[bounds[r]:bounds[r + 1]])
+    np.testing.assert_array_equal(whole, expected)
+    if name == "mpi" or (name == "auto" and dtype != "float16"):
+        assert untouched  # a true reduce-scatter (MPI_Ireduce_scatter), not an all-reduce of buf

@@ -25,16 +25,18 @@ def world():
 
 
 def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
-          allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, **opt) -> DataParallel:
+          allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, shard: bool = False,
+          **opt) -> DataParallel:
     """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
     k = comm.Get_size()
     rank = comm.Get_rank() if rank is None else rank
     data = synthetic(512, seed=0)
     model = mlp((16, 8)).materialize(np, "float64", seed=0)
     optimizer = SGD(model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
-                    weight_decay=opt.get("weight_decay", 1e-3))
+                    weight_decay=opt.get("weight_decay", 1e-3),
+                    momentum_correction=opt.get("momentum_correction", False))
     dp = DataParallel(model, optimizer, comm, allreduce=allreduce, average=average, bucket_cap_mb=bucket_mb,
-                      overlap=overlap)
+                      overlap=overlap, shard_optimizer=shard)
     loader = BatchLoader(data, np, "float64")
     batches = GlobalBatches(len(data), k * local_batch, rank, k)
     for step in range(steps):
@@ -177,3 +179,82 @@ def test_finite_check_is_exact(dtype):
         g[g.size // 2] = bad
         assert not dp.grads_finite()
     dp.close()
+
+
+# -- the sharded optimizer step ---------------------------------------------------------------------
+@pytest.mark.parametrize("allreduce,bucket_mb,overlap,opt", [
+    ("mpi", 25.0, True, {}),
+    ("auto", 0.0005, True, {"nesterov": True}),
+    ("auto", 0.0005, False, {"momentum_correction": True}),
+    ("ring", 0.0005, True, {"momentum": 0.0}),
+    ("hierarchical", 25.0, True, {}),
+])
+def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, bucket_mb, overlap, opt):
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    dp = train(comm, b, steps, allreduce=allreduce, bucket_mb=bucket_mb, overlap=overlap, shard=True, **opt)
+    sums = dp.replica_checksums()
+    ours = dp.flat.params.copy()
+    owned = sum(hi - lo for lo, hi, _ in (bk.own for bk in dp.buckets))
+    sharded, n = dp.sharded, dp.flat.size
+    dp.close()
+    total = comm.allreduce(owned)
+    ref = reference(k, b, steps, **opt)
+    assert sharded and len(set(sums)) == 1
+    assert total == n  # the ranks' chunks tile the parameters: each updated by exactly one rank
+    assert np.max(np.abs(ours - ref)) < 1e-10  # float64: only summation-order rounding
+
+
+def test_sharded_step_without_dividing_by_k_still_differs():
+    """The equivalence check above can fail: the sharded step with the gradient summed, not averaged."""
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    dp = train(comm, b, steps, average=False, shard=True)
+    ours = dp.flat.params.copy()
+    dp.close()
+    assert not np.allclose(ours, reference(k, b, steps), rtol=1e-5, atol=1e-9)
+
+
+def test_sharded_momentum_is_made_whole_for_checkpoints():
+    """Each rank updates only its chunks of the momentum; gather_optimizer_state makes every rank's
+    buffer the replicated run's."""
+    comm = world()
+    dp = train(comm, 8, 6, shard=True)
+    v_before = dp.optimizer.velocity.copy()
+    dp.gather_optimizer_state()
+    v = dp.optimizer.velocity.copy()
+    every = comm.allgather(v)
+    dp.close()
+    plain = train(comm, 8, 6)
+    v_ref = plain.optimizer.velocity.copy()
+    plain.close()
+    assert not np.allclose(v_before, v_ref)  # before the gather, the other ranks' chunks are stale
+    assert all(np.array_equal(other, v) for other in every)
+    np.testing.assert_allclose(v, v_ref, rtol=0, atol=1e-12)
+
+
+def test_sharded_finite_vote_reaches_every_rank():
+    """A NaN in one rank's chunk only: every rank must see a non-finite gradient (and stop or skip together)."""
+    from mpisgd.parallel import NonFiniteError
+
+    comm = world()
+    dp = train(comm, 8, 1, shard=True)
+    last = comm.Get_rank() == comm.Get_size() - 1
+    assert dp.grads_finite()
+    if last:
+        dp._shard_grads[-1] = np.nan
+    votes = dp.grads_finite()
+    data = synthetic(64, seed=2)
+    x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
+    if last:
+        x = x.copy()
+        x[0, 0, 0, 0] = np.inf
+    with pytest.raises(NonFiniteError):
+        dp.train_step([(x, y)], lr=0.1)
+    dp.on_nan = "skip"
+    before = dp.flat.params.copy()
+    dp.train_step([(x, y)], lr=0.1)
+    skipped, same = dp.skipped_steps, np.array_equal(before, dp.flat.params)
+    dp.close()
+    assert votes is False
+    assert skipped == 1 and same

@@ -37,6 +37,19 @@ def test_same_result_for_every_allreduce_setting(tmp_path):
         np.testing.assert_array_equal(train_params(tmp_path, 2, 16, "--allreduce", "mpi", *extra), ref)
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
+    """--shard-optimizer: reduce-scatter, 1/k of the update per rank, all-gather; the same parameters
+    up to summation-order rounding (bitwise at k = 2, where a + b == b + a)."""
+    ref = train_params(tmp_path, k, 16, "--allreduce", "mpi")
+    out = tmp_path / "sharded.npz"
+    r = run_mpi(k, *SYNTH, "--batch-size", "16", "--max-steps", "10", "--save-model", str(out),
+                "--shard-optimizer", "--bucket-mb", "0.002")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert f"optimizer step: sharded (reduce-scatter of each bucket; each rank updates 1/{k}" in r.stdout
+    np.testing.assert_allclose(np.load(out)["flat"], ref, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_real_data_short_run_writes_metrics(tmp_path, model):

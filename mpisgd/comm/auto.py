@@ -78,6 +78,13 @@ class AutoReducer(Reducer):
     def start(self, buf: Array) -> Handle:
         return self._pick(buf, self.start_crossover_bytes).start(buf)
 
+    def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
+        """The library's ``Ireduce_scatter`` at every size (our ring has no reduce-scatter of its own);
+        the ring's all-reduce where the library cannot sum the dtype."""
+        if mpi_sum_type(buf.dtype) is not None:
+            return self.mpi.start_reduce_scatter(buf, out, counts)
+        return self.ring.start_reduce_scatter(buf, out, counts)
+
     def describe(self) -> str:
         return (f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB in place, "
                 f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, "

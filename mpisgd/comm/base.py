@@ -5,6 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
+import numpy as np
+from mpi4py import MPI
+
 Array = Any
 
 
@@ -23,6 +26,25 @@ def chunk_bounds(n: int, k: int) -> list[int]:
     for c in range(k):
         out.append(out[-1] + q + (1 if c < rem else 0))
     return out
+
+
+class _OwnChunk:
+    """Reduce-scatter through a full all-reduce: when it completes, copy this rank's chunk out (once)."""
+
+    def __init__(self, inner: Handle, chunk: Array, out: Array) -> None:
+        self.inner, self.chunk, self.out, self.copied = inner, chunk, out, False
+
+    def test(self) -> bool:
+        if not self.copied and self.inner.test():
+            self.out[...] = self.chunk
+            self.copied = True
+        return self.copied
+
+    def wait(self) -> None:
+        if not self.copied:
+            self.inner.wait()
+            self.out[...] = self.chunk
+            self.copied = True
 
 
 class Done:
@@ -68,6 +90,23 @@ class Reducer(ABC):
         """
         self.allreduce_(buf)
         return Done()
+
+    def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
+        """Begin out <- this rank's chunk of the sum over ranks of buf; chunk c holds ``counts[c]``
+        elements, in rank order. buf may be overwritten. The default runs :meth:`start` (a full
+        all-reduce, so any strategy and option works) and copies the chunk out when it completes;
+        strategies with a true reduce-scatter (``mpi``) move half the data."""
+        lo = sum(counts[:self.rank])
+        return _OwnChunk(self.start(buf), buf[lo:lo + counts[self.rank]], out)
+
+    def allgather_(self, buf: Array, counts: list[int]) -> None:
+        """In place: every rank's chunk (``counts`` elements each, rank order) of ``buf`` reaches every
+        rank; blocks. Host buffers only (MPI_Allgatherv)."""
+        if self.size > 1:  # as bytes: moving needs no reduction, so any dtype goes
+            size = buf.itemsize
+            nbytes = [c * size for c in counts]
+            displs = [sum(nbytes[:c]) for c in range(len(nbytes))]
+            self.comm.Allgatherv(MPI.IN_PLACE, [buf.reshape(-1).view(np.uint8), nbytes, displs, MPI.BYTE])
 
     def describe(self) -> str:
         return self.name
