@@ -13,9 +13,11 @@ plain NumPy loop on 1 and 2 BLAS threads and, when torch is importable, PyTorch
 DDP (gloo) at the largest k (`--baselines` picks among them). The speed
 issue's targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
-machine drifts. `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs
-there are), the hand-written loop on CuPy arrays ("cupy-loop", in place of the
-two NumPy loops) and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
+machine drifts. `--sharded` adds, interleaved, mpisgd with `--shard-optimizer`
+at each k > 1 ("mpisgd k=2 sharded"), with its own efficiency and DDP ratios.
+`--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs there are), the
+hand-written loop on CuPy arrays ("cupy-loop", in place of the two NumPy loops)
+and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def mpiexec(k: int) -> list[str]:
     return [exe, "-n", str(k), sys.executable]
 
 
-def run_mpisgd(k: int, train_args: list[str], tmp: str) -> dict:
+def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False) -> dict:
     metrics = os.path.join(tmp, f"m{k}.jsonl")
+    if sharded:
+        train_args = [*train_args, "--shard-optimizer"]
     if os.path.exists(metrics):
         os.unlink(metrics)
     cmd = mpiexec(k) + ["-m", "mpisgd.train", "--epochs", "2", "--progress", "off", "--metrics-file", metrics,
@@ -53,7 +57,7 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str) -> dict:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
     last = epochs[-1]
-    return {"impl": f"mpisgd k={k}", "k": k, "samples_per_s": last["samples_per_s"],
+    return {"impl": f"mpisgd k={k}" + (" sharded" if sharded else ""), "k": k, "samples_per_s": last["samples_per_s"],
             **{key: last[key] for key in SPLIT}, "peak_rss_mib": last.get("peak_rss_mib", float("nan"))}
 
 
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated)")
+    parser.add_argument("--sharded", action="store_true", help="add mpisgd --shard-optimizer at each k > 1")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
@@ -93,6 +98,8 @@ def main() -> None:
     hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
+    if args.sharded:
+        jobs += [("mpisgd-sharded", k, 1) for k in ks if k > 1]
     if args.compare:
         chosen = args.baselines.split(",")
         unknown = set(chosen) - set(BASELINES)
@@ -109,7 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
-                res = run_mpisgd(k, train_args, tmp) if impl == "mpisgd" else \
+                res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded") if impl.startswith("mpisgd") else \
                     run_baseline(impl, k, threads, hidden, batch, args.device)
                 if res:
                     res["repeat"] = rep
@@ -150,6 +157,13 @@ def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]
         (f"k={k} / NumPy loop on 2 BLAS threads (>= 1.0)", f"mpisgd k={k}", "numpy-loop-2t", "samples_per_s", 1.0),
         (f"k={k} / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k}", ddp, "samples_per_s", 1.0),
     ]
+    if f"mpisgd k={k} sharded" in runs:
+        targets += [
+            (f"efficiency k={k} sharded (>= 0.85)", f"mpisgd k={k} sharded", "mpisgd k=1", "samples_per_s", 1 / k),
+            (f"k={k} sharded / k={k}", f"mpisgd k={k} sharded", f"mpisgd k={k}", "samples_per_s", 1.0),
+            (f"k={k} sharded / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k} sharded", ddp,
+             "samples_per_s", 1.0),
+        ]
     out = {}
     for label, num, den, key, factor in targets:
         if num == den or num not in by_rep or den not in by_rep:

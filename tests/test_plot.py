@@ -141,7 +141,11 @@ def test_throughput_ratios_are_paired_within_a_repeat():
     assert ratios["efficiency k=2 (>= 0.85)"] == pytest.approx([0.85, 0.9])
     assert ratios["k=1 step / numpy-loop-1t step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
     assert ratios["k=2 / PyTorch DDP gloo k=2 (>= 1.6)"] == pytest.approx([1.7, 1.5])
-    assert not any("2 BLAS threads" in label for label in ratios)  # no such runs
+    assert not any("2 BLAS threads" in label or "sharded" in label for label in ratios)  # no such runs
+    runs["mpisgd k=2 sharded"] = [run("mpisgd k=2 sharded", 0, 120, 0), run("mpisgd k=2 sharded", 1, 126, 0)]
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["efficiency k=2 sharded (>= 0.85)"] == pytest.approx([0.6, 1.26])
+    assert ratios["k=2 sharded / k=2"] == pytest.approx([120 / 170, 126 / 90])
     # on a GPU: the CuPy loop and DDP over NCCL are the comparisons
     gpu = {"mpisgd k=1": runs["mpisgd k=1"], "mpisgd k=2": runs["mpisgd k=2"],
            "cupy-loop": [run("cupy-loop", 0, 120, 8.0)], "torch-ddp-nccl": [run("torch-ddp-nccl", 0, 85, 9.0)]}
@@ -155,11 +159,13 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
-                        "--baselines", "numpy-1t", "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
+                        "--baselines", "numpy-1t", "--sharded", "--json", str(out), "--", "--hidden", "32",
+                        "--limit-train", "8192"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
-    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "numpy-loop-1t"}
+    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "numpy-loop-1t"}
+    assert len(data["ratios"]["k=2 sharded / k=2"]) == 2
     assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
     assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
     assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
