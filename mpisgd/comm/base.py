@@ -47,6 +47,19 @@ class _OwnChunk:
             self.copied = True
 
 
+class RequestHandle:
+    """A Handle over one non-blocking MPI request."""
+
+    def __init__(self, req: Any) -> None:
+        self.req = req
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+
 class Done:
     """A handle for an operation that completed at start (blocking strategies, k = 1)."""
 
@@ -101,12 +114,20 @@ class Reducer(ABC):
 
     def allgather_(self, buf: Array, counts: list[int]) -> None:
         """In place: every rank's chunk (``counts`` elements each, rank order) of ``buf`` reaches every
-        rank; blocks. Host buffers only (MPI_Allgatherv)."""
-        if self.size > 1:  # as bytes: moving needs no reduction, so any dtype goes
-            size = buf.itemsize
-            nbytes = [c * size for c in counts]
-            displs = [sum(nbytes[:c]) for c in range(len(nbytes))]
-            self.comm.Allgatherv(MPI.IN_PLACE, [buf.reshape(-1).view(np.uint8), nbytes, displs, MPI.BYTE])
+        rank; blocks. Host buffers only."""
+        self.start_allgather(buf, counts).wait()
+
+    def start_allgather(self, buf: Array, counts: list[int]) -> Handle:
+        """Non-blocking :meth:`allgather_`: ``MPI_Iallgatherv`` on bytes (moving needs no reduction, so
+        any dtype goes). Also the faster call when blocking: MPICH 5.0.2's blocking ``Allgatherv`` took
+        1.7 ms for the reference model's two buckets at k = 2, ``Iallgatherv`` + wait 0.65 ms."""
+        if self.size == 1:
+            return Done()
+        size = buf.itemsize
+        nbytes = [c * size for c in counts]
+        displs = [sum(nbytes[:c]) for c in range(len(nbytes))]
+        return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, [buf.reshape(-1).view(np.uint8), nbytes, displs,
+                                                             MPI.BYTE]))
 
     def describe(self) -> str:
         return self.name

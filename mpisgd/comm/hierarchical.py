@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, Done, Handle, Reducer
-from mpisgd.comm.mpi import RequestHandle, mpi_sum_type
+from mpisgd.comm.base import Array, Done, Handle, Reducer, RequestHandle
+from mpisgd.comm.mpi import mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 
 

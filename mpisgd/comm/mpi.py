@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, Done, Handle, Reducer
+from mpisgd.comm.base import Array, Done, Handle, Reducer, RequestHandle
 
 _PREDEFINED: dict[np.dtype, MPI.Datatype] = {}  # on the latency path of every small all-reduce
 
@@ -46,19 +46,6 @@ def mpi_sum_type(dtype: Any) -> MPI.Datatype | None:
 def mpi_buffer(buf: Array) -> list[Any]:
     """[buffer, MPI datatype] with the datatype derived from the dtype, never a guessed itemsize."""
     return [buf, mpi_datatype(buf.dtype)]
-
-
-class RequestHandle:
-    """A Handle over one non-blocking MPI request."""
-
-    def __init__(self, req: MPI.Request) -> None:
-        self.req = req
-
-    def test(self) -> bool:
-        return bool(self.req.Test())
-
-    def wait(self) -> None:
-        self.req.Wait()
 
 
 class MpiReducer(Reducer):
