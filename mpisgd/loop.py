@@ -145,6 +145,12 @@ class Trainer:
         if self.dp.sharded:
             self.log(f"optimizer step: sharded (reduce-scatter of each bucket; each rank updates 1/{self.k} of "
                      "the parameters, then all-gathers them)")
+            if not self.dp.reducer.native_reduce_scatter:
+                opts = f"--allreduce {cfg.allreduce}" + (" --compress fp16" if cfg.compress != "none" else "") \
+                    + (" --deterministic" if cfg.deterministic else "")
+                self.log(f"warning: with {opts} there is no reduce-scatter, so the sharded step runs a full "
+                         "all-reduce and then the all-gather: more traffic than unsharded (--allreduce auto or "
+                         "mpi reduce-scatter)")
         self.log("rank map: " + ", ".join(f"{r}:{h}/local {lr}" + ("" if g is None else f"/gpu {g}")
                                           for r, (h, lr, g) in enumerate(ranks or [])))
         self._warn_placement(ranks or [])

@@ -140,6 +140,9 @@ class DataParallel:
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
             raise ValueError("materialize() the model before wrapping it")
+        if shard_optimizer and backend is not None and backend.is_gpu:
+            raise ValueError("the sharded optimizer step runs on host buffers only; drop --shard-optimizer "
+                             "or use --device cpu")
         self.model, self.optimizer, self.flat = model, optimizer, model.flat
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -157,9 +160,6 @@ class DataParallel:
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
         self.sharded = shard_optimizer and self.k > 1
-        if self.sharded and backend is not None and backend.is_gpu:
-            raise ValueError("the sharded optimizer step runs on host buffers only; drop --shard-optimizer "
-                             "or use --device cpu")
         self._shard_grads = self._plan_shards() if self.sharded else None
         self.loss = SoftmaxCrossEntropy()
         self.times = StepTimes()

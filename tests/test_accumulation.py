@@ -39,6 +39,8 @@ def test_accumulation_and_ranks_equal_one_big_batch(tmp_path, extra):
     np.testing.assert_allclose(accumulated, ref, rtol=1e-9, atol=1e-12)
     one_rank = train(tmp_path, 1, 64, 4, *MLP, *extra)  # accumulation alone
     np.testing.assert_allclose(one_rank, ref, rtol=1e-9, atol=1e-12)
+    sharded = train(tmp_path, 2, 32, 4, *MLP, *extra, "--shard-optimizer")  # the update split over ranks
+    np.testing.assert_allclose(sharded, ref, rtol=1e-9, atol=1e-12)
 
 
 def softmax_regression_step(lr: float, batch: int) -> np.ndarray:

@@ -33,6 +33,7 @@ class AutoReducer(Reducer):
     measured for its transport; an explicit ``crossover_bytes`` alone sets all three."""
 
     name = "auto"
+    native_reduce_scatter = True
 
     def __init__(self, comm: Any, *, crossover_bytes: int | None = None,
                  out_of_place_crossover_bytes: int | None = None, start_crossover_bytes: int | None = None,

@@ -52,6 +52,7 @@ class MpiReducer(Reducer):
     """``MPI_Allreduce(MPI_IN_PLACE, SUM)``: the simplest strategy and the test oracle."""
 
     name = "mpi"
+    native_reduce_scatter = True
 
     def allreduce_(self, buf: Array) -> None:
         if self.size > 1:
