@@ -49,6 +49,20 @@ def main() -> None:
 
     ways = {"Allgatherv (blocking)": blocking, "Iallgatherv + Wait, one by one": nonblocking_each,
             "Iallgatherv all, then Waitall": nonblocking_all}
+    wrong = []
+    for name, fn in ways.items():  # each way must deliver every rank's chunk before it is timed
+        for b, counts, _ in layouts:
+            owner = np.repeat(np.arange(k, dtype=np.float32), counts)
+            b[...] = np.where(owner == comm.Get_rank(), owner + 1, -1)
+        fn()
+        if not all(np.array_equal(b, np.repeat(np.arange(1, k + 1, dtype=np.float32), counts))
+                   for b, counts, _ in layouts):
+            wrong.append(name)
+    wrong = sorted({w for per_rank in comm.allgather(wrong) for w in per_rank})
+    if wrong:
+        if comm.Get_rank() == 0:
+            print(f"wrong result from: {', '.join(wrong)}")
+        raise SystemExit(1)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.repeats):
         for name, fn in ways.items():
@@ -57,7 +71,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     if comm.Get_rank() == 0:
-        lib = MPI.Get_library_version().splitlines()[0].strip()
+        lib = " ".join(MPI.Get_library_version().splitlines()[0].split())
         print(f"k={k}, buckets {args.mib} MiB float32, {args.repeats} interleaved repeats, {lib}")
         for name, ts in times.items():
             print(f"  {name:<34}{statistics.median(ts) * 1e3:8.2f} ms (median)")
