@@ -313,11 +313,13 @@ class DataParallel:
         bucket.t_start = 0.0  # marks it complete
 
     def finish_gradients(self) -> None:
-        """Start the buckets not yet started, wait for all; afterwards grads hold the mean."""
+        """Start the buckets not yet started, wait for all; afterwards grads hold the mean (sharded: this
+        rank's chunks of the mean are in the shard buffer, and grads keep whatever the reducer left)."""
         if self.k == 1:
             return
         t0 = time.perf_counter()
-        self.watchdog.enter(f"gradient all-reduce of step {self.step_count}")
+        what = "reduce-scatter" if self.sharded else "all-reduce"
+        self.watchdog.enter(f"gradient {what} of step {self.step_count}")
         with self.timeline.span("wait comm", cat="comm"):
             for b in self.buckets:
                 if b.handle is None:

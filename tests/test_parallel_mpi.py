@@ -258,3 +258,12 @@ def test_sharded_finite_vote_reaches_every_rank():
     dp.close()
     assert votes is False
     assert skipped == 1 and same
+
+
+def test_sharded_step_refuses_gpu_buffers_before_any_communication():
+    class GpuBackend:  # what DataParallel reads of mpisgd.backend.Backend
+        is_gpu = True
+
+    model = mlp((8,)).materialize(np, "float64")
+    with pytest.raises(ValueError, match="host buffers only"):
+        DataParallel(model, SGD(model.flat), world(), backend=GpuBackend(), shard_optimizer=True)
