@@ -142,6 +142,8 @@ class Trainer:
         self.log(f"all-reduce: {self.dp.reducer.describe()} | {len(bucket_mb)} bucket(s) of "
                  f"{', '.join(bucket_mb)} MiB | overlap {'on' if cfg.overlap else 'off'} | "
                  f"gradient {cfg.grad_reduction}{'' if cfg.grad_reduction == 'mean' else ' (NOT divided by k)'}")
+        if cfg.shard_optimizer and not self.dp.sharded:
+            self.log("optimizer step: not sharded (--shard-optimizer has nothing to split at k=1)")
         if self.dp.sharded:
             self.log(f"optimizer step: sharded (reduce-scatter of each bucket; each rank updates 1/{self.k} of "
                      "the parameters, then all-gathers them)")

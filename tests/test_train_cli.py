@@ -53,6 +53,9 @@ def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
     np.testing.assert_allclose(np.load(out)["flat"], ref, rtol=1e-9, atol=1e-12)
     ring = train_params(tmp_path, k, 16, "--allreduce", "ring", "--shard-optimizer")
     np.testing.assert_allclose(ring, ref, rtol=1e-9, atol=1e-12)
+    if k == 2:  # one rank: nothing to split, and the banner says so
+        one = run_mpi(1, *SYNTH, "--max-steps", "2", "--shard-optimizer")
+        assert one.returncode == 0 and "nothing to split at k=1" in one.stdout, one.stderr
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
