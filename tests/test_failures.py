@@ -177,6 +177,31 @@ def test_killed_rank_ends_the_job(k: int, tag: str, tmp_path: Path) -> None:
     assert_no_rank_left(tag)
 
 
+# -- the sharded step's extra collectives (reduce-scatter, finite vote, all-gathers) ---------------
+@pytest.mark.parametrize("args", [("--fail-at-step", "5", "--fail-rank", "2"), ("--max-steps", "20", "--lr", "1e30")],
+                         ids=["exception", "non-finite"])
+def test_sharded_step_failures_end_every_rank(args: tuple[str, ...], tag: str) -> None:
+    r, elapsed = launch(3, tag, *SYNTH, "--shard-optimizer", *args, timeout=90)
+    assert r.returncode != 0, r.stdout
+    assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
+    assert "final test accuracy" not in r.stdout
+    if "1e30" in args:  # every rank learns it from the vote: one error line, no abort of a lone rank
+        errors = [line for line in r.stderr.splitlines() if line.startswith("mpisgd: error")]
+        assert len(errors) == 1 and "non-finite gradient" in errors[0], r.stderr
+    else:
+        assert "mpisgd: rank 2 of 3 failed" in r.stderr, r.stderr
+    assert_no_rank_left(tag)
+
+
+def test_killed_rank_ends_the_sharded_job(tag: str, tmp_path: Path) -> None:
+    p = _start_long_run(3, tag, tmp_path, "--shard-optimizer")
+    os.kill(rank_pids(tag)[2], signal.SIGKILL)
+    _, _, elapsed = _wait_end(p, tag)
+    assert p.returncode != 0
+    assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
+    assert_no_rank_left(tag)
+
+
 def test_stopped_rank_is_reported_and_aborted_by_the_watchdog(tag: str, tmp_path: Path) -> None:
     """SIGSTOP leaves the rank alive but silent: without the watchdog the others would wait forever."""
     p = _start_long_run(3, tag, tmp_path, "--stall-timeout", "2", "--stall-abort")
