@@ -342,7 +342,7 @@ def test_every_cpu_strategy_by_name(name, deterministic):
 
 
 # -- reduce-scatter and all-gather (the sharded optimizer step) -----------------------------------
-@pytest.mark.parametrize("name", ["mpi", "auto", "ring", "hierarchical"])
+@pytest.mark.parametrize("name", ["mpi", "auto", "ring", "ring-tiny-segments", "ring-deterministic", "hierarchical"])
 @pytest.mark.parametrize("n", [1, 2, 7, 4099])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
@@ -359,7 +359,13 @@ def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
     expected = oracle(comm, x)
     bounds = chunk_bounds(n, k)
     counts = [bounds[c + 1] - bounds[c] for c in range(k)]
-    red = create_reducer(name, comm)
+    if name == "ring-tiny-segments":  # many slices, several in flight, segments of uneven length
+        red = RingReducer(comm, transport="p2p", segment_bytes=8, window=2)
+    elif name == "ring-deterministic":  # no reduce-scatter of its own: the full all-reduce, then a copy
+        red = RingReducer(comm, deterministic=True)
+    else:
+        red = create_reducer(name, comm)
+    native = red.native_reduce_scatter
     buf = x.copy()
     out = np.full(counts[r], 99, dtype=dtype)
     h = red.start_reduce_scatter(buf, out, counts)
@@ -371,8 +377,12 @@ def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
     whole[bounds[r]:bounds[r + 1]] = out  # others' chunks arrive through the all-gather
     red.allgather_(whole, counts)
     untouched = bool(np.array_equal(buf, x))
+    reduced_in_buf = bool(np.array_equal(buf, expected))
     red.close()
     np.testing.assert_array_equal(mine, expected[bounds[r]:bounds[r + 1]])
     np.testing.assert_array_equal(whole, expected)
     if name == "mpi" or (name == "auto" and dtype != "float16"):
         assert untouched  # a true reduce-scatter (MPI_Ireduce_scatter), not an all-reduce of buf
+    assert native == (name in ("mpi", "auto", "ring", "ring-tiny-segments"))
+    if name.startswith("ring") and native:
+        assert not reduced_in_buf  # the ring's own reduce-scatter ran, not an all-reduce of buf

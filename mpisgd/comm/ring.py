@@ -108,11 +108,9 @@ class RingOp:
         self.xp = red.xp_of(dst)
         self.sync: Callable[[], None] | None = (
             self.xp.cuda.get_current_stream().synchronize if is_device_array(dst) else None)
-        n = dst.size
-        seg = min(red.segment_bytes, max(red.min_segment_bytes, -(-dst.nbytes // (self.k * PIPELINE_SLICES))))
-        self.slice_elems = self.k * max(1, seg // dst.itemsize)
-        self.nslices = -(-n // self.slice_elems)
-        self.max_chunk = -(-min(n, self.slice_elems) // self.k)
+        self.seg_elems = max(1, min(red.segment_bytes, max(red.min_segment_bytes, -(-dst.nbytes // (
+            self.k * PIPELINE_SLICES)))) // dst.itemsize)
+        self._geometry(dst.size)
         per_slice = self.k if red.deterministic else 1  # scratch segments a slice holds
         fit = max(1, SCRATCH_CAP_BYTES // (per_slice * self.max_chunk * dst.itemsize))
         self.window = min(red.window, self.nslices, fit)
@@ -128,6 +126,12 @@ class RingOp:
             self._admit()
 
     # -- geometry ------------------------------------------------------------------------
+    def _geometry(self, n: int) -> None:
+        """Slices of k segments; chunk c of a slice is its c-th near-equal part."""
+        self.slice_elems = self.k * self.seg_elems
+        self.nslices = -(-n // self.slice_elems)
+        self.max_chunk = -(-min(n, self.slice_elems) // self.k)
+
     def _chunk(self, arr: Array, i: int, c: int) -> Array:
         lo = i * self.slice_elems
         b = chunk_bounds(min(self.slice_elems, arr.size - lo), self.k)
@@ -171,7 +175,7 @@ class RingOp:
         """Reduce-scatter step s of slice i has arrived: add it, pass it on."""
         k, r = self.k, self.r
         c = (r - s - 1) % k
-        out = self._chunk(self.dst, i, c)
+        out = self._chunk(self.dst, i, c) if s + 1 < k - 1 else self._reduced(i, c)
         self.xp.add(self._chunk(self.src, i, c), self._slot(i)[:out.size], out=out)
         if self.sync is not None:
             self.sync()
@@ -181,11 +185,19 @@ class RingOp:
             self.first_sends[(i, c)] = self._isend(out, self.right, i, s + 1)
             self.pending.append([[req], lambda: self._rs_step(i, s + 1)])
         else:  # this rank now owns the reduced chunk (r + 1) % k: start the all-gather
-            self._isend(out, self.right, i, k - 1)
-            self._post_ag(i, 0, owner_shift=1)
+            self._owned(i, out)
             if self.next_slice < self.nslices:
                 self._admit()
         return None
+
+    def _reduced(self, i: int, c: int) -> Array:
+        """Where the last reduce-scatter step of slice i writes the fully reduced chunk c."""
+        return self._chunk(self.dst, i, c)
+
+    def _owned(self, i: int, out: Array) -> None:
+        """Slice i's chunk is fully reduced here: pass it round the ring (the all-gather)."""
+        self._isend(out, self.right, i, self.k - 1)
+        self._post_ag(i, 0, owner_shift=1)
 
     def _det_reduce(self, i: int) -> list[Any] | None:
         """Every rank's copy of our chunk has arrived: sum it in rank order, then all-gather."""
@@ -268,6 +280,38 @@ class RingOp:
     def wait(self) -> None:
         if not self.done:
             self._advance(block=True)
+
+
+class RingReduceScatterOp(RingOp):
+    """The ring's reduce-scatter alone, into contiguous per-rank chunks: rank r ends with chunk r
+    (``counts`` elements each, rank order) of the sum in ``out``; ``buf`` is scratch.
+
+    Same pipeline as :class:`RingOp`, another geometry: the buffer is k contiguous chunks, each cut
+    into ``nslices`` segments, and slice i is segment i of every chunk. The ring leaves its chunk
+    (r + 1) % k with rank r, so ring chunk c of a slice is a segment of global chunk (c - 1) % k.
+    """
+
+    def __init__(self, red: RingReducer, buf: Array, out: Array, counts: list[int]) -> None:
+        self.counts, self.out = counts, out
+        self.starts = [sum(counts[:g]) for g in range(len(counts))]
+        super().__init__(red, buf, buf)
+
+    def _geometry(self, n: int) -> None:
+        self.nslices = max(1, -(-max(self.counts) // self.seg_elems))
+        self.segs = [chunk_bounds(c, self.nslices) for c in self.counts]
+        self.max_chunk = max(1, -(-max(self.counts) // self.nslices))
+
+    def _chunk(self, arr: Array, i: int, c: int) -> Array:
+        g = (c - 1) % self.k
+        lo = self.starts[g]
+        return arr[lo + self.segs[g][i]: lo + self.segs[g][i + 1]]
+
+    def _reduced(self, i: int, c: int) -> Array:
+        segs = self.segs[self.r]  # c == (r + 1) % k: global chunk r, ours
+        return self.out[segs[i]: segs[i + 1]]
+
+    def _owned(self, i: int, out: Array) -> None:
+        return None  # no all-gather
 
 
 class _GatherSumOp:
@@ -367,6 +411,21 @@ class RingReducer(Reducer):
 
     def start(self, buf: Array) -> Handle:
         return self.start_out(buf, buf)
+
+    @property
+    def native_reduce_scatter(self) -> bool:  # type: ignore[override]
+        return not self.deterministic  # the deterministic ring's order needs its exchange: full all-reduce
+
+    def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
+        """The ring's reduce-scatter over messages (the k - 1 steps of the all-reduce's first half), into
+        contiguous per-rank chunks. Deterministic mode runs its full all-reduce and copies the chunk out."""
+        if self.deterministic or self.size == 1:
+            return super().start_reduce_scatter(buf, out, counts)
+        buf = _flat(buf, "buf")
+        if sum(counts) != buf.size or len(counts) != self.size or out.size != counts[self.rank]:
+            raise ValueError(f"counts {counts} do not split {buf.size} elements over {self.size} ranks "
+                             f"into out of {out.size}")
+        return RingReduceScatterOp(self, buf, out, counts)
 
     def uses_shm(self, buf: Array, blocking: bool) -> bool:
         """Whether this buffer goes through the shared window rather than messages.
