@@ -20,6 +20,10 @@ every rank, the same volume) followed by a sum in rank order, x0 + x1 + ... +
 x(k-1), for every element whatever the slicing or bucketing; small buffers take
 one MPI Allgather and the same ordered sum, so the bits do not depend on size.
 
+Reduce-scatter alone (the sharded optimizer step, ``start_reduce_scatter``):
+:class:`RingReduceScatterOp` runs the same first half on another geometry, so
+that rank r ends with the contiguous chunk r of the sum.
+
 Messages carry a tag derived from (operation, slice, step), so receives may be
 posted in any order and several operations may be in flight on one reducer.
 
