@@ -24,7 +24,7 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,8 +56,11 @@ class Bucket:
     stop: int
     first_layer: int  # the lowest layer index in the bucket: done last in backward
     name: str = ""  # for the timeline, made once (not per step)
-    counts: list[int] | None = None  # sharded step: each rank's chunk of the bucket (elements, rank order)
-    own: tuple[int, int, int] = (0, 0, 0)  # sharded step: this rank's chunk [lo, hi) and its offset in the shard
+    # sharded step: each rank's chunk of the bucket (elements, rank order); this rank's chunk [lo, hi) of
+    # the flat buffer with its offset in the shard buffer, and the view of the shard buffer it fills
+    counts: list[int] = field(default_factory=list)
+    own: tuple[int, int, int] = (0, 0, 0)
+    own_grads: Any = None
     handle: Handle | None = None
     t_start: float = 0.0  # when its all-reduce started; 0 once it is seen complete
 
@@ -160,6 +163,7 @@ class DataParallel:
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
         self.sharded = shard_optimizer and self.k > 1
+        self._shards: list[tuple[int, int, Any]] = []  # sharded step: (lo, hi, gradient chunk) per bucket
         self._shard_grads = self._plan_shards() if self.sharded else None
         self.loss = SoftmaxCrossEntropy()
         self.times = StepTimes()
@@ -181,7 +185,12 @@ class DataParallel:
             lo, hi = b.start + bounds[self.rank], b.start + bounds[self.rank + 1]
             b.own = (lo, hi, offset)
             offset += hi - lo
-        return self.flat.xp.empty(offset, dtype=self.flat.dtype)
+        shard = self.flat.xp.empty(offset, dtype=self.flat.dtype)
+        for b in self.buckets:
+            lo, hi, off = b.own
+            b.own_grads = shard[off:off + hi - lo]
+        self._shards = [(b.own[0], b.own[1], b.own_grads) for b in self.buckets]  # what step_shards takes
+        return shard
 
     # -- start identical, check identical -------------------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -250,8 +259,7 @@ class DataParallel:
             # decided on the reduced gradient, so every rank takes the same branch
             finite = self.grads_finite()
             if finite and self.sharded:
-                self.optimizer.step_shards(lr, [(lo, hi, self._shard_grads[off:off + hi - lo])
-                                                for lo, hi, off in (b.own for b in self.buckets)])
+                self.optimizer.step_shards(lr, self._shards)
             elif finite:
                 self.optimizer.step(lr)
             elif self.on_nan == "skip":
@@ -297,10 +305,7 @@ class DataParallel:
         bucket.t_start = time.perf_counter()
         grads = self.flat.grads[bucket.start:bucket.stop]
         if self.sharded:
-            assert self._shard_grads is not None and bucket.counts is not None
-            lo, hi, off = bucket.own
-            bucket.handle = self.reducer.start_reduce_scatter(grads, self._shard_grads[off:off + hi - lo],
-                                                              bucket.counts)
+            bucket.handle = self.reducer.start_reduce_scatter(grads, bucket.own_grads, bucket.counts)
         else:
             bucket.handle = self.reducer.start(grads)
 
@@ -350,8 +355,7 @@ class DataParallel:
         t0 = time.perf_counter()
         self.watchdog.enter(what)
         with self.timeline.span("all-gather", cat="comm"):  # all buckets in flight at once, then wait
-            handles = [self.reducer.start_allgather(buf[b.start:b.stop], b.counts)  # type: ignore[arg-type]
-                       for b in self.buckets]
+            handles = [self.reducer.start_allgather(buf[b.start:b.stop], b.counts) for b in self.buckets]
             for h in handles:
                 h.wait()
         self.watchdog.exit()

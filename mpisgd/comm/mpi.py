@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, Done, Handle, Reducer, RequestHandle
+from mpisgd.comm.base import Array, Handle, Reducer, RequestHandle
 
 _PREDEFINED: dict[np.dtype, MPI.Datatype] = {}  # on the latency path of every small all-reduce
 
@@ -70,8 +70,5 @@ class MpiReducer(Reducer):
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         """``MPI_Ireduce_scatter``: each rank receives only its chunk of the sum (half the traffic of an
         all-reduce)."""
-        if self.size == 1:
-            out[...] = buf
-            return Done()
         dt = mpi_datatype(buf.dtype)
         return RequestHandle(self.comm.Ireduce_scatter([buf, dt], [out, dt], counts, op=MPI.SUM))
