@@ -15,6 +15,12 @@ issue's targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
 machine drifts. `--sharded` adds, interleaved, mpisgd with `--shard-optimizer`
 at each k > 1 ("mpisgd k=2 sharded"), with its own efficiency and DDP ratios.
+`--apart` adds the machine's own ceiling: k single-rank trainings started
+together, each its own `mpiexec -n 1` with no communication between them
+("mpisgd k=2 apart", samples/s summed). What they lose against k times one
+rank alone is what sharing the cores, caches and memory bus costs; what k
+ranks lose against them is what synchronising costs. Each ratio's median comes
+with a 95 % bootstrap interval over the repeats.
 `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs there are), the
 hand-written loop on CuPy arrays ("cupy-loop", in place of the two NumPy loops)
 and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -61,6 +68,38 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False) -
             **{key: last[key] for key in SPLIT}, "peak_rss_mib": last.get("peak_rss_mib", float("nan"))}
 
 
+def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
+    """k single-rank trainings at once, no communication: the machine's ceiling for k ranks. Three
+    epochs each and the middle one counted, so that every counted epoch runs beside the others'."""
+    procs, files = [], []
+    for i in range(k):
+        metrics = os.path.join(tmp, f"apart{i}.jsonl")
+        if os.path.exists(metrics):
+            os.unlink(metrics)
+        cmd = mpiexec(1) + ["-m", "mpisgd.train", "--epochs", "3", "--progress", "off", "--metrics-file", metrics,
+                            *train_args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV))
+        files.append(metrics)
+    errors = [(p.args, p.communicate(timeout=900)[1]) for p in procs]
+    for p, (cmd, err) in zip(procs, errors):
+        if p.returncode:
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
+    middles = [[json.loads(line) for line in open(f) if '"kind":"epoch"' in line][1] for f in files]
+    return {"impl": f"mpisgd k={k} apart", "k": k, "samples_per_s": sum(m["samples_per_s"] for m in middles),
+            **{key: statistics.mean(m[key] for m in middles) for key in SPLIT},
+            "peak_rss_mib": max(m.get("peak_rss_mib", float("nan")) for m in middles)}
+
+
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median: how far the median of this many repeats can be
+    trusted on a noisy machine (a target is met with confidence only when the whole interval is)."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1) + 0.5)]
+
+
 def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, device: str) -> dict | None:
     cmd = (mpiexec(k) if impl == "torch-ddp" else [sys.executable]) + [
         str(ROOT / "benchmarks" / "baselines.py"), impl, "--threads", str(threads), "--hidden", hidden,
@@ -85,6 +124,8 @@ def main() -> None:
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated)")
     parser.add_argument("--sharded", action="store_true", help="add mpisgd --shard-optimizer at each k > 1")
+    parser.add_argument("--apart", action="store_true",
+                        help="add k single-rank trainings run together with no communication (the ceiling)")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
@@ -100,6 +141,8 @@ def main() -> None:
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.sharded:
         jobs += [("mpisgd-sharded", k, 1) for k in ks if k > 1]
+    if args.apart:
+        jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
     if args.compare:
         chosen = args.baselines.split(",")
         unknown = set(chosen) - set(BASELINES)
@@ -116,8 +159,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
-                res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded") if impl.startswith("mpisgd") else \
-                    run_baseline(impl, k, threads, hidden, batch, args.device)
+                if impl == "mpisgd-apart":
+                    res = run_apart(k, train_args, tmp)
+                elif impl.startswith("mpisgd"):
+                    res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
+                else:
+                    res = run_baseline(impl, k, threads, hidden, batch, args.device)
                 if res:
                     res["repeat"] = rep
                     runs.setdefault(res["impl"], []).append(res)
@@ -135,13 +182,17 @@ def main() -> None:
         print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{s.get('peak_rss_mib', float('nan')):>10.0f}")
         s["efficiency"] = eff
     ratios = paired_ratios(runs, max(ks))
+    intervals = {label: median_ci(values) for label, values in ratios.items()}
     if ratios:
-        print("\nthe speed issue's ratios, within each repeat (then their median):")
+        print("\nthe speed issue's ratios, within each repeat (then their median and its 95 % bootstrap interval):")
         for label, values in ratios.items():
-            print(f"  {label:<48}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}")
+            lo, hi = intervals[label]
+            print(f"  {label:<48}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}"
+                  f" [{lo:.3f}, {hi:.3f}]")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "ratios": ratios,
+                                               "ratio_ci95": intervals,
                                                "train_args": train_args, "repeats": args.repeats}, indent=1))
 
 
@@ -164,6 +215,11 @@ def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]
             (f"k={k} sharded / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k} sharded", ddp,
              "samples_per_s", 1.0),
         ]
+    if f"mpisgd k={k} apart" in runs:  # the ceiling, and how much of it each synchronised run reaches
+        targets += [(f"ceiling: k={k} apart / ({k} x k=1)", f"mpisgd k={k} apart", "mpisgd k=1", "samples_per_s",
+                     1 / k)]
+        targets += [(f"{name[7:]} / k={k} apart", name, f"mpisgd k={k} apart", "samples_per_s", 1.0)
+                    for name in (f"mpisgd k={k}", f"mpisgd k={k} sharded") if name in runs]
     out = {}
     for label, num, den, key, factor in targets:
         if num == den or num not in by_rep or den not in by_rep:

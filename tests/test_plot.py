@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ONE_THREAD, ROOT
 
@@ -146,6 +148,12 @@ def test_throughput_ratios_are_paired_within_a_repeat():
     ratios = tt.paired_ratios(runs, 2)
     assert ratios["efficiency k=2 sharded (>= 0.85)"] == pytest.approx([0.6, 1.26])
     assert ratios["k=2 sharded / k=2"] == pytest.approx([120 / 170, 126 / 90])
+    assert not any("apart" in label for label in ratios)
+    runs["mpisgd k=2 apart"] = [run("mpisgd k=2 apart", 1, 88, 0)]  # repeat 0 missing: paired on repeat 1 only
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["ceiling: k=2 apart / (2 x k=1)"] == pytest.approx([0.88])
+    assert ratios["k=2 / k=2 apart"] == pytest.approx([90 / 88])
+    assert ratios["k=2 sharded / k=2 apart"] == pytest.approx([126 / 88])
     # on a GPU: the CuPy loop and DDP over NCCL are the comparisons
     gpu = {"mpisgd k=1": runs["mpisgd k=1"], "mpisgd k=2": runs["mpisgd k=2"],
            "cupy-loop": [run("cupy-loop", 0, 120, 8.0)], "torch-ddp-nccl": [run("torch-ddp-nccl", 0, 85, 9.0)]}
@@ -154,17 +162,39 @@ def test_throughput_ratios_are_paired_within_a_repeat():
     assert ratios["k=2 / PyTorch DDP nccl k=2 (>= 1.6)"] == pytest.approx([2.0])
 
 
+def test_median_interval_covers_the_median_and_narrows_with_repeats():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    assert tt.median_ci([0.8] * 5) == (0.8, 0.8)
+    rng = np.random.default_rng(1)
+    few, many = list(rng.normal(0.85, 0.05, 6)), list(rng.normal(0.85, 0.05, 60))
+    lo6, hi6 = tt.median_ci(few)
+    lo60, hi60 = tt.median_ci(many)
+    assert lo6 <= float(np.median(few)) <= hi6 and lo60 <= float(np.median(many)) <= hi60
+    assert min(few) <= lo6 < hi6 <= max(few)
+    assert hi60 - lo60 < hi6 - lo6  # ten times the repeats: a narrower interval
+    assert lo60 < 0.85 < hi60
+
+
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
 def test_throughput_benchmark_smoke_run(tmp_path):
     """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
-                        "--baselines", "numpy-1t", "--sharded", "--json", str(out), "--", "--hidden", "32",
+                        "--baselines", "numpy-1t", "--sharded", "--apart", "--json", str(out), "--", "--hidden", "32",
                         "--limit-train", "8192"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
-    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "numpy-loop-1t"}
+    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "mpisgd k=2 apart",
+                                    "numpy-loop-1t"}
+    # two single-rank runs side by side: about twice one rank's throughput, never more than a little over
+    assert 0.3 < data["ratios"]["ceiling: k=2 apart / (2 x k=1)"][0] < 1.3
+    lo, hi = data["ratio_ci95"]["k=2 / k=2 apart"]
+    assert lo <= statistics.median(data["ratios"]["k=2 / k=2 apart"]) <= hi
     assert len(data["ratios"]["k=2 sharded / k=2"]) == 2
     assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
     assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
