@@ -381,8 +381,43 @@ def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
     red.close()
     np.testing.assert_array_equal(mine, expected[bounds[r]:bounds[r + 1]])
     np.testing.assert_array_equal(whole, expected)
-    if name == "mpi" or (name == "auto" and dtype != "float16"):
-        assert untouched  # a true reduce-scatter (MPI_Ireduce_scatter), not an all-reduce of buf
+    if name in ("mpi", "auto"):
+        assert untouched  # a true reduce-scatter (MPI_Ireduce_scatter, or auto's direct one), not an all-reduce
+    if name == "auto":  # every rank of these tests is on one node: auto's direct reduce-scatter ran
+        from mpisgd.comm.direct import DirectReduceScatter
+
+        assert isinstance(h, DirectReduceScatter)
     assert native == (name in ("mpi", "auto", "ring", "ring-tiny-segments"))
     if name.startswith("ring") and native:
         assert not reduced_in_buf  # the ring's own reduce-scatter ran, not an all-reduce of buf
+
+
+def test_direct_reduce_scatter_sums_in_rank_order_with_two_buckets_in_flight():
+    """auto's direct reduce-scatter on one node: two buffers in flight at once (as the training buckets
+    are) each get their own receive buffer, and every chunk is the rank-order float32 sum, bit for bit,
+    whichever rank owns it (rounded values: at k >= 3 another order gives other bits)."""
+    from mpisgd.comm.base import chunk_bounds
+
+    comm = world()
+    k, r = comm.Get_size(), comm.Get_rank()
+    red = AutoReducer(comm)
+    sizes = (1000, 999)
+    xs = [np.random.default_rng(100 * r + i).standard_normal(n).astype("float32") for i, n in enumerate(sizes)]
+    everyone = [comm.allgather(x) for x in xs]
+    handles, outs = [], []
+    for x, n in zip(xs, sizes):
+        b = chunk_bounds(n, k)
+        counts = [b[c + 1] - b[c] for c in range(k)]
+        outs.append(np.empty(counts[r], dtype="float32"))
+        handles.append(red.start_reduce_scatter(x, outs[-1], counts))
+    for h in reversed(handles):
+        h.wait()
+    with pytest.raises(ValueError, match="counts"):
+        red.start_reduce_scatter(xs[0], outs[0], [sizes[0]] + [0] * (k - 2))  # k - 1 chunks: refused at once
+    red.close()
+    for parts, out, n in zip(everyone, outs, sizes):
+        b = chunk_bounds(n, k)
+        want = parts[0][b[r]:b[r + 1]].copy()
+        for p in parts[1:]:
+            want += p[b[r]:b[r + 1]]
+        np.testing.assert_array_equal(out, want)
