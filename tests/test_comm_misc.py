@@ -172,6 +172,16 @@ def test_allgather_calls_benchmark_checks_and_times_each_way():
 
 
 @own_processes
+def test_reduce_scatter_calls_benchmark_checks_and_times_each_way():
+    res = run_mpi(3, str(ROOT / "benchmarks" / "reduce_scatter_calls.py"), "--mib", "0.01,0.003", "--repeats",
+                  "3", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "k=3, buckets 0.01,0.003 MiB" in res.stdout
+    for way in ("MPI_Ireduce_scatter", "direct (auto, one node)", "ring (messages)"):
+        assert way in res.stdout and "wrong" not in res.stdout
+
+
+@own_processes
 def test_benchmark_exits_non_zero_on_a_wrong_result(tmp_path):
     """A reducer that adds 1 to element 0 must be caught by the #wrong column and the exit code."""
     script = tmp_path / "broken.py"

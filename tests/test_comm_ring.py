@@ -384,9 +384,9 @@ def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
     if name in ("mpi", "auto"):
         assert untouched  # a true reduce-scatter (MPI_Ireduce_scatter, or auto's direct one), not an all-reduce
     if name == "auto":  # every rank of these tests is on one node: auto's direct reduce-scatter ran
-        from mpisgd.comm.direct import DirectReduceScatter
+        from mpisgd.comm.direct import DirectOp
 
-        assert isinstance(h, DirectReduceScatter)
+        assert isinstance(h, DirectOp)
     assert native == (name in ("mpi", "auto", "ring", "ring-tiny-segments"))
     if name.startswith("ring") and native:
         assert not reduced_in_buf  # the ring's own reduce-scatter ran, not an all-reduce of buf
@@ -421,3 +421,37 @@ def test_direct_reduce_scatter_sums_in_rank_order_with_two_buckets_in_flight():
         for p in parts[1:]:
             want += p[b[r]:b[r + 1]]
         np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_direct_allreduce_in_place_finishes_in_any_order_on_each_rank(dtype):
+    """auto's non-blocking all-reduce of large buffers on one node: three in flight, tested in a
+    different order on each rank (so their second phases start in different orders: their messages
+    must not meet), some with n < k (empty chunks); each ends as the rank-order sum on every rank,
+    bit for bit (rank r >= 2 sums into a spare row, not over its own part)."""
+    from mpisgd.comm.direct import DirectOp
+
+    comm = world()
+    k, r = comm.Get_size(), comm.Get_rank()
+    red = AutoReducer(comm)
+    sizes = (4099, 1, 2 * k + 1)
+    xs = [np.random.default_rng(10 * r + i).standard_normal(n).astype(dtype) for i, n in enumerate(sizes)]
+    everyone = [comm.allgather(x.copy()) for x in xs]
+    handles = [red.direct.allreduce(x) for x in xs]
+    comm.Barrier()  # the first halves (small, eager) arrive here, so the sweeps below start the second
+    order = [(i + r) % len(handles) for i in range(len(handles))]  # halves in this rank-dependent order
+    while not all([handles[i].test() for i in order]):
+        pass
+    big = np.ones((red.start_crossover_bytes // 4) + 1, dtype="float32") * (r + 1)
+    h = red.start(big)  # above the crossover: auto picks the direct all-reduce
+    h.wait()
+    red.close()
+    assert isinstance(h, DirectOp)
+    assert np.all(big == k * (k + 1) / 2)
+    for parts, x in zip(everyone, xs):
+        want = parts[0].copy()
+        for p in parts[1:]:
+            want += p
+        np.testing.assert_array_equal(x, want)
+    digests = comm.allgather(hashlib.sha1(np.concatenate(xs).tobytes()).hexdigest())
+    assert len(set(digests)) == 1  # identical replicas

@@ -101,7 +101,10 @@ class Reducer(ABC):
 
         The handle's ``test()`` may advance the operation (MPI progresses only
         inside MPI calls): call it now and then while computing, ``wait()`` before
-        reading the buffer.
+        reading the buffer. With several handles open, wait for them in the same
+        order on every rank (or test them all until done): the ring's and the direct
+        operations' later steps are posted only when their own handle is tested, so a
+        rank blocked in another handle's ``wait()`` would wait for ever.
         """
         self.allreduce_(buf)
         return Done()

@@ -1,14 +1,22 @@
-"""A direct reduce-scatter for ranks on one node: each rank sends every peer its chunk and sums its own.
+"""Direct reduce-scatter and all-reduce for ranks on one node: every rank exchanges chunks with every peer.
 
-Rank r posts, for every peer p, a send of chunk p of its buffer and a receive
-of p's contribution to chunk r; once they complete it adds the k parts of
-chunk r in rank order, so the result does not depend on which rank owns the
-chunk or on arrival order. Within one node MPICH moves each message with a
-single copy (CMA), so the whole operation is one copy and one add per peer.
-``MPI_Ireduce_scatter`` on the same buffers took about twice as long on one
-node at k = 2 (0.57-0.62 ms against 0.24-0.37 ms for a 4 MiB bucket,
-docs/allreduce.md). Across nodes it would be k - 1 messages in flight per rank
-at once, which is why ``auto`` uses it only on one node.
+Reduce-scatter: rank r posts, for every peer p, a send of chunk p of its buffer
+and a receive of p's contribution to chunk r; once they complete it adds the k
+parts of chunk r in rank order, x0 + x1 + ... + x(k-1), so the result does not
+depend on which rank owns the chunk, on arrival order or on bucketing (the
+order of the deterministic ring). All-reduce: that, into the buffer's own
+chunk, then every rank sends its reduced chunk to every peer.
+
+Within one node MPICH moves each message with a single copy (CMA), so a
+reduce-scatter is one copy and one add per peer: about half the time of
+``MPI_Ireduce_scatter`` on the same buffers at k = 2 (docs/allreduce.md).
+Across nodes it would put k - 1 messages per rank in flight at once, which is
+why ``auto`` uses it only on one node.
+
+Tags: each operation takes the next pair of tags from a counter that every
+rank advances alike (the Reducer contract: the same operations in the same
+order), so the chunks of two operations in flight never match each other's
+receives, whichever of them reaches its second phase first on each rank.
 """
 
 from __future__ import annotations
@@ -18,43 +26,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array
+from mpisgd.comm.base import Array, chunk_bounds
 
-TAG = 7_341  # fixed: ops on one communicator match in posting order, the same on every rank
-SCRATCH_ENTRIES = 32  # buffers remembered (one per bucket in training); more and the cache starts over
-
-
-class DirectReduceScatter:
-    """One in-flight direct reduce-scatter of ``buf`` into ``out`` (a Handle)."""
-
-    def __init__(self, comm: Any, buf: Array, out: Array, counts: list[int], scratch: Array, tag: int = TAG) -> None:
-        k, r = comm.Get_size(), comm.Get_rank()
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        self.rows = [p for p in range(k) if p != r]  # scratch row i holds peer rows[i]'s part of chunk r
-        self.reqs = []
-        for i, p in enumerate(self.rows):
-            self.reqs.append(comm.Irecv(scratch[i], p, tag))
-            self.reqs.append(comm.Isend(buf[bounds[p]:bounds[p + 1]], p, tag))
-        self.own = buf[bounds[r]:bounds[r + 1]]
-        self.scratch, self.out, self.r, self.done = scratch, out, r, False
-
-    def _sum(self) -> None:
-        parts = [self.scratch[i] for i in range(len(self.rows))]
-        parts.insert(self.r, self.own)  # rank order
-        np.add(parts[0], parts[1], out=self.out)
-        for part in parts[2:]:
-            np.add(self.out, part, out=self.out)
-        self.done = True
-
-    def test(self) -> bool:
-        if not self.done and MPI.Request.Testall(self.reqs):
-            self._sum()
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            MPI.Request.Waitall(self.reqs)
-            self._sum()
+TAG_BASE = 7_400
+TAG_PAIRS = 4_096  # operations in flight at once before a tag comes round again: far more than buckets
+SCRATCH_ENTRIES = 32  # receive buffers remembered (one per bucket in training); more and the cache starts over
 
 
 class ScratchCache:
@@ -74,10 +50,85 @@ class ScratchCache:
         return arr
 
 
-def start_direct_reduce_scatter(comm: Any, buf: Array, out: Array, counts: list[int],
-                                cache: ScratchCache) -> DirectReduceScatter:
-    k, r = comm.Get_size(), comm.Get_rank()
-    if len(counts) != k or sum(counts) != buf.size or out.size != counts[r]:
-        raise ValueError(f"reduce-scatter of {buf.size} elements over {k} ranks: counts {counts} must be k "
-                         f"chunks summing to the buffer, and out ({out.size}) this rank's chunk")
-    return DirectReduceScatter(comm, buf.reshape(-1), out.reshape(-1), counts, cache.get(buf, k - 1, counts[r]))
+class DirectOps:
+    """Starts direct operations on ``comm`` (a communicator of its own: our tags meet no other messages)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.k, self.r = comm.Get_size(), comm.Get_rank()
+        self.scratch = ScratchCache()
+        self.seq = 0
+
+    def _tags(self) -> int:
+        self.seq += 1
+        return TAG_BASE + 2 * (self.seq % TAG_PAIRS)
+
+    def reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> DirectOp:
+        """Begin out <- chunk r of the sum of buf (chunk c has counts[c] elements, rank order)."""
+        if len(counts) != self.k or sum(counts) != buf.size or out.size != counts[self.r]:
+            raise ValueError(f"reduce-scatter of {buf.size} elements over {self.k} ranks: counts {counts} must be "
+                             f"k chunks summing to the buffer, and out ({out.size}) this rank's chunk")
+        return DirectOp(self, buf.reshape(-1), out.reshape(-1), counts, gather=False)
+
+    def allreduce(self, buf: Array) -> DirectOp:
+        """Begin buf <- the sum of buf over ranks, in place."""
+        flat = buf.reshape(-1)
+        bounds = chunk_bounds(flat.size, self.k)
+        counts = [bounds[c + 1] - bounds[c] for c in range(self.k)]
+        return DirectOp(self, flat, flat[bounds[self.r]:bounds[self.r + 1]], counts, gather=True)
+
+
+class DirectOp:
+    """One in-flight direct operation (a Handle): the exchange of raw chunks, the rank-order sum, and,
+    for an all-reduce, the exchange of reduced chunks."""
+
+    def __init__(self, ops: DirectOps, buf: Array, out: Array, counts: list[int], gather: bool) -> None:
+        comm, k, r = ops.comm, ops.k, ops.r
+        self.comm, self.buf, self.out, self.r, self.gather = comm, buf, out, r, gather
+        self.bounds = [0]
+        for c in counts:
+            self.bounds.append(self.bounds[-1] + c)
+        self.own = buf[self.bounds[r]:self.bounds[r + 1]]
+        self.peers = [p for p in range(k) if p != r]
+        # in place at r >= 2, the sum must not overwrite x_r before adding it: one more row to sum into
+        self.in_place = k > 2 and r >= 2 and np.shares_memory(out, self.own)
+        self.scratch = ops.scratch.get(buf, len(self.peers) + self.in_place, counts[r])
+        self.tag = ops._tags()
+        self.reqs = []
+        for i, p in enumerate(self.peers):  # row i: peer p's part of chunk r
+            self.reqs.append(comm.Irecv(self.scratch[i], p, self.tag))
+            self.reqs.append(comm.Isend(buf[self.bounds[p]:self.bounds[p + 1]], p, self.tag))
+        self.phase = 1  # 1: raw chunks in flight; 2: reduced chunks in flight; 3: done
+
+    def _sum(self) -> None:
+        parts = [self.scratch[i] for i in range(len(self.peers))]
+        parts.insert(self.r, self.own)  # rank order
+        acc = self.scratch[-1] if self.in_place else self.out
+        np.add(parts[0], parts[1], out=acc)
+        for part in parts[2:]:
+            np.add(acc, part, out=acc)
+        if acc is not self.out:
+            self.out[...] = acc
+        if not self.gather:
+            self.phase = 3
+            return
+        self.reqs = []
+        for p in self.peers:  # every rank's reduced chunk to every rank, each into its place
+            self.reqs.append(self.comm.Irecv(self.buf[self.bounds[p]:self.bounds[p + 1]], p, self.tag + 1))
+            self.reqs.append(self.comm.Isend(self.out, p, self.tag + 1))
+        self.phase = 2
+
+    def test(self) -> bool:
+        if self.phase == 1 and MPI.Request.Testall(self.reqs):
+            self._sum()
+        if self.phase == 2 and MPI.Request.Testall(self.reqs):
+            self.phase = 3
+        return self.phase == 3
+
+    def wait(self) -> None:
+        if self.phase == 1:
+            MPI.Request.Waitall(self.reqs)
+            self._sum()
+        if self.phase == 2:
+            MPI.Request.Waitall(self.reqs)
+            self.phase = 3
