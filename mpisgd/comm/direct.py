@@ -8,10 +8,11 @@ order of the deterministic ring). All-reduce: that, into the buffer's own
 chunk, then every rank sends its reduced chunk to every peer.
 
 Within one node MPICH moves each message with a single copy (CMA), so a
-reduce-scatter is one copy and one add per peer: about half the time of
-``MPI_Ireduce_scatter`` on the same buffers at k = 2 (docs/allreduce.md).
-Across nodes it would put k - 1 messages per rank in flight at once, which is
-why ``auto`` uses it only on one node.
+reduce-scatter is one copy and one add per peer. For the reference model's two
+buckets it took 0.80x the time of ``MPI_Ireduce_scatter`` at k = 2 and 3
+(benchmarks/reduce_scatter_calls.py, docs/allreduce.md). Across nodes it
+would put k - 1 messages per rank in flight at once, which is why ``auto``
+uses it only on one node.
 
 Tags: each operation takes the next pair of tags from a counter that every
 rank advances alike (the Reducer contract: the same operations in the same
