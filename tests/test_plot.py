@@ -200,3 +200,35 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
     assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
     assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
+
+
+def test_step_skew_reports_what_each_step_waits_for_its_straggler(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_skew
+    finally:
+        sys.path.pop(0)
+    assert step_skew.straggler_ms([[10.0, 12.0, 11.0], [14.0, 12.0, 11.0]]) == [2.0, 0.0, 0.0]
+
+    def timeline(path, works):
+        events = []
+        for w in works:  # forward a third of the work, backward the rest
+            events += [{"name": "forward", "ph": "X", "ts": 0, "dur": w * 1e3 / 3},
+                       {"name": "backward", "ph": "X", "ts": 0, "dur": w * 2e3 / 3}]
+        path.write_text(json.dumps({"traceEvents": [{"name": "process_name", "ph": "M"}, *events]}))
+
+    timeline(tmp_path / "t.json.rank0.json", [20.0, 24.0, 20.0])
+    timeline(tmp_path / "t.json.rank1.json", [22.0, 20.0, 20.0])
+    script = str(ROOT / "benchmarks" / "step_skew.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path / "t.json"), "--skip", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "rank 1: forward+backward 20.67 ms" in r.stdout
+    assert "slowest rank - mean, per step: mean 1.00 ms, median 1.00 ms" in r.stdout  # (1 + 2 + 0) / 3
+    (tmp_path / "t.json.rank1.json").unlink()
+    r = subprocess.run([sys.executable, script, str(tmp_path / "t.json"), "--skip", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "two independent ranks with this spread" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, script, str(tmp_path / "none.json")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "no timeline files" in r.stderr
