@@ -445,7 +445,9 @@ def test_direct_allreduce_in_place_finishes_in_any_order_on_each_rank(dtype):
     big = np.ones((red.start_crossover_bytes // 4) + 1, dtype="float32") * (r + 1)
     h = red.start(big)  # above the crossover: auto picks the direct all-reduce
     h.wait()
+    desc = red.describe()
     red.close()
+    assert "the direct operations" in desc  # the banner says so
     assert isinstance(h, DirectOp)
     assert np.all(big == k * (k + 1) / 2)
     for parts, x in zip(everyone, xs):

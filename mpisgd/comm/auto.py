@@ -104,7 +104,9 @@ class AutoReducer(Reducer):
     def describe(self) -> str:
         return (f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB in place, "
                 f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, "
-                f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()})")
+                f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()}"
+                + ("; on this node the direct operations for non-blocking buffers from the crossover and "
+                   "every reduce-scatter" if self.direct is not None else "") + ")")
 
     def close(self) -> None:
         self.ring.close()
