@@ -80,11 +80,18 @@ def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
                             *train_args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV))
         files.append(metrics)
-    errors = [(p.args, p.communicate(timeout=900)[1]) for p in procs]
+    try:
+        errors = [(p.args, p.communicate(timeout=900)[1]) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # none left running behind the next launches
+            p.kill()
+            p.wait()
+        raise SystemExit("an --apart launch ran past 900 s") from None
     for p, (cmd, err) in zip(procs, errors):
         if p.returncode:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
-    middles = [[json.loads(line) for line in open(f) if '"kind":"epoch"' in line][1] for f in files]
+    epochs = [[json.loads(line) for line in open(f) if '"kind":"epoch"' in line] for f in files]
+    middles = [e[len(e) // 2] for e in epochs]  # the middle of three (the last of two, if --epochs 2 is given)
     return {"impl": f"mpisgd k={k} apart", "k": k, "samples_per_s": sum(m["samples_per_s"] for m in middles),
             **{key: statistics.mean(m[key] for m in middles) for key in SPLIT},
             "peak_rss_mib": max(m.get("peak_rss_mib", float("nan")) for m in middles)}

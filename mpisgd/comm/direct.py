@@ -92,7 +92,7 @@ class DirectOp:
         self.own = buf[self.bounds[r]:self.bounds[r + 1]]
         self.peers = [p for p in range(k) if p != r]
         # in place at r >= 2, the sum must not overwrite x_r before adding it: one more row to sum into
-        self.in_place = k > 2 and r >= 2 and np.shares_memory(out, self.own)
+        self.in_place = k > 2 and r >= 2 and np.may_share_memory(out, self.own)
         self.scratch = ops.scratch.get(buf, len(self.peers) + self.in_place, counts[r])
         self.tag = ops._tags()
         self.reqs = []
