@@ -11,29 +11,16 @@ call, and was slower than not sharding at all (docs/benchmarks.md, note 6).
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import numpy as np
+from calls_common import buckets, exit_if_wrong, parse_args, print_medians, time_interleaved
 from mpi4py import MPI
-
-from mpisgd.comm.base import chunk_bounds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", default="4.04,3.07", help="bucket sizes in MiB, comma-separated")
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     comm = MPI.COMM_WORLD
     k = comm.Get_size()
-    bufs = [np.ones(int(float(m) * 2**20) // 4, np.float32) for m in args.mib.split(",")]
-    layouts = []
-    for b in bufs:
-        bounds = chunk_bounds(b.size, k)
-        counts = [bounds[c + 1] - bounds[c] for c in range(k)]
-        layouts.append((b, counts, bounds[:-1]))
+    layouts = buckets(args.mib, k)
 
     def blocking() -> None:
         for b, counts, displs in layouts:
@@ -58,23 +45,8 @@ def main() -> None:
         if not all(np.array_equal(b, np.repeat(np.arange(1, k + 1, dtype=np.float32), counts))
                    for b, counts, _ in layouts):
             wrong.append(name)
-    wrong = sorted({w for per_rank in comm.allgather(wrong) for w in per_rank})
-    if wrong:
-        if comm.Get_rank() == 0:
-            print(f"wrong result from: {', '.join(wrong)}")
-        raise SystemExit(1)
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.repeats):
-        for name, fn in ways.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    if comm.Get_rank() == 0:
-        lib = " ".join(MPI.Get_library_version().splitlines()[0].split())
-        print(f"k={k}, buckets {args.mib} MiB float32, {args.repeats} interleaved repeats, {lib}")
-        for name, ts in times.items():
-            print(f"  {name:<34}{statistics.median(ts) * 1e3:8.2f} ms (median)")
+    exit_if_wrong(comm, wrong)
+    print_medians(comm, args.mib, args.repeats, time_interleaved(comm, ways, args.repeats))
 
 
 if __name__ == "__main__":

@@ -13,29 +13,19 @@ node (mpisgd.comm.direct); the ring runs over messages, as in training.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import numpy as np
+from calls_common import buckets, exit_if_wrong, parse_args, print_medians, time_interleaved
 from mpi4py import MPI
 
 from mpisgd.comm import AutoReducer, MpiReducer, RingReducer
-from mpisgd.comm.base import chunk_bounds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", default="4.04,3.07", help="bucket sizes in MiB, comma-separated")
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     comm = MPI.COMM_WORLD
     k, r = comm.Get_size(), comm.Get_rank()
-    bufs = [np.empty(int(float(m) * 2**20) // 4, np.float32) for m in args.mib.split(",")]
-    counts = []
-    for b in bufs:
-        bounds = chunk_bounds(b.size, k)
-        counts.append([bounds[c + 1] - bounds[c] for c in range(k)])
+    layouts = buckets(args.mib, k)
+    bufs, counts = [b for b, _, _ in layouts], [c for _, c, _ in layouts]
     outs = [np.empty(c[r], np.float32) for c in counts]
     reducers = {"MPI_Ireduce_scatter": MpiReducer(comm), "direct (auto, one node)": AutoReducer(comm),
                 "ring (messages)": RingReducer(comm, transport="p2p")}
@@ -56,25 +46,11 @@ def main() -> None:
         fn()
         if not all(np.all(o == k * (k + 1) / 2) for o in outs):
             wrong.append(name)
-    wrong = sorted({w for per_rank in comm.allgather(wrong) for w in per_rank})
-    if wrong:
-        if r == 0:
-            print(f"wrong result from: {', '.join(wrong)}")
-        raise SystemExit(1)
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.repeats):
-        for name, fn in ways.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    exit_if_wrong(comm, wrong)
+    times = time_interleaved(comm, ways, args.repeats)
     for red in reducers.values():
         red.close()
-    if r == 0:
-        lib = " ".join(MPI.Get_library_version().splitlines()[0].split())
-        print(f"k={k}, buckets {args.mib} MiB float32, {args.repeats} interleaved repeats, {lib}")
-        for name, ts in times.items():
-            print(f"  {name:<34}{statistics.median(ts) * 1e3:8.2f} ms (median)")
+    print_medians(comm, args.mib, args.repeats, times)
 
 
 if __name__ == "__main__":
