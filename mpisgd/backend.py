@@ -72,6 +72,15 @@ def is_device_array(a: Any) -> bool:
     return type(a).__module__.split(".")[0] == "cupy"
 
 
+def xp_of(a: Any) -> Any:
+    """The array module of ``a``, without importing CuPy for NumPy arrays."""
+    if is_device_array(a):
+        import cupy  # noqa: PLC0415
+
+        return cupy
+    return np
+
+
 def to_numpy(a: Any) -> np.ndarray:
     """A host copy (or the array itself when it is already NumPy)."""
     if is_device_array(a):

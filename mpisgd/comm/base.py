@@ -28,6 +28,29 @@ def chunk_bounds(n: int, k: int) -> list[int]:
     return out
 
 
+class ScratchPool:
+    """Scratch buffers reused across operations, so their pages are touched once: ``take`` one of at
+    least n elements (a view of a kept one when it fits), ``give`` it back when the operation is done;
+    at most ``keep`` are kept."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.free: list[Array] = []
+
+    def take(self, dtype: Any, n: int, xp: Any) -> Array:
+        for idx, s in enumerate(self.free):
+            if s.dtype == dtype and s.size >= n and type(s).__module__.split(".")[0] == xp.__name__.split(".")[0]:
+                return self.free.pop(idx)[:n]
+        return xp.empty(n, dtype=dtype)
+
+    def give(self, s: Array) -> None:
+        if len(self.free) < self.keep:
+            self.free.append(s.base if s.base is not None else s)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
 class _OwnChunk:
     """Reduce-scatter through a full all-reduce: when it completes, copy this rank's chunk out (once)."""
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.comm.base import Array, Handle, Reducer
+from mpisgd.backend import xp_of
+from mpisgd.comm.base import Array, Handle, Reducer, ScratchPool
 
 
 class _CastBack:
@@ -47,7 +48,7 @@ class CompressedReducer(Reducer):
     def __init__(self, inner: Reducer) -> None:
         super().__init__(inner.comm)
         self.inner = inner
-        self._free: list[Array] = []
+        self.scratch = ScratchPool()
 
     def describe(self) -> str:
         return f"{self.inner.describe()}, fp16 on the wire"
@@ -55,19 +56,9 @@ class CompressedReducer(Reducer):
     def _wire(self, buf: Array) -> Array | None:
         if buf.dtype.kind != "f" or buf.dtype.itemsize <= 2:
             return None
-        xp_name = type(buf).__module__.split(".")[0]
-        fits = [i for i, f in enumerate(self._free)
-                if f.size >= buf.size and type(f).__module__.split(".")[0] == xp_name]
-        if fits:
-            w = self._free.pop(fits[0])[:buf.size]
-        else:
-            w = (np.empty if xp_name == "numpy" else _cupy_empty)(buf.size, dtype=np.float16)
+        w = self.scratch.take(np.float16, buf.size, xp_of(buf))
         w[...] = buf.reshape(-1)
         return w
-
-    def _release(self, w: Array) -> None:
-        if len(self._free) < 8:
-            self._free.append(w.base if w.base is not None else w)
 
     def start(self, buf: Array) -> Handle:
         w = self._wire(buf)
@@ -77,7 +68,7 @@ class CompressedReducer(Reducer):
             import cupy  # noqa: PLC0415 - device buffers only
 
             cupy.cuda.get_current_stream().synchronize()
-        return _CastBack(self.inner.start(w), w, buf, self._release)
+        return _CastBack(self.inner.start(w), w, buf, self.scratch.give)
 
     def allreduce_(self, buf: Array) -> None:
         self.start(buf).wait()
@@ -85,8 +76,3 @@ class CompressedReducer(Reducer):
     def close(self) -> None:
         self.inner.close()
 
-
-def _cupy_empty(n: int, dtype: Any) -> Array:
-    import cupy  # noqa: PLC0415 - device buffers only
-
-    return cupy.empty(n, dtype=dtype)

@@ -27,28 +27,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, chunk_bounds
+from mpisgd.comm.base import Array, ScratchPool, chunk_bounds
 
 TAG_BASE = 7_400
 TAG_PAIRS = 4_096  # operations in flight at once before a tag comes round again: far more than buckets
-SCRATCH_ENTRIES = 32  # receive buffers remembered (one per bucket in training); more and the cache starts over
-
-
-class ScratchCache:
-    """Receive buffers, one per (buffer address, size, dtype): a bucket reuses its own every step, and
-    two buckets in flight at once never share one."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[int, int, str], Array] = {}
-
-    def get(self, buf: Array, rows: int, count: int) -> Array:
-        key = (buf.__array_interface__["data"][0], buf.nbytes, buf.dtype.str)
-        arr = self.entries.get(key)
-        if arr is None or arr.shape != (rows, count):
-            if len(self.entries) >= SCRATCH_ENTRIES:
-                self.entries.clear()
-            arr = self.entries[key] = np.empty((rows, count), dtype=buf.dtype)
-        return arr
 
 
 class DirectOps:
@@ -57,10 +39,10 @@ class DirectOps:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.k, self.r = comm.Get_size(), comm.Get_rank()
-        self.scratch = ScratchCache()
+        self.scratch = ScratchPool()  # receive buffers, taken per operation and given back once summed
         self.seq = 0
 
-    def _tags(self) -> int:
+    def next_tags(self) -> int:
         self.seq += 1
         return TAG_BASE + 2 * (self.seq % TAG_PAIRS)
 
@@ -93,8 +75,10 @@ class DirectOp:
         self.peers = [p for p in range(k) if p != r]
         # in place at r >= 2, the sum must not overwrite x_r before adding it: one more row to sum into
         self.in_place = k > 2 and r >= 2 and np.may_share_memory(out, self.own)
-        self.scratch = ops.scratch.get(buf, len(self.peers) + self.in_place, counts[r])
-        self.tag = ops._tags()
+        rows, count = len(self.peers) + self.in_place, counts[r]
+        self.pool = ops.scratch
+        self.scratch = self.pool.take(buf.dtype, rows * count, np).reshape(rows, count)
+        self.tag = ops.next_tags()
         self.reqs = []
         for i, p in enumerate(self.peers):  # row i: peer p's part of chunk r
             self.reqs.append(comm.Irecv(self.scratch[i], p, self.tag))
@@ -110,6 +94,7 @@ class DirectOp:
             np.add(acc, part, out=acc)
         if acc is not self.out:
             self.out[...] = acc
+        self.pool.give(self.scratch)
         if not self.gather:
             self.phase = 3
             return

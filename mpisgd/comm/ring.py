@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.backend import is_device_array
-from mpisgd.comm.base import Array, Done, Handle, Reducer, chunk_bounds
+from mpisgd.backend import is_device_array, xp_of
+from mpisgd.comm.base import Array, Done, Handle, Reducer, ScratchPool, chunk_bounds
 from mpisgd.comm.shm import SHM_CHUNK_BYTES, ShmTransport, single_node_comm
 
 SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
@@ -109,7 +109,7 @@ class RingOp:
         self.src, self.dst = src, dst
         self.k, self.r = red.size, red.rank
         self.left, self.right = (self.r - 1) % self.k, (self.r + 1) % self.k
-        self.xp = red.xp_of(dst)
+        self.xp = xp_of(dst)
         self.sync: Callable[[], None] | None = (
             self.xp.cuda.get_current_stream().synchronize if is_device_array(dst) else None)
         self.seg_elems = max(1, min(red.segment_bytes, max(red.min_segment_bytes, -(-dst.nbytes // (
@@ -124,7 +124,7 @@ class RingOp:
         self.first_sends: dict[tuple[int, int], Any] = {}  # (slice, chunk) -> the first send reading that chunk
         self.next_slice = 0
         nslots = self.window * per_slice
-        self.scratch = red.take_scratch(dst.dtype, nslots * self.max_chunk, self.xp)
+        self.scratch = red.scratch.take(dst.dtype, nslots * self.max_chunk, self.xp)
         self.done = False
         for _ in range(self.window):
             self._admit()
@@ -276,7 +276,7 @@ class RingOp:
         if not self.done:
             self.done = True
             self.sends.clear()
-            self.red.give_scratch(self.scratch)
+            self.red.scratch.give(self.scratch)
 
     def test(self) -> bool:
         return self.done or self._advance(block=False)
@@ -322,7 +322,7 @@ class _GatherSumOp:
     """Deterministic small-buffer path: MPI Allgather of whole buffers, then the rank-order sum."""
 
     def __init__(self, red: RingReducer, src: Array, dst: Array) -> None:
-        xp = red.xp_of(dst)
+        xp = xp_of(dst)
         k = red.size
         gathered = red.gather_buffer(k * dst.nbytes, xp).view(dst.dtype).reshape(k, dst.size)
         red.comm.Allgather(_bytes(src), _bytes(gathered.reshape(-1)))
@@ -369,7 +369,7 @@ class RingReducer(Reducer):
         self.min_segment_bytes = min(segment_bytes, MIN_SEGMENT_BYTES)
         self.window = window
         self.tags = _Tags(self.comm, 2 * self.size)
-        self._free: list[Array] = []  # scratch buffers, reused so pages are touched once
+        self.scratch = ScratchPool()
         self._gather: dict[str, Array] = {}
 
     def describe(self) -> str:
@@ -381,31 +381,12 @@ class RingReducer(Reducer):
             return f"ring (shared-memory window, chunks of {_human(self.shm.slot_bytes)}{upto}{det})"
         return f"ring (segments of {seg}, window {self.window}{det})"
 
-    @staticmethod
-    def xp_of(a: Array) -> Any:
-        if is_device_array(a):
-            import cupy  # noqa: PLC0415 - only reached with device buffers
-
-            return cupy
-        return np
-
-    def take_scratch(self, dtype: Any, n: int, xp: Any) -> Array:
-        for idx, s in enumerate(self._free):
-            if s.dtype == dtype and s.size >= n and type(s).__module__.split(".")[0] == xp.__name__.split(".")[0]:
-                return self._free.pop(idx)[:n]
-        return xp.empty(n, dtype=dtype)
-
     def gather_buffer(self, nbytes: int, xp: Any) -> Array:
         """Bytes for the deterministic small path; grows only, so its pages are touched once (blocking use only)."""
         buf = self._gather.get(xp.__name__)
         if buf is None or buf.nbytes < nbytes:
             buf = self._gather[xp.__name__] = xp.empty(max(nbytes, 4096), dtype=np.uint8)
         return buf[:nbytes]
-
-    def give_scratch(self, s: Array) -> None:
-        base = s.base if s.base is not None else s
-        if len(self._free) < 8:
-            self._free.append(base)
 
     def allreduce_(self, buf: Array) -> None:
         self.start_out(buf, buf, blocking=True).wait()
@@ -464,7 +445,7 @@ class RingReducer(Reducer):
         return RingOp(self, src, dst)
 
     def close(self) -> None:
-        self._free.clear()
+        self.scratch.clear()
         self._gather.clear()
         if self.shm is not None:
             self.shm.close()

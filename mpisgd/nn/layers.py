@@ -14,18 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.backend import is_device_array
+from mpisgd.backend import xp_of
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-
-
-def xp_of(a: Array) -> Any:
-    """The array module of ``a``, without importing CuPy for NumPy arrays."""
-    if is_device_array(a):
-        import cupy  # noqa: PLC0415
-
-        return cupy
-    return np
 
 
 class Layer:
