@@ -191,8 +191,13 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "mpisgd k=2 apart",
                                     "numpy-loop-1t"}
-    # two single-rank runs side by side: about twice one rank's throughput, never more than a little over
-    assert 0.3 < data["ratios"]["ceiling: k=2 apart / (2 x k=1)"][0] < 1.3
+    # the ceiling pairs each apart launch (two ranks' samples/s summed) with the k=1 launch of its repeat; no
+    # bound on the value itself: epochs this small last a fraction of a second, so timing noise rules them
+    apart = data["runs"]["mpisgd k=2 apart"]
+    one = {x["repeat"]: x["samples_per_s"] for x in data["runs"]["mpisgd k=1"]}
+    assert [x["repeat"] for x in apart] == [0, 1] and all(x["samples_per_s"] > 0 for x in apart)
+    assert data["ratios"]["ceiling: k=2 apart / (2 x k=1)"] == pytest.approx(
+        [x["samples_per_s"] / (2 * one[x["repeat"]]) for x in apart])
     lo, hi = data["ratio_ci95"]["k=2 / k=2 apart"]
     assert lo <= statistics.median(data["ratios"]["k=2 / k=2 apart"]) <= hi
     assert len(data["ratios"]["k=2 sharded / k=2"]) == 2
