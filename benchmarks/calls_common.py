@@ -14,10 +14,12 @@ from mpi4py import MPI
 from mpisgd.comm.base import chunk_bounds
 
 
-def parse_args(doc: str | None) -> argparse.Namespace:
+def parse_args(doc: str | None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", default="4.04,3.07", help="bucket sizes in MiB, comma-separated")
     parser.add_argument("--repeats", type=int, default=30)
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 

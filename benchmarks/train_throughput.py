@@ -15,6 +15,9 @@ issue's targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
 machine drifts. `--sharded` adds, interleaved, mpisgd with `--shard-optimizer`
 at each k > 1 ("mpisgd k=2 sharded"), with its own efficiency and DDP ratios.
+`--variant 'NAME=OPTIONS'` (repeatable) adds, interleaved, mpisgd at the largest k
+with those extra options, and its paired ratio to plain mpisgd (to the sharded
+one when its options shard): an A/B of one option under the same noise.
 `--apart` adds the machine's own ceiling: k single-rank trainings started
 together, each its own `mpiexec -n 1` with no communication between them
 ("mpisgd k=2 apart", samples/s summed). What they lose against k times one
@@ -32,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -51,10 +55,13 @@ def mpiexec(k: int) -> list[str]:
     return [exe, "-n", str(k), sys.executable]
 
 
-def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False) -> dict:
+def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False, variant: str = "") -> dict:
+    """One launch; ``variant`` is a --variant's "NAME=OPTIONS" (its options added, its name in the label)."""
     metrics = os.path.join(tmp, f"m{k}.jsonl")
     if sharded:
         train_args = [*train_args, "--shard-optimizer"]
+    name, _, extra = variant.partition("=")
+    train_args = [*train_args, *shlex.split(extra)]
     if os.path.exists(metrics):
         os.unlink(metrics)
     cmd = mpiexec(k) + ["-m", "mpisgd.train", "--epochs", "2", "--progress", "off", "--metrics-file", metrics,
@@ -64,8 +71,9 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False) -
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
     last = epochs[-1]
-    return {"impl": f"mpisgd k={k}" + (" sharded" if sharded else ""), "k": k, "samples_per_s": last["samples_per_s"],
-            **{key: last[key] for key in SPLIT}, "peak_rss_mib": last.get("peak_rss_mib", float("nan"))}
+    impl = f"mpisgd k={k}" + (" sharded" if sharded else "") + (f" {name}" if name else "")
+    return {"impl": impl, "k": k, "samples_per_s": last["samples_per_s"], **{key: last[key] for key in SPLIT},
+            "peak_rss_mib": last.get("peak_rss_mib", float("nan")), "options": extra}
 
 
 def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
@@ -133,6 +141,9 @@ def main() -> None:
     parser.add_argument("--sharded", action="store_true", help="add mpisgd --shard-optimizer at each k > 1")
     parser.add_argument("--apart", action="store_true",
                         help="add k single-rank trainings run together with no communication (the ceiling)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="add mpisgd at the largest k with these extra options, interleaved, and its paired "
+                             "ratio to plain mpisgd (e.g. 'private=--no-shared-grads'); repeatable")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
@@ -148,6 +159,10 @@ def main() -> None:
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.sharded:
         jobs += [("mpisgd-sharded", k, 1) for k in ks if k > 1]
+    for v in args.variant:
+        if "=" not in v or v.partition("=")[0].strip() in ("", "sharded", "apart"):
+            parser.error(f"--variant {v!r}: expected NAME=OPTIONS, NAME neither empty nor sharded nor apart")
+        jobs.append((f"variant:{v}", max(ks), 1))
     if args.apart:
         jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
     if args.compare:
@@ -168,6 +183,8 @@ def main() -> None:
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
                 if impl == "mpisgd-apart":
                     res = run_apart(k, train_args, tmp)
+                elif impl.startswith("variant:"):
+                    res = run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
                 elif impl.startswith("mpisgd"):
                     res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
                 else:
@@ -176,7 +193,8 @@ def main() -> None:
                     res["repeat"] = rep
                     runs.setdefault(res["impl"], []).append(res)
                     print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s", flush=True)
-    summary = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0] if key not in ("impl", "repeat")}
+    summary = {name: {key: statistics.median(r[key] for r in rs)
+                      for key in rs[0] if key not in ("impl", "repeat", "options")}
                for name, rs in runs.items()}
     base = summary.get("mpisgd k=1", {}).get("samples_per_s")
     print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
@@ -222,6 +240,11 @@ def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]
             (f"k={k} sharded / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k} sharded", ddp,
              "samples_per_s", 1.0),
         ]
+    for name, rs in runs.items():  # each --variant against plain mpisgd (sharded, if it shards and that ran)
+        if name.startswith(f"mpisgd k={k} ") and rs[0].get("options"):
+            den = f"mpisgd k={k} sharded" if "--shard-optimizer" in rs[0]["options"].split() \
+                and f"mpisgd k={k} sharded" in runs else f"mpisgd k={k}"
+            targets.append((f"{name[7:]} / {den[7:]}", name, den, "samples_per_s", 1.0))
     if f"mpisgd k={k} apart" in runs:  # the ceiling, and how much of it each synchronised run reaches
         targets += [(f"ceiling: k={k} apart / ({k} x k=1)", f"mpisgd k={k} apart", "mpisgd k=1", "samples_per_s",
                      1 / k)]

@@ -65,6 +65,8 @@ class Config:
     compress: str = opt("none", "cast gradients for communication only", ("none", "fp16"))
     shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
                                        "all-gather them (same result; CPU only)")
+    shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
+                                   "memory that peers reduce in place")
     cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "
                                   "through pinned host memory (staged)", ("auto", "direct", "staged"))
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")

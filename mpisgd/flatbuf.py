@@ -29,6 +29,15 @@ class FlatBuffer:
         self.param_views = [self.params[a:b].reshape(s) for a, b, s in self._spans()]
         self.grad_views = [self.grads[a:b].reshape(s) for a, b, s in self._spans()]
 
+    def move_grads(self, buf: Any) -> None:
+        """Keep the gradients in ``buf`` (``size`` elements of this dtype) from now on, values copied:
+        e.g. node-shared memory that the reducer reads in place. Rebind the layers afterwards."""
+        if buf.shape != (self.size,) or buf.dtype != self.dtype:
+            raise ValueError(f"gradient buffer must be ({self.size},) {self.dtype}, got {buf.shape} {buf.dtype}")
+        buf[...] = self.grads
+        self.grads = buf
+        self.grad_views = [self.grads[a:b].reshape(s) for a, b, s in self._spans()]
+
     def _spans(self) -> list[tuple[int, int, tuple[int, ...]]]:
         return [(self.offsets[i], self.offsets[i + 1], s) for i, s in enumerate(self.shapes)]
 

@@ -47,7 +47,7 @@ class Trainer:
                                bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
                                timeline=self.timeline, deterministic=cfg.deterministic,
                                compress=cfg.compress, cuda_aware=cfg.cuda_aware, watchdog=self._watchdog(),
-                               shard_optimizer=cfg.shard_optimizer)
+                               shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads)
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))

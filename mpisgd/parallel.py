@@ -138,7 +138,8 @@ class DataParallel:
                  allreduce: str | Reducer = "auto", average: bool = True, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None,
                  deterministic: bool = False, compress: str = "none", cuda_aware: str = "auto",
-                 watchdog: Any = None, fingerprint: bool = True, shard_optimizer: bool = False) -> None:
+                 watchdog: Any = None, fingerprint: bool = True, shard_optimizer: bool = False,
+                 shared_grads: bool = True) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
@@ -169,6 +170,13 @@ class DataParallel:
         self.times = StepTimes()
         self.step_count = 0
         verify_same(self.comm, shapes_digest(model), "the model (layers, shapes or dtype)")
+        # same shapes everywhere: gradients into memory the reducer reads in place, where it has any
+        # (auto with every rank on one node: mpisgd.comm.shared)
+        shared = self.reducer.shared_buffer(self.flat.size, self.flat.dtype) \
+            if shared_grads and self.k > 1 and self.flat.xp is np else None
+        self.shared_grads = shared is not None
+        if shared is not None:
+            model.move_grads(shared)
         self.broadcast_parameters()
 
     def _plan_shards(self) -> Any:
@@ -377,5 +385,8 @@ class DataParallel:
         """Collective: every rank calls it together. A rank that fails alone must not call it (with a
         watchdog, rank 0 would wait for the others' close); abort the job instead."""
         self.watchdog.close()
+        if self.shared_grads:  # the window goes with the reducer: the model keeps its gradients
+            self.model.move_grads(np.empty_like(self.flat.grads))
+            self.shared_grads = False
         self.reducer.close()
         self.comm.Free()

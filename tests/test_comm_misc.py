@@ -172,12 +172,13 @@ def test_allgather_calls_benchmark_checks_and_times_each_way():
 
 
 @own_processes
-def test_reduce_scatter_calls_benchmark_checks_and_times_each_way():
+@pytest.mark.parametrize("op,library", [("reduce-scatter", "MPI_Ireduce_scatter"), ("allreduce", "MPI_Iallreduce")])
+def test_reduce_scatter_calls_benchmark_checks_and_times_each_way(op, library):
     res = run_mpi(3, str(ROOT / "benchmarks" / "reduce_scatter_calls.py"), "--mib", "0.01,0.003", "--repeats",
-                  "3", timeout=120)
+                  "3", "--op", op, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "k=3, buckets 0.01,0.003 MiB" in res.stdout
-    for way in ("MPI_Ireduce_scatter", "direct (auto, one node)", "ring (messages)"):
+    for way in (library, "direct (auto, private buffers)", "shared (auto, shared buffer)", "ring (messages)"):
         assert way in res.stdout and "wrong" not in res.stdout
 
 
@@ -208,8 +209,8 @@ def test_benchmark_exits_non_zero_on_a_wrong_result(tmp_path):
 @own_processes
 def test_mpi_suites_at_four_ranks():
     """The in-process MPI tests at k = 4 (oversubscribed: correctness, not speed)."""
-    res = run_mpi(4, "-m", "pytest", "tests/test_comm_ring.py", "tests/test_comm_hierarchical.py",
-                  "tests/test_comm_training.py", "-q",
+    res = run_mpi(4, "-m", "pytest", "tests/test_comm_ring.py", "tests/test_comm_shared.py",
+                  "tests/test_comm_hierarchical.py", "tests/test_comm_training.py", "-q",
                   "-p", "no:cacheprovider", "--with-mpi", "--only-mpi", "-x",
                   timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -144,6 +144,28 @@ def test_params_are_views_of_one_flat_buffer():
     assert (lin.params["W"] == 1.5).all()
 
 
+def test_moved_gradients_keep_their_values_and_backward_writes_there():
+    """move_grads (data parallelism's node-shared gradient buffer): values copied, every layer's
+    gradient views now in the new buffer, so backward fills it and the old one goes stale."""
+    model = mlp((5,), n_in=4, n_classes=3).materialize(np, "float64", seed=0)
+    rng = np.random.default_rng(8)
+    x, y = rng.standard_normal((6, 4)), rng.integers(0, 3, 6)
+    loss = SoftmaxCrossEntropy()
+    loss.forward(model.forward(x), y)
+    model.backward(loss.backward())
+    old, first = model.flat.grads, model.flat.grads.copy()
+    new = np.full(model.flat.size, np.nan)
+    model.move_grads(new)
+    assert model.flat.grads is new
+    np.testing.assert_array_equal(new, first)
+    old[...] = 0
+    loss.forward(model.forward(2 * x), y)
+    model.backward(loss.backward())
+    assert not np.allclose(new, first) and np.all(old == 0)
+    with pytest.raises(ValueError, match="gradient buffer"):
+        model.move_grads(np.zeros(model.flat.size, np.float32))  # another dtype
+
+
 def test_initialisation_is_deterministic_from_seed():
     a = mlp((16,)).materialize(np, "float32", seed=3).flat.params
     b = mlp((16,)).materialize(np, "float32", seed=3).flat.params

@@ -26,7 +26,7 @@ def world():
 
 def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
           allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, shard: bool = False,
-          **opt) -> DataParallel:
+          shared_grads: bool = True, **opt) -> DataParallel:
     """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
     k = comm.Get_size()
     rank = comm.Get_rank() if rank is None else rank
@@ -36,7 +36,7 @@ def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | 
                     weight_decay=opt.get("weight_decay", 1e-3),
                     momentum_correction=opt.get("momentum_correction", False))
     dp = DataParallel(model, optimizer, comm, allreduce=allreduce, average=average, bucket_cap_mb=bucket_mb,
-                      overlap=overlap, shard_optimizer=shard)
+                      overlap=overlap, shard_optimizer=shard, shared_grads=shared_grads)
     loader = BatchLoader(data, np, "float64")
     batches = GlobalBatches(len(data), k * local_batch, rank, k)
     for step in range(steps):
@@ -203,6 +203,35 @@ def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, b
     assert sharded and len(set(sums)) == 1
     assert total == n  # the ranks' chunks tile the parameters: each updated by exactly one rank
     assert np.max(np.abs(ours - ref)) < 1e-10  # float64: only summation-order rounding
+
+
+@pytest.mark.parametrize("shard,bucket_mb,overlap", [(False, 25.0, True), (False, 0.0005, True),
+                                                      (False, 0.0005, False), (True, 0.0005, True)])
+def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, overlap):
+    """auto on one node keeps the gradients in its shared window (mpisgd.comm.shared) and reduces the
+    buckets there; the result is one rank's with k times the batch, replicas stay identical, and on
+    close the model gets its gradients back in private memory, values kept."""
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    dp = train(comm, b, steps, allreduce="auto", bucket_mb=bucket_mb, overlap=overlap, shard=shard)
+    arena = dp.reducer.arena
+    in_arena = arena is not None and arena.offset_of(dp.flat.grads) == 0
+    layer_grads_in_arena = all(arena.offset_of(g.reshape(-1)) is not None
+                               for layer in dp.model.layers for g in layer.grads.values())
+    sums, n_buckets = dp.replica_checksums(), len(dp.buckets)
+    ours, grads = dp.flat.params.copy(), dp.flat.grads.copy()
+    dp.close()
+    after_close = dp.flat.grads
+    ref = reference(k, b, steps)
+    off = train(comm, b, 1, allreduce="auto", shared_grads=False)
+    off_shared = off.shared_grads
+    off.close()
+    assert dp.reducer.arena is None and not dp.shared_grads
+    assert in_arena and layer_grads_in_arena  # the layers write their gradients there, not a stale copy
+    assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
+    assert n_buckets > 1 or bucket_mb > 1
+    np.testing.assert_array_equal(after_close, grads)  # private again, same values
+    assert not off_shared  # shared_grads=False keeps them private
 
 
 def test_sharded_step_without_dividing_by_k_still_differs():

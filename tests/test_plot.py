@@ -154,6 +154,13 @@ def test_throughput_ratios_are_paired_within_a_repeat():
     assert ratios["ceiling: k=2 apart / (2 x k=1)"] == pytest.approx([0.88])
     assert ratios["k=2 / k=2 apart"] == pytest.approx([90 / 88])
     assert ratios["k=2 sharded / k=2 apart"] == pytest.approx([126 / 88])
+    # --variant launches: each against plain mpisgd, or the sharded one when its options shard
+    runs["mpisgd k=2 private"] = [dict(run("mpisgd k=2 private", 1, 100, 0), options="--no-shared-grads")]
+    runs["mpisgd k=2 private sh"] = [dict(run("mpisgd k=2 private sh", 0, 60, 0),
+                                          options="--no-shared-grads --shard-optimizer")]
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["k=2 private / k=2"] == pytest.approx([100 / 90])
+    assert ratios["k=2 private sh / k=2 sharded"] == pytest.approx([60 / 120])
     # on a GPU: the CuPy loop and DDP over NCCL are the comparisons
     gpu = {"mpisgd k=1": runs["mpisgd k=1"], "mpisgd k=2": runs["mpisgd k=2"],
            "cupy-loop": [run("cupy-loop", 0, 120, 8.0)], "torch-ddp-nccl": [run("torch-ddp-nccl", 0, 85, 9.0)]}
@@ -184,13 +191,14 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
-                        "--baselines", "numpy-1t", "--sharded", "--apart", "--json", str(out), "--", "--hidden", "32",
-                        "--limit-train", "8192"],
+                        "--baselines", "numpy-1t", "--sharded", "--apart", "--variant", "private=--no-shared-grads",
+                        "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
     assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "mpisgd k=2 apart",
-                                    "numpy-loop-1t"}
+                                    "mpisgd k=2 private", "numpy-loop-1t"}
+    assert len(data["ratios"]["k=2 private / k=2"]) == 2
     # the ceiling pairs each apart launch (two ranks' samples/s summed) with the k=1 launch of its repeat; no
     # bound on the value itself: epochs this small last a fraction of a second, so timing noise rules them
     apart = data["runs"]["mpisgd k=2 apart"]

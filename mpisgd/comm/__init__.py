@@ -5,7 +5,9 @@ strategy          when to use it
 ================  ==============================================================
 ``auto``          the default: ``mpi`` below a measured size crossover (latency
                   wins), ``ring`` from it on (bandwidth wins); see
-                  docs/allreduce.md for the measurement
+                  docs/allreduce.md for the measurement. On one node it
+                  also offers a node-shared buffer whose pieces it reduces
+                  in place (data parallelism keeps its gradients there)
 ``mpi``           the MPI library's ``Allreduce``; the test oracle; lowest
                   latency for small buffers, and the right choice when the
                   library is tuned for the network (vendor MPI on a cluster)

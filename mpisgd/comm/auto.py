@@ -11,6 +11,7 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.direct import DirectOps
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
+from mpisgd.comm.shared import SharedArena
 from mpisgd.comm.shm import single_node_comm
 
 # Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md). Below the crossover
@@ -55,6 +56,15 @@ class AutoReducer(Reducer):
         # order) so that their tags never meet anyone else's messages
         node = single_node_comm(comm) if self.size > 1 else None
         self.direct = DirectOps(node) if node is not None else None
+        self.arena: SharedArena | None = None  # made by shared_buffer(), on one node only
+
+    def shared_buffer(self, n: int, dtype: Any) -> Array | None:
+        """On one node (host buffers), a buffer in a window every rank maps: buckets of it are reduced
+        in place from the peers' memory (mpisgd.comm.shared). One per reducer."""
+        if self.direct is None or self.arena is not None:
+            return None
+        self.arena = SharedArena(self.direct.comm.Dup(), n, dtype)
+        return self.arena.mine
 
     def _pick(self, buf: Array, crossover_bytes: int) -> Reducer:
         if buf.nbytes < crossover_bytes and mpi_sum_type(buf.dtype) is not None:
@@ -84,17 +94,24 @@ class AutoReducer(Reducer):
             self.ring.allreduce(src, dst)
 
     def start(self, buf: Array) -> Handle:
-        """Below the crossover the library's ``Iallreduce``; above it, on one node, the direct all-reduce
-        (mpisgd.comm.direct), else the ring over messages."""
+        """A piece of the shared buffer (see :meth:`shared_buffer`): reduced in place from the peers'
+        memory, any size. Otherwise below the crossover the library's ``Iallreduce``; above it, on one
+        node, the direct all-reduce (mpisgd.comm.direct), else the ring over messages."""
+        if self.arena is not None and self.arena.offset_of(buf) is not None:
+            return self.arena.allreduce(buf)
         red = self._pick(buf, self.start_crossover_bytes)
         if red is self.ring and self.direct is not None and isinstance(buf, np.ndarray):
             return self.direct.allreduce(buf)
         return red.start(buf)
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
-        """On one node, the direct reduce-scatter (mpisgd.comm.direct: 0.8x the library's time for the
-        reference buckets at k = 2 and 3); else the library's ``Ireduce_scatter`` (in training at k = 2
-        it tied with the ring's own reduce-scatter), or the ring where the library cannot sum the dtype."""
+        """A piece of the shared buffer: reduced in place from the peers' memory (mpisgd.comm.shared:
+        0.64x the direct reduce-scatter's time for the reference buckets at k = 2). Other buffers on one
+        node: the direct reduce-scatter (mpisgd.comm.direct: 0.8x the library's time); else the library's
+        ``Ireduce_scatter`` (in training at k = 2 it tied with the ring's own reduce-scatter), or the ring
+        where the library cannot sum the dtype."""
+        if self.arena is not None and self.arena.offset_of(buf) is not None:
+            return self.arena.reduce_scatter(buf, out, counts)
         if self.direct is not None and isinstance(buf, np.ndarray):
             return self.direct.reduce_scatter(buf, out, counts)
         if mpi_sum_type(buf.dtype) is not None:
@@ -106,11 +123,15 @@ class AutoReducer(Reducer):
                 f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, "
                 f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()}"
                 + ("; on this node the direct operations for non-blocking buffers from the crossover and "
-                   "every reduce-scatter" if self.direct is not None else "") + ")")
+                   "every reduce-scatter" if self.direct is not None else "")
+                + ("; a node-shared buffer reduced in place from the peers' memory" if self.arena is not None else "") + ")")
 
     def close(self) -> None:
         self.ring.close()
         self.mpi.close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
         if self.direct is not None:
             self.direct.comm.Free()
             self.direct = None

@@ -156,6 +156,12 @@ class Reducer(ABC):
         raw = buf.reshape(-1).view(np.uint8)
         return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, [raw, nbytes, displs, MPI.BYTE]))
 
+    def shared_buffer(self, n: int, dtype: Any) -> Array | None:
+        """A buffer of n elements that this reducer reduces faster than private memory (node-shared
+        memory its peers read in place), for data parallelism to keep its gradients in; None when it
+        has none (the default). Collective where it returns one; valid until :meth:`close`."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

@@ -32,16 +32,30 @@ class Sequential:
         specs = [(i, name, shape) for i, layer in enumerate(self.layers) for name, shape in layer.param_shapes]
         self.flat = FlatBuffer([shape for _, _, shape in specs], dtype, xp)
         rng = np.random.default_rng(seed)
-        views = iter(zip(self.flat.param_views, self.flat.grad_views, strict=True))
-        for layer in self.layers:
+        for layer, params in zip(self.layers, self._bind(), strict=True):
             init = layer.init_params(rng, dtype)
+            for name, p in params.items():
+                p[...] = xp.asarray(init[name])
+        return self
+
+    def move_grads(self, buf: object) -> None:
+        """Keep the gradients in ``buf`` from now on (see FlatBuffer.move_grads); layers follow."""
+        assert self.flat is not None, "materialize() first"
+        self.flat.move_grads(buf)
+        self._bind()
+
+    def _bind(self) -> list[dict[str, object]]:
+        """Hand every layer its views of the flat buffers; returns each layer's parameter views."""
+        assert self.flat is not None
+        views = iter(zip(self.flat.param_views, self.flat.grad_views, strict=True))
+        bound = []
+        for layer in self.layers:
             params, grads = {}, {}
             for name, _ in layer.param_shapes:
-                p, g = next(views)
-                p[...] = xp.asarray(init[name])
-                params[name], grads[name] = p, g
+                params[name], grads[name] = next(views)
             layer.bind(params, grads)
-        return self
+            bound.append(params)
+        return bound
 
     def forward(self, x: Array) -> Array:
         for layer in self.layers:
