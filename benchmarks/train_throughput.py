@@ -23,7 +23,10 @@ together, each its own `mpiexec -n 1` with no communication between them
 ("mpisgd k=2 apart", samples/s summed). What they lose against k times one
 rank alone is what sharing the cores, caches and memory bus costs; what k
 ranks lose against them is what synchronising costs. Each ratio's median comes
-with a 95 % bootstrap interval over the repeats.
+with a 95 % bootstrap interval over the repeats. Memory columns (largest rank):
+peak RSS, RSS at start-up before any data ("start": interpreter, NumPy, MPI),
+and what training holds ("state": parameters, gradients, optimizer state,
+activations and data; the speed issue's bound is 1.5 times this).
 `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs there are), the
 hand-written loop on CuPy arrays ("cupy-loop", in place of the two NumPy loops)
 and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
 BASELINES = ("numpy-1t", "numpy-2t", "torch-ddp")
+MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.loop
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
 
@@ -73,7 +77,7 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False, v
     last = epochs[-1]
     impl = f"mpisgd k={k}" + (" sharded" if sharded else "") + (f" {name}" if name else "")
     return {"impl": impl, "k": k, "samples_per_s": last["samples_per_s"], **{key: last[key] for key in SPLIT},
-            "peak_rss_mib": last.get("peak_rss_mib", float("nan")), "options": extra}
+            **{key: last.get(key, float("nan")) for key in MEMORY}, "options": extra}
 
 
 def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
@@ -102,7 +106,7 @@ def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
     middles = [e[len(e) // 2] for e in epochs]  # the middle of three (the last of two, if --epochs 2 is given)
     return {"impl": f"mpisgd k={k} apart", "k": k, "samples_per_s": sum(m["samples_per_s"] for m in middles),
             **{key: statistics.mean(m[key] for m in middles) for key in SPLIT},
-            "peak_rss_mib": max(m.get("peak_rss_mib", float("nan")) for m in middles)}
+            **{key: max(m.get(key, float("nan")) for m in middles) for key in MEMORY}}
 
 
 def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -200,11 +204,12 @@ def main() -> None:
     print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
           f"rank unless noted; medians of {args.repeats} interleaved launches; extra args: {' '.join(train_args)}")
     print(f"{'implementation':<22}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
-          f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}{'peak MiB':>10}")
+          f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}{'peak MiB':>10}{'start':>7}{'state':>7}")
     for name, s in summary.items():
         eff = s["samples_per_s"] / (s["k"] * base) if base and name.startswith("mpisgd") else float("nan")
         cols = "".join(f"{s.get(key, float('nan')):>{w}.2f}" for key, w in zip(SPLIT, (8, 8, 9, 9, 8, 9)))
-        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{s.get('peak_rss_mib', float('nan')):>10.0f}")
+        mem = "".join(f"{s.get(key, float('nan')):>{w}.0f}" for key, w in zip(MEMORY, (10, 7, 7)))
+        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{mem}")
         s["efficiency"] = eff
     ratios = paired_ratios(runs, max(ks))
     intervals = {label: median_ci(values) for label, values in ratios.items()}

@@ -206,6 +206,11 @@ class BatchLoader:
         self._labels = xp.asarray(data.labels)
         self._bufs: dict[tuple[int, int], Any] = {}
 
+    def buffer_nbytes(self) -> int:
+        """Bytes of the data this loader holds: the images and labels, and its batch buffers."""
+        held = {id(a): int(a.nbytes) for a in (self._images, self._labels, *self._bufs.values())}
+        return sum(held.values())
+
     def batch(self, idx: np.ndarray, slot: int = 0) -> tuple[Any, Any]:
         """Standardised images and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
         xp = self.xp

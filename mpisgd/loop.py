@@ -30,6 +30,7 @@ class Trainer:
         self.t_launch = time.perf_counter()
         self.cfg, self.world = cfg, world
         self.ctx: Context = self._agreed(lambda: init(world, cfg.device))
+        self.rss_start_mib = peak_rss_mib()  # the interpreter, NumPy, MPI, mpisgd and the backend: no data yet
         self.k, self.rank = self.ctx.size, self.ctx.rank
         self.is_root = self.rank == 0
         self._agreed(self._verify_config)
@@ -108,10 +109,11 @@ class Trainer:
         else:
             train, test, directory = load_fashion_mnist(cfg.data_dir)
             source = f"Fashion-MNIST from {directory}"
+        # copies, so that the whole set is freed rather than kept alive behind a view
         if cfg.limit_train:
-            train = Dataset(train.images[:cfg.limit_train], train.labels[:cfg.limit_train])
+            train = Dataset(train.images[:cfg.limit_train].copy(), train.labels[:cfg.limit_train].copy())
         if cfg.limit_test:
-            test = Dataset(test.images[:cfg.limit_test], test.labels[:cfg.limit_test])
+            test = Dataset(test.images[:cfg.limit_test].copy(), test.labels[:cfg.limit_test].copy())
         return train, test, source
 
     def log(self, msg: str) -> None:
@@ -303,7 +305,10 @@ class Trainer:
         self.world.Allreduce(local, total, op=MPI.SUM)
         mean = total / self.k
         test_acc = self.evaluate()
-        peak_mib = self.world.allreduce(peak_rss_mib(), op=MPI.MAX)  # the largest rank's peak
+        # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
+        mem = np.array([peak_rss_mib(), self.rss_start_mib, self._state_mib()])
+        self.world.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+        peak_mib, start_mib, state_mib = (float(v) for v in mem)
         self.dp.watchdog.exit()
         step_time = train_time / max(1, steps)
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
@@ -320,11 +325,18 @@ class Trainer:
             "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
             "world_size": self.k, "effective_batch": self.B,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (self.k - 1) / self.k,
-            "peak_rss_mib": peak_mib,
+            "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
         }
         self.history.append(record)
         self.metrics.write(record)
         self.log(format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
+
+    def _state_mib(self) -> float:
+        """What training needs in memory, in MiB (the speed issue's bound counts these): parameters,
+        gradients and optimizer state, one batch of activations, and the data this rank holds."""
+        held = self.dp.buffer_nbytes() + self.model.buffer_nbytes() + self.train_loader.buffer_nbytes() + \
+            self.test_loader.buffer_nbytes()
+        return held / 2**20
 
     def _finish(self) -> None:
         cfg = self.cfg
@@ -341,7 +353,11 @@ class Trainer:
             self.log(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s achieved in training (start "
                      f"to completion, overlapped with backward), {last['comm_exposed_ms']:.2f} ms/step exposed of "
                      f"{last['comm_total_ms']:.2f} ms/step in flight; compare benchmarks/allreduce_bw.py")
-        peak = f" | peak memory {last['peak_rss_mib']:.0f} MiB per rank (RSS, largest rank)" if last else ""
+        peak = f" | peak memory {last['peak_rss_mib']:.0f} MiB per rank (RSS, largest rank" if last else ""
+        if last and not self.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
+            peak += (f"; {last['rss_start_mib']:.0f} at start-up, before any data, then {last['state_mib']:.0f} "
+                     "of parameters, gradients, momentum, activations and data")
+        peak += ")" if last else ""
         self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s{peak}")
 
     def close(self, collective: bool = True) -> None:

@@ -48,6 +48,10 @@ class SGD:
         self.blas = level1_for(*bufs) if level1 else None
         self._tmp = None if self.blas else xp.empty_like(flat.params)  # the ufuncs' one temporary
 
+    def buffer_nbytes(self) -> int:
+        """Bytes of the optimizer's own state: momentum, and the ufuncs' temporary where BLAS is not used."""
+        return sum(int(b.nbytes) for b in (self.velocity, self._tmp) if b is not None)
+
     def step(self, lr: float) -> None:
         """Update every parameter from the gradient buffer."""
         self._update(self.flat.params, self.flat.grads, self.velocity, self._tmp, lr)

@@ -282,6 +282,12 @@ class DataParallel:
         self.step_count += 1
         return loss_sum / m
 
+    def buffer_nbytes(self) -> int:
+        """Bytes of this rank's training state: parameters, gradients, momentum and, sharded, the chunk
+        of the averaged gradient it receives."""
+        bufs = (self.flat.params, self.flat.grads, self._shard_grads)
+        return sum(int(b.nbytes) for b in bufs if b is not None) + self.optimizer.buffer_nbytes()
+
     def check_in_step(self) -> None:
         """Collective, once per step before any bucket: every rank must be at the same step with the
         same buffers. A rank out of step fails here, naming itself, instead of reducing the wrong data

@@ -11,6 +11,7 @@ import pytest
 
 from mpisgd.data import (
     FILES,
+    BatchLoader,
     DataError,
     GlobalBatches,
     epoch_permutation,
@@ -169,3 +170,14 @@ def test_synthetic_is_deterministic_and_shaped_like_fashion_mnist():
     a, b = synthetic(64, seed=2), synthetic(64, seed=2)
     assert a.images.shape == (64, 1, 28, 28) and a.images.dtype == np.uint8
     assert np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels)
+
+
+def test_loader_counts_the_data_it_holds_and_its_batch_buffers():
+    data = synthetic(100, seed=0)
+    loader = BatchLoader(data, np, "float32")
+    held = data.images.nbytes + data.labels.nbytes
+    assert loader.buffer_nbytes() == held
+    loader.batch(np.arange(8))
+    loader.batch(np.arange(8))  # the same buffer again
+    loader.batch(np.arange(3))  # a shorter last batch: one more
+    assert loader.buffer_nbytes() == held + (8 + 3) * 784 * 4

@@ -166,6 +166,21 @@ def test_moved_gradients_keep_their_values_and_backward_writes_there():
         model.move_grads(np.zeros(model.flat.size, np.float32))  # another dtype
 
 
+def test_buffer_bytes_count_one_batch_of_activations():
+    """Counted for the speed issue's memory bound: nothing before the first step; then at least each
+    layer's output for the batch, and no second set when the same batch size comes again."""
+    model = mlp((50,), n_in=20, n_classes=10).materialize(np, "float32", seed=0)
+    assert model.buffer_nbytes() == 0
+    loss = SoftmaxCrossEntropy()
+    x, y = np.ones((16, 20), np.float32), np.zeros(16, np.int64)
+    sizes = []
+    for _ in range(2):
+        loss.forward(model.forward(x), y)
+        model.backward(loss.backward())
+        sizes.append(model.buffer_nbytes())
+    assert 16 * (50 + 50 + 10) * 4 <= sizes[0] == sizes[1]
+
+
 def test_initialisation_is_deterministic_from_seed():
     a = mlp((16,)).materialize(np, "float32", seed=3).flat.params
     b = mlp((16,)).materialize(np, "float32", seed=3).flat.params

@@ -215,3 +215,11 @@ def test_ufuncs_where_blas_cannot_go():
     assert level1_for(x, np.zeros(10, np.float64)) is None  # mixed dtypes
     assert level1_for(x, np.zeros(9, np.float32)) is None  # mixed sizes
     assert level1_for([0.0] * 10) is None  # not a NumPy array (CuPy arrays take the ufuncs too)
+
+
+@pytest.mark.parametrize("momentum,level1,buffers", [(0.9, True, 1), (0.0, True, 0), (0.9, False, 2)])
+def test_optimizer_state_bytes_are_what_it_keeps(momentum, level1, buffers):
+    """Counted for the speed issue's memory bound: momentum, and the ufuncs' one temporary without BLAS."""
+    flat = FlatBuffer([(30, 20), (20,)], np.float32, np)
+    opt = SGD(flat, momentum=momentum, level1=level1)
+    assert opt.buffer_nbytes() == buffers * flat.nbytes

@@ -220,6 +220,8 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
                                for layer in dp.model.layers for g in layer.grads.values())
     sums, n_buckets = dp.replica_checksums(), len(dp.buckets)
     ours, grads = dp.flat.params.copy(), dp.flat.grads.copy()
+    owned = sum(hi - lo for lo, hi, _ in (bk.own for bk in dp.buckets)) if shard else 0
+    state = dp.buffer_nbytes()  # parameters, gradients, momentum and, sharded, this rank's gradient chunks
     dp.close()
     after_close = dp.flat.grads
     ref = reference(k, b, steps)
@@ -231,6 +233,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
     assert n_buckets > 1 or bucket_mb > 1
     np.testing.assert_array_equal(after_close, grads)  # private again, same values
+    assert state == 3 * dp.flat.nbytes + owned * dp.flat.dtype.itemsize
     assert not off_shared  # shared_grads=False keeps them private
 
 

@@ -80,6 +80,13 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     # peak memory of the largest rank: above the 47 MiB uint8 training set every rank holds, below 1 GiB
     assert 47 < epochs[-1]["peak_rss_mib"] < 1024, epochs[-1]
     assert f"peak memory {epochs[-1]['peak_rss_mib']:.0f} MiB per rank" in out
+    # its parts: RSS at start-up (interpreter, NumPy, MPI; no data yet) and what training holds
+    last = epochs[-1]
+    assert 20 < last["rss_start_mib"] < last["peak_rss_mib"]
+    if model == "mlp":  # 1,863,690 float32 parameters, gradients, momentum; 4096 + 1000 images, uint8
+        held = (3 * 1_863_690 * 4 + (4096 + 1000) * (784 + 8)) / 2**20
+        assert held < last["state_mib"] < held + 4, last  # + activations and batch buffers (b = 64)
+    assert f"{last['rss_start_mib']:.0f} at start-up, before any data, then {last['state_mib']:.0f} of" in out
     steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind":"step"' in line]
     assert len(steps) == epochs[-1]["step"] == 2 * (4096 // 128)
 

@@ -124,7 +124,8 @@ class AutoReducer(Reducer):
                 f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()}"
                 + ("; on this node the direct operations for non-blocking buffers from the crossover and "
                    "every reduce-scatter" if self.direct is not None else "")
-                + ("; a node-shared buffer reduced in place from the peers' memory" if self.arena is not None else "") + ")")
+                + ("; a node-shared buffer reduced in place from the peers' memory" if self.arena is not None
+                   else "") + ")")
 
     def close(self) -> None:
         self.ring.close()

@@ -75,6 +75,10 @@ class Sequential:
             if on_layer_done is not None:
                 on_layer_done(i)
 
+    def buffer_nbytes(self) -> int:
+        """Bytes of the activation and scratch buffers the layers keep (allocated at the first step)."""
+        return sum(int(buf.nbytes) for layer in self.layers for buf in layer._bufs.values())
+
     def set_accumulate(self, on: bool) -> None:
         for layer in self.layers:
             layer.accumulate = on
