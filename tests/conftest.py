@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+def rank_order_sum(comm, x):
+    """x0 + x1 + ... + x(k-1), elementwise, in x's dtype (collective): the deterministic order, which
+    the direct and shared-memory reductions use too."""
+    parts = comm.allgather(x)
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
 def mpiexec_cmd(n: int, *args: str) -> list[str]:
     """An mpiexec command line for n ranks running `python args...` (MPICH or Open MPI)."""
     exe = shutil.which("mpiexec")

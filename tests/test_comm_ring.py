@@ -12,6 +12,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from conftest import rank_order_sum
 
 from mpisgd.comm import AutoReducer, MpiReducer, RingReducer, create_reducer
 
@@ -227,15 +228,6 @@ def test_shm_transport_is_chosen_on_one_node_and_refuses_nonsense():
     assert all(comm.allgather(ok))
     with pytest.raises(ValueError, match="transport must be one of auto, shm, p2p"):
         RingReducer(comm, transport="tcp")
-
-
-def rank_order_sum(comm, x: np.ndarray) -> np.ndarray:
-    """x0 + x1 + ... + x(k-1), elementwise, in this dtype: the deterministic mode's definition."""
-    parts = comm.allgather(x)
-    acc = parts[0].copy()
-    for p in parts[1:]:
-        acc += p
-    return acc
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])

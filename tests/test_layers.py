@@ -147,12 +147,7 @@ def test_params_are_views_of_one_flat_buffer():
 def test_moved_gradients_keep_their_values_and_backward_writes_there():
     """move_grads (data parallelism's node-shared gradient buffer): values copied, every layer's
     gradient views now in the new buffer, so backward fills it and the old one goes stale."""
-    model = mlp((5,), n_in=4, n_classes=3).materialize(np, "float64", seed=0)
-    rng = np.random.default_rng(8)
-    x, y = rng.standard_normal((6, 4)), rng.integers(0, 3, 6)
-    loss = SoftmaxCrossEntropy()
-    loss.forward(model.forward(x), y)
-    model.backward(loss.backward())
+    model, x, y, loss = small_model_after_one_backward()
     old, first = model.flat.grads, model.flat.grads.copy()
     new = np.full(model.flat.size, np.nan)
     model.move_grads(new)
@@ -188,13 +183,19 @@ def test_initialisation_is_deterministic_from_seed():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
-def test_accumulate_adds_gradients():
+def small_model_after_one_backward():
+    """A float64 MLP 4-5-3 with the gradients of one batch of 6 in its flat buffer, and that batch."""
     model = mlp((5,), n_in=4, n_classes=3).materialize(np, "float64", seed=0)
     rng = np.random.default_rng(8)
     x, y = rng.standard_normal((6, 4)), rng.integers(0, 3, 6)
     loss = SoftmaxCrossEntropy()
     loss.forward(model.forward(x), y)
     model.backward(loss.backward())
+    return model, x, y, loss
+
+
+def test_accumulate_adds_gradients():
+    model, x, y, loss = small_model_after_one_backward()
     once = model.flat.grads.copy()
     model.set_accumulate(True)
     loss.forward(model.forward(x), y)
