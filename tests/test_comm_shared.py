@@ -134,3 +134,17 @@ def test_only_contiguous_pieces_of_this_ranks_buffer_use_the_window():
     red.close()
     assert isinstance(h, DirectOp)
     assert np.all(private == k * (k + 1) / 2)
+
+
+def test_no_window_when_the_shared_file_system_lacks_room_on_any_rank(monkeypatch):
+    """A full /dev/shm (a container's 64 MiB) would end the job with SIGBUS at the first touch of a
+    page: if any rank lacks room for twice the window, every rank declines and says why."""
+    comm = world()
+    if comm.Get_rank() == comm.Get_size() - 1:
+        monkeypatch.setattr("mpisgd.comm.auto.shm_free_bytes", lambda: 1000)
+    red = AutoReducer(comm)
+    buf = red.shared_buffer(1000, "float32")
+    desc = red.describe()
+    red.close()
+    assert buf is None and red.arena is None
+    assert "gradients kept private" in desc and "/dev/shm" in desc

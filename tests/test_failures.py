@@ -265,3 +265,26 @@ def test_non_finite_gradient_skip_counts_the_skipped_steps(tag: str, tmp_path: P
     assert r.returncode == 0, r.stderr
     epochs = [rec for rec in map(json.loads, metrics.read_text().splitlines()) if rec["kind"] == "epoch"]
     assert epochs and epochs[-1]["skipped_steps"] > 0, epochs
+
+
+def test_clean_shm_removes_only_leftovers_no_process_holds(tmp_path):
+    """scripts/clean_shm.py: aborted MPICH jobs leave files in /dev/shm. A file this process has open
+    and one it has mapped stay; an unheld one is listed, and removed only with --delete."""
+    import mmap
+
+    held, mapped, left = (tmp_path / f"mpich_shm_{name}" for name in ("held", "mapped", "left"))
+    for p in (held, mapped, left):
+        p.write_bytes(b"x" * 4096)
+    (tmp_path / "other").write_bytes(b"x")  # not matching the pattern
+    script = [sys.executable, str(ROOT / "scripts" / "clean_shm.py"), "--dir", str(tmp_path)]
+    with open(held, "rb"), open(mapped, "r+b") as f:
+        view = mmap.mmap(f.fileno(), 4096)
+    try:
+        with open(held, "rb"):
+            dry = subprocess.run(script, capture_output=True, text=True, timeout=60)
+            wet = subprocess.run([*script, "--delete"], capture_output=True, text=True, timeout=60)
+    finally:
+        view.close()
+    assert dry.returncode == 0 and "1 file(s)" in dry.stdout and "held by no process" in dry.stdout, dry
+    assert wet.returncode == 0 and "1 file(s)" in wet.stdout and "removed" in wet.stdout, wet
+    assert held.exists() and mapped.exists() and (tmp_path / "other").exists() and not left.exists()

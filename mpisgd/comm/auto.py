@@ -11,7 +11,7 @@ from mpisgd.comm.base import Array, Handle, Reducer
 from mpisgd.comm.direct import DirectOps
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
-from mpisgd.comm.shared import SharedArena
+from mpisgd.comm.shared import SHM_DIR, SharedArena, shm_free_bytes
 from mpisgd.comm.shm import single_node_comm
 
 # Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md). Below the crossover
@@ -57,11 +57,21 @@ class AutoReducer(Reducer):
         node = single_node_comm(comm) if self.size > 1 else None
         self.direct = DirectOps(node) if node is not None else None
         self.arena: SharedArena | None = None  # made by shared_buffer(), on one node only
+        self.arena_refused = ""  # why shared_buffer() said no, for the banner
 
     def shared_buffer(self, n: int, dtype: Any) -> Array | None:
         """On one node (host buffers), a buffer in a window every rank maps: buckets of it are reduced
         in place from the peers' memory (mpisgd.comm.shared). One per reducer."""
         if self.direct is None or self.arena is not None:
+            return None
+        # every rank's part lives in the node's tmpfs: a full one would kill the job with SIGBUS when a page
+        # is first touched, so all ranks decline together unless it has room for twice the window
+        need = self.size * n * np.dtype(dtype).itemsize
+        free = shm_free_bytes()
+        room = free is None or free >= 2 * need
+        if not self.direct.comm.allreduce(room, op=MPI.LAND):
+            self.arena_refused = (f"gradients kept private: {need / 2**20:.0f} MiB of node-shared memory wanted, "
+                                  f"twice that not free in {SHM_DIR} on some rank")
             return None
         self.arena = SharedArena(self.direct.comm.Dup(), n, dtype)
         return self.arena.mine
@@ -125,7 +135,7 @@ class AutoReducer(Reducer):
                 + ("; on this node the direct operations for non-blocking buffers from the crossover and "
                    "every reduce-scatter" if self.direct is not None else "")
                 + ("; a node-shared buffer reduced in place from the peers' memory" if self.arena is not None
-                   else "") + ")")
+                   else "") + (f"; {self.arena_refused}" if self.arena_refused else "") + ")")
 
     def close(self) -> None:
         self.ring.close()

@@ -29,6 +29,7 @@ tested (the Reducer contract on several open handles applies).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,16 @@ from mpisgd.comm.base import Array, ScratchPool, chunk_bounds
 
 TAG_BASE = 16_400
 TAG_TRIPLES = 4_096  # operations in flight at once before a tag comes round again
+SHM_DIR = "/dev/shm"  # where MPICH and Open MPI back shared windows on Linux: a tmpfs, often small in containers
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Free bytes of the file system behind shared windows; None where there is none to ask."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 class SharedArena:
