@@ -203,13 +203,14 @@ def main() -> None:
     base = summary.get("mpisgd k=1", {}).get("samples_per_s")
     print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
           f"rank unless noted; medians of {args.repeats} interleaved launches; extra args: {' '.join(train_args)}")
-    print(f"{'implementation':<22}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
+    name_w = max([22, *(len(name) + 1 for name in summary)])  # --variant names can be long
+    print(f"{'implementation':<{name_w}}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
           f"{'comm exp':>9}{'comm tot':>9}{'opt ms':>8}{'step ms':>9}{'peak MiB':>10}{'start':>7}{'state':>7}")
     for name, s in summary.items():
         eff = s["samples_per_s"] / (s["k"] * base) if base and name.startswith("mpisgd") else float("nan")
         cols = "".join(f"{s.get(key, float('nan')):>{w}.2f}" for key, w in zip(SPLIT, (8, 8, 9, 9, 8, 9)))
         mem = "".join(f"{s.get(key, float('nan')):>{w}.0f}" for key, w in zip(MEMORY, (10, 7, 7)))
-        print(f"{name:<22}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{mem}")
+        print(f"{name:<{name_w}}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{mem}")
         s["efficiency"] = eff
     ratios = paired_ratios(runs, max(ks))
     intervals = {label: median_ci(values) for label, values in ratios.items()}
