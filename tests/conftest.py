@@ -7,12 +7,31 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite aborts MPI jobs on purpose, and MPICH then leaves a file in /dev/shm (about a dozen,
+    30 MiB, per run of scripts/test.sh): remove those made during this session that no process holds
+    (scripts/clean_shm.py), so that test runs do not fill a node's tmpfs."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from clean_shm import leftovers
+    finally:
+        sys.path.pop(0)
+    for path in leftovers(Path("/dev/shm"), "mpich_shm_*"):
+        try:
+            if path.stat().st_mtime >= _SESSION_START:
+                path.unlink()
+        except OSError:  # another rank's session removed it first
+            continue
 
 
 def rank_order_sum(comm, x):
