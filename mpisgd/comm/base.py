@@ -51,6 +51,30 @@ class ScratchPool:
         self.free.clear()
 
 
+def check_chunks(n: int, out_size: int, counts: list[int], k: int, r: int) -> None:
+    """A reduce-scatter's chunks must tile the n elements, one per rank, and ``out`` fit rank r's."""
+    if len(counts) != k or sum(counts) != n or out_size != counts[r]:
+        raise ValueError(f"reduce-scatter of {n} elements over {k} ranks: counts {counts} must be "
+                         f"k chunks summing to the buffer, and out ({out_size}) this rank's chunk")
+
+
+def add_in_rank_order(parts: list[Array], dst: Array, r: int, pool: ScratchPool) -> None:
+    """dst <- parts[0] + parts[1] + ... in that order (host arrays), the deterministic ring's order.
+    parts[r] may be dst itself (this rank's own chunk, summed in place): at r >= 2 it is added after
+    x0 + x1 would have overwritten it, so the sum then goes through a spare buffer."""
+    spare = pool.take(dst.dtype, dst.size, np) if r >= 2 and np.may_share_memory(dst, parts[r]) else None
+    acc = dst if spare is None else spare
+    if len(parts) == 1:
+        acc[...] = parts[0]
+    else:
+        np.add(parts[0], parts[1], out=acc)
+        for part in parts[2:]:
+            np.add(acc, part, out=acc)
+    if spare is not None:
+        dst[...] = spare
+        pool.give(spare)
+
+
 class _OwnChunk:
     """Reduce-scatter through a full all-reduce: when it completes, copy this rank's chunk out (once)."""
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, ScratchPool, chunk_bounds
+from mpisgd.comm.base import Array, ScratchPool, add_in_rank_order, check_chunks, chunk_bounds
 
 TAG_BASE = 7_400
 TAG_PAIRS = 4_096  # operations in flight at once before a tag comes round again: far more than buckets
@@ -48,9 +48,7 @@ class DirectOps:
 
     def reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> DirectOp:
         """Begin out <- chunk r of the sum of buf (chunk c has counts[c] elements, rank order)."""
-        if len(counts) != self.k or sum(counts) != buf.size or out.size != counts[self.r]:
-            raise ValueError(f"reduce-scatter of {buf.size} elements over {self.k} ranks: counts {counts} must be "
-                             f"k chunks summing to the buffer, and out ({out.size}) this rank's chunk")
+        check_chunks(buf.size, out.size, counts, self.k, self.r)
         return DirectOp(self, buf.reshape(-1), out.reshape(-1), counts, gather=False)
 
     def allreduce(self, buf: Array) -> DirectOp:
@@ -73,9 +71,7 @@ class DirectOp:
             self.bounds.append(self.bounds[-1] + c)
         self.own = buf[self.bounds[r]:self.bounds[r + 1]]
         self.peers = [p for p in range(k) if p != r]
-        # in place at r >= 2, the sum must not overwrite x_r before adding it: one more row to sum into
-        self.in_place = k > 2 and r >= 2 and np.may_share_memory(out, self.own)
-        rows, count = len(self.peers) + self.in_place, counts[r]
+        rows, count = len(self.peers), counts[r]
         self.pool = ops.scratch
         self.scratch = self.pool.take(buf.dtype, rows * count, np).reshape(rows, count)
         self.tag = ops.next_tags()
@@ -88,12 +84,7 @@ class DirectOp:
     def _sum(self) -> None:
         parts = [self.scratch[i] for i in range(len(self.peers))]
         parts.insert(self.r, self.own)  # rank order
-        acc = self.scratch[-1] if self.in_place else self.out
-        np.add(parts[0], parts[1], out=acc)
-        for part in parts[2:]:
-            np.add(acc, part, out=acc)
-        if acc is not self.out:
-            self.out[...] = acc
+        add_in_rank_order(parts, self.out, self.r, self.pool)
         self.pool.give(self.scratch)
         if not self.gather:
             self.phase = 3

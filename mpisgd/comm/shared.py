@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, ScratchPool, chunk_bounds
+from mpisgd.comm.base import Array, ScratchPool, add_in_rank_order, check_chunks, chunk_bounds
 
 TAG_BASE = 16_400
 TAG_TRIPLES = 4_096  # operations in flight at once before a tag comes round again
@@ -90,9 +90,7 @@ class SharedArena:
 
     def reduce_scatter(self, view: Array, out: Array, counts: list[int]) -> SharedOp:
         """Begin out <- chunk r of that sum (chunk c has counts[c] elements, rank order)."""
-        if len(counts) != self.k or sum(counts) != view.size or out.size != counts[self.r]:
-            raise ValueError(f"reduce-scatter of {view.size} elements over {self.k} ranks: counts {counts} must be "
-                             f"k chunks summing to the buffer, and out ({out.size}) this rank's chunk")
+        check_chunks(view.size, out.size, counts, self.k, self.r)
         return SharedOp(self, view.reshape(-1), list(counts), out.reshape(-1))
 
     def close(self) -> None:
@@ -142,21 +140,7 @@ class SharedOp:
         a.win.Sync()  # the peers' stores, visible to our loads
         lo, hi = self.bounds[a.r], self.bounds[a.r + 1]
         parts = [buf[lo:hi] for buf in a.bufs]  # rank order; parts[r] is our own chunk
-        dst = self.out if self.out is not None else parts[a.r]
-        # our own chunk is overwritten only by the sum: at r >= 2 x_r is added after x0 + x1, so sum apart
-        spare = None
-        if a.r >= 2 and np.may_share_memory(dst, parts[a.r]):
-            spare = a.scratch.take(a.dtype, hi - lo, np)
-        acc = dst if spare is None else spare
-        if len(parts) == 1:
-            acc[...] = parts[0]
-        else:
-            np.add(parts[0], parts[1], out=acc)
-            for part in parts[2:]:
-                np.add(acc, part, out=acc)
-        if spare is not None:
-            dst[...] = spare
-            a.scratch.give(spare)
+        add_in_rank_order(parts, self.out if self.out is not None else parts[a.r], a.r, a.scratch)
         a.win.Sync()
         self._signal(self.tag + 1)
         self.phase = 2
