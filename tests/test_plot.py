@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -245,3 +246,35 @@ def test_step_skew_reports_what_each_step_waits_for_its_straggler(tmp_path):
     r = subprocess.run([sys.executable, script, str(tmp_path / "none.json")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "no timeline files" in r.stderr
+
+
+def sync_costs_rows(mpirun, *train_args: str) -> list[dict[str, float]]:
+    """Run benchmarks/sync_costs.py at k = 2 on synthetic data; its table, one dict per rank."""
+    r = mpirun(2, "benchmarks/sync_costs.py", "--skip", "4", "--", "--dataset", "synthetic", "--synthetic-samples",
+               "1024", "--hidden", "64,32", "--batch-size", "32", "--max-steps", "20", "--progress", "off",
+               "--threads", "1", *train_args, cwd=ROOT)
+    assert r.returncode == 0, r.stderr + r.stdout
+    lines = r.stdout[r.stdout.index("ms per step, mean over 16 steps after the first 4"):].splitlines()
+    header = lines[1].split()  # two-word names: "sums in hooks" etc. are one column each
+    names = ["rank", "step", "forward", "backward", "hooks", "final wait", "all-gather", "check-in",
+             "finite check", "optimizer", "sums in hooks", "sums in wait", "copies", "waiting"]
+    assert " ".join(header) == " ".join(names)
+    rows = [dict(zip(names, map(float, line.split()))) for line in lines[2:4]]
+    assert [row["rank"] for row in rows] == [0, 1]
+    return rows
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+def test_sync_costs_books_sums_copies_and_waiting_per_step(mpirun):
+    """The replicated step sums and copies reduced chunks (shared-memory all-reduce) and gathers nothing;
+    the sharded step sums, gathers the parameters, and copies nothing; waiting is the rest."""
+    for row in sync_costs_rows(mpirun):
+        assert row["step"] > row["forward"] + row["backward"] > 0
+        assert row["sums in hooks"] + row["sums in wait"] > 0 and row["copies"] > 0
+        assert row["all-gather"] == 0 and row["optimizer"] > 0
+        sync = row["hooks"] + row["final wait"] + row["all-gather"] + row["check-in"]
+        spent = row["sums in hooks"] + row["sums in wait"] + row["copies"]
+        assert row["waiting"] == pytest.approx(sync - spent, abs=0.003)  # each printed to 0.001
+    for row in sync_costs_rows(mpirun, "--shard-optimizer"):
+        assert row["sums in hooks"] + row["sums in wait"] > 0 and row["copies"] == 0
+        assert row["all-gather"] > 0
