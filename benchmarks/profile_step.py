@@ -7,7 +7,8 @@ finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
 must hold. Then, alternating one training step with one pass of the same GEMMs
 alone (same shapes, layouts and out=, the same BLAS), so that machine noise
 hits both alike: "GEMM efficiency" = median isolated GEMM time / median time of
-forward+backward (everything else in forward/backward counts against it).
+forward+backward (everything else in forward/backward counts against it), and
+the spread (sd) of each from pass to pass.
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def main() -> None:
     print(f"alternating {args.steps} steps with the same GEMMs alone: GEMMs alone {gemm:.2f} ms "
           f"({flops / gemm / 1e6:.1f} GFLOP/s); the step's forward+backward {fb:.2f} ms "
           f"({flops / fb / 1e6:.1f} GFLOP/s); GEMM efficiency {gemm / fb:.3f}")
+    # how much the same fixed work varies from one pass to the next: at k ranks, every step waits for the
+    # slowest rank's draw, so this spread (the machine's, not the code's) sets the straggler's cost
+    sd, sd_fb = statistics.stdev(gemm_ms), statistics.stdev(fb_ms)
+    print(f"spread from pass to pass (sd): GEMMs alone {sd:.2f} ms ({100 * sd / gemm:.1f} % of the median), "
+          f"forward+backward {sd_fb:.2f} ms ({100 * sd_fb / fb:.1f} %)")
 
 
 if __name__ == "__main__":

@@ -278,3 +278,16 @@ def test_sync_costs_books_sums_copies_and_waiting_per_step(mpirun):
     for row in sync_costs_rows(mpirun, "--shard-optimizer"):
         assert row["sums in hooks"] + row["sums in wait"] > 0 and row["copies"] == 0
         assert row["all-gather"] > 0
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
+def test_profile_step_reports_phases_gemm_efficiency_and_spread():
+    r = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--hidden", "64", "--steps", "40"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    phases = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert {"data", "forward", "backward", "optimizer"} <= phases
+    eff = float(r.stdout.split("GEMM efficiency ")[1].split()[0])
+    assert 0 < eff < 2
+    spread = r.stdout.split("spread from pass to pass (sd): GEMMs alone ")[1]
+    assert float(spread.split(" ms")[0]) > 0 and "forward+backward" in spread
