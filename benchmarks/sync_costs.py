@@ -73,7 +73,7 @@ def timed_work(fn: Callable[..., Any], copy: bool = False) -> Callable[..., Any]
 
 
 def in_step(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Timed only inside a training step (evaluation runs forward too)."""
+    """Timed only inside a training step (evaluation runs forward too, checkpoints an all-gather)."""
     inner = timed(name, fn)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -124,7 +124,7 @@ def main() -> int:
     Sequential.backward = in_step("backward", Sequential.backward)
     dp._on_layer_done = timed("hooks", dp._on_layer_done)
     dp.finish_gradients = timed("final wait", dp.finish_gradients)
-    dp.gather_ = timed("all-gather", dp.gather_)
+    dp.gather_ = in_step("all-gather", dp.gather_)  # not the momentum's, gathered for a checkpoint
     dp.check_in_step = timed("check-in", dp.check_in_step)
     dp.grads_finite = timed("finite check", dp.grads_finite)
     SGD.step = timed("optimizer", SGD.step)
