@@ -37,3 +37,17 @@ fi
 [ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot"
 echo "[install] pip install -e .${extras:+[$extras]}"
 $PIP -e ".${extras:+[$extras]}"
+
+# The mpich wheel puts libmpi in <prefix>/lib. For Debian's own python3 that is /usr/local/lib, which
+# the dynamic loader searches only through its cache, and pip does not refresh it: mpi4py then fails
+# with "cannot load MPI library" until ldconfig runs (a pyenv or venv Python finds it in its prefix).
+if ! python3 -c "from mpi4py import MPI" 2>/dev/null && [ "$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then
+  echo "[install] refreshing the dynamic loader's cache (ldconfig) for the MPI library in /usr/local/lib"
+  ldconfig
+fi
+if ! python3 -c "from mpi4py import MPI" >/dev/null; then
+  echo "[install] error: mpi4py is installed but cannot load an MPI library (see the message above);" \
+       "as root run ldconfig, or point MPI4PY_LIBMPI at libmpi.so" >&2
+  exit 1
+fi
+echo "[install] ready: $(python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
