@@ -8,15 +8,15 @@ PY=$(command -v python3)
 "$PY" -m pip install -q --no-index --no-deps --ignore-installed --no-compile --prefix /tmp/mpi .device/whl/*.whl || exit 2
 site=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib', vars={'base': '/tmp/mpi'}))")
 platsite=$("$PY" -c "import sysconfig; print(sysconfig.get_path('platlib', vars={'platbase': '/tmp/mpi'}))")
-mkdir -p /tmp/mpi/bin && ln -sf "$PY" /tmp/mpi/bin/python  # gpu_check.sh calls `python`
+mkdir -p /tmp/mpi/bin
 export PATH=/tmp/mpi/bin:$PATH LD_LIBRARY_PATH=/tmp/mpi/lib:${LD_LIBRARY_PATH:-}
 export PYTHONPATH=$platsite:$site:$PWD MPI4PY_LIBMPI=/tmp/mpi/lib/libmpi.so.12
 export MPISGD_DATA=$PWD/.device/fashion-mnist PYTHONUNBUFFERED=1
-python -c "import cupy, mpi4py; from mpi4py import MPI; print('device_run:', mpi4py.__version__, \
+"$PY" -c "import cupy, mpi4py; from mpi4py import MPI; print('device_run:', mpi4py.__version__, \
 MPI.Get_library_version().splitlines()[0], '| CuPy', cupy.__version__, cupy.cuda.runtime.getDeviceCount(), 'GPU(s)')" \
     || exit 2
 mkdir -p results/tmp
-bash scripts/gpu_check.sh 2>&1 | tee results/tmp/gpu_check.log
+PYTHON=$PY bash scripts/gpu_check.sh 2>&1 | tee results/tmp/gpu_check.log
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   cp results/tmp/gpu_check.log "$OUT/" 2>/dev/null

@@ -11,16 +11,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+PY=${PYTHON:-python3}  # Debian has no `python` unless python-is-python3 is installed
 MAX_BYTES=${MAX_BYTES:-256M}
 RESULTS=${RESULTS:-results/allreduce}  # not $OUT: the device tool sets that
 mkdir -p "$RESULTS" results/tmp
 
-if ! python -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null; then
+if ! "$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null; then
   echo "gpu_check: no CuPy or no CUDA device here; install cupy-cuda12x (pip) on a GPU machine" >&2
   exit 2
 fi
-ngpu=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
-echo "gpu_check: $ngpu GPU(s); $(python -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
+ngpu=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+echo "gpu_check: $ngpu GPU(s); $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
 
 status=0
 step() {  # step NAME CMD...
@@ -32,21 +33,21 @@ step() {  # step NAME CMD...
 }
 
 for n in $(printf "%s\n" 1 "$ngpu" | sort -un); do
-  step "gpu tests n=$n" timeout 1200 mpiexec -n "$n" python -m pytest tests/test_comm_gpu.py -q -rs \
+  step "gpu tests n=$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests/test_comm_gpu.py -q -rs \
       -p no:cacheprovider --with-mpi --only-mpi
 done
 
-direct=$(python -c "
+direct=$("$PY" -c "
 from mpi4py import MPI
 from mpisgd.comm.cuda import probe_cuda_aware
 print('direct' if probe_cuda_aware(MPI.COMM_SELF)[0] else 'staged')")
 echo "gpu_check: CUDA-aware probe says: $direct"
 modes="staged"; [ "$direct" = direct ] && modes="staged direct"
 
-step "bandwidth nccl" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py --device gpu \
+step "bandwidth nccl" timeout 1200 mpiexec -n "$ngpu" "$PY" benchmarks/allreduce_bw.py --device gpu \
     --backends nccl --max-bytes "$MAX_BYTES" --json "$RESULTS/gpu-nccl.jsonl" --plot "$RESULTS/gpu-nccl.png"
 for mode in $modes; do
-  step "bandwidth mpi/ring/auto $mode" timeout 1200 mpiexec -n "$ngpu" python benchmarks/allreduce_bw.py \
+  step "bandwidth mpi/ring/auto $mode" timeout 1200 mpiexec -n "$ngpu" "$PY" benchmarks/allreduce_bw.py \
       --device gpu --cuda-aware "$mode" --backends mpi,ring,auto --max-bytes "$MAX_BYTES" \
       --json "$RESULTS/gpu-$mode.jsonl" --plot "$RESULTS/gpu-$mode.png"
 done
@@ -54,7 +55,7 @@ done
 data=${MPISGD_DATA:-/usr/share/datasets/fashion-mnist}
 if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
   mkdir -p results/throughput
-  step "throughput on the GPU" timeout 1200 python benchmarks/train_throughput.py --device gpu \
+  step "throughput on the GPU" timeout 1200 "$PY" benchmarks/train_throughput.py --device gpu \
       --repeats "${REPEATS:-2}" --compare --json results/throughput/gpu.json
 else
   echo "gpu_check: no Fashion-MNIST in $data: throughput table skipped (set MPISGD_DATA)"

@@ -6,6 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}  # Debian has no `python` unless python-is-python3 is installed
 
 bash scripts/install.sh test || { echo "install failed"; exit 1; }
 
@@ -19,11 +20,11 @@ run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME
   echo "=== $name: exit $rc"
   if [ "$rc" -ne 0 ]; then status=1; fi
 }
-run serial python -m pytest tests -q -p no:cacheprovider --junitxml=results/tmp/serial.xml
+run serial "$PY" -m pytest tests -q -p no:cacheprovider --junitxml=results/tmp/serial.xml
 for n in 2 3; do
-  run "mpi$n" timeout 1200 mpiexec -n "$n" python -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
+  run "mpi$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
       -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
 done
 run lint ruff check mpisgd tests benchmarks scripts examples
-python scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml || status=1
+"$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml || status=1
 exit $status
