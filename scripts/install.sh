@@ -9,9 +9,16 @@ cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 SUDO_APT() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
 
-# a bare Debian has python3 but neither pip nor the headers mpi4py may need
+# a bare Debian may lack python3 itself, and has neither pip nor the headers mpi4py may need
 if ! python3 -m pip --version >/dev/null 2>&1 && SUDO_APT; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip python3-dev gcc >/dev/null
+fi
+# ... nor a `python` command, which the docs' examples use: Debian's python-is-python3 adds it
+if ! command -v python >/dev/null && SUDO_APT; then
+  echo "[install] python-is-python3 (the docs write python for python3)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python-is-python3 >/dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python-is-python3 >/dev/null; } \
+    || echo "[install] could not install python-is-python3: use python3 where the docs say python" >&2
 fi
 # Debian's own python3 refuses system-wide pip installs (PEP 668); this is a dedicated machine
 if python3 -c "import sys,sysconfig,os; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['stdlib'],'EXTERNALLY-MANAGED')))"; then
