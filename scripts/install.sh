@@ -8,17 +8,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 SUDO_APT() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+apt_install() {  # Debian packages, quietly; the package lists are refreshed only when that fails
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null; }
+}
 
 # a bare Debian may lack python3 itself, and has neither pip nor the headers mpi4py may need
 if ! python3 -m pip --version >/dev/null 2>&1 && SUDO_APT; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip python3-dev gcc >/dev/null
+  apt_install python3-pip python3-dev gcc
 fi
 # ... nor a `python` command, which the docs' examples use: Debian's python-is-python3 adds it
 if ! command -v python >/dev/null && SUDO_APT; then
   echo "[install] python-is-python3 (the docs write python for python3)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python-is-python3 >/dev/null \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python-is-python3 >/dev/null; } \
-    || echo "[install] could not install python-is-python3: use python3 where the docs say python" >&2
+  apt_install python-is-python3 || echo "[install] could not install python-is-python3: use python3 where the docs say python" >&2
+fi
+# ... nor, in a minimal install, ip and tc, which the test suite's emulated cluster needs
+if [ "${1:-}" = test ] && ! command -v ip >/dev/null && SUDO_APT; then
+  echo "[install] iproute2 (ip and tc, for the emulated-cluster tests)"
+  apt_install iproute2 || echo "[install] could not install iproute2: the emulated-cluster tests will skip" >&2
 fi
 # Debian's own python3 refuses system-wide pip installs (PEP 668); this is a dedicated machine
 if python3 -c "import sys,sysconfig,os; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['stdlib'],'EXTERNALLY-MANAGED')))"; then
@@ -28,7 +35,7 @@ fi
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null; then
   echo "[install] Fashion-MNIST (Debian package dataset-fashion-mnist)"
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    apt_install dataset-fashion-mnist
   else
     echo "[install] not root: install dataset-fashion-mnist yourself or pass --data-dir" >&2
   fi
