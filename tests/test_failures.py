@@ -288,3 +288,15 @@ def test_clean_shm_removes_only_leftovers_no_process_holds(tmp_path):
     assert dry.returncode == 0 and "1 file(s)" in dry.stdout and "held by no process" in dry.stdout, dry
     assert wet.returncode == 0 and "1 file(s)" in wet.stdout and "removed" in wet.stdout, wet
     assert held.exists() and mapped.exists() and (tmp_path / "other").exists() and not left.exists()
+
+
+def test_fresh_debian_check_refuses_before_touching_anything(tmp_path):
+    """scripts/fresh_debian_check.sh builds a whole system; bad input must stop it with one clear line and
+    exit 2 before debootstrap starts: a target that exists, or no debootstrap, or not root."""
+    target = tmp_path / "exists"
+    target.mkdir()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "fresh_debian_check.sh"), str(target)],
+                       capture_output=True, text=True, timeout=30)
+    reasons = ("exists; remove it or name another", "apt-get install debootstrap first", "needs root")
+    assert r.returncode == 2 and any(x in r.stderr for x in reasons), r.stdout + r.stderr
+    assert "[fresh]" not in r.stdout and list(target.iterdir()) == []
