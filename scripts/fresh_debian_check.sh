@@ -31,6 +31,7 @@ cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "$root/etc/ssl/certs/ca-cer
 cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/" 2>/dev/null || true
 git clone -q "$here" "$root/root/mpisgd"
 echo "[fresh] commit $(git -C "$here" rev-parse --short HEAD); the README's commands in it (log: $dir.log)"
+set +e  # a failing command is the result, reported below
 chroot "$root" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin TERM=dumb \
   PIP_CERT=/etc/ssl/certs/ca-certificates.crt bash -c '
     cd /root/mpisgd
