@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 SUDO_APT() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+mpi_library() { python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; }
 apt_install() {  # Debian packages, quietly; the package lists are refreshed only when that fails
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
     || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null; }
@@ -42,8 +43,8 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && comm
 fi
 
 extras=""
-if [ "${MPISGD_SYSTEM_MPI:-0}" = 1 ] || python3 -c "import mpi4py.MPI" 2>/dev/null; then
-  echo "[install] using the MPI that mpi4py already links: $(python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
+if [ "${MPISGD_SYSTEM_MPI:-0}" = 1 ] || mpi_library >/dev/null 2>&1; then
+  echo "[install] using the MPI that mpi4py already links: $(mpi_library)"
 else
   echo "[install] MPI: the mpich wheel from PyPI"
   extras="mpich"
@@ -55,13 +56,13 @@ $PIP -e ".${extras:+[$extras]}"
 # The mpich wheel puts libmpi in <prefix>/lib. For Debian's own python3 that is /usr/local/lib, which
 # the dynamic loader searches only through its cache, and pip does not refresh it: mpi4py then fails
 # with "cannot load MPI library" until ldconfig runs (a pyenv or venv Python finds it in its prefix).
-if ! python3 -c "from mpi4py import MPI" 2>/dev/null && [ "$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then
+if ! mpi_library >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then
   echo "[install] refreshing the dynamic loader's cache (ldconfig) for the MPI library in /usr/local/lib"
   ldconfig
 fi
-if ! python3 -c "from mpi4py import MPI" >/dev/null; then
+if ! mpi_library >/dev/null; then
   echo "[install] error: mpi4py is installed but cannot load an MPI library (see the message above);" \
        "as root run ldconfig, or point MPI4PY_LIBMPI at libmpi.so" >&2
   exit 1
 fi
-echo "[install] ready: $(python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
+echo "[install] ready: $(mpi_library)"

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 import numpy as np
 from mpi4py import MPI
 
+from mpisgd.backend import xp_of
+
 Array = Any
 
 
@@ -39,7 +41,7 @@ class ScratchPool:
 
     def take(self, dtype: Any, n: int, xp: Any) -> Array:
         for idx, s in enumerate(self.free):
-            if s.dtype == dtype and s.size >= n and type(s).__module__.split(".")[0] == xp.__name__.split(".")[0]:
+            if s.dtype == dtype and s.size >= n and xp_of(s) is xp:
                 return self.free.pop(idx)[:n]
         return xp.empty(n, dtype=dtype)
 
