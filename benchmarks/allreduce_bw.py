@@ -1,12 +1,14 @@
 """All-reduce bandwidth, nccl-tests style: ``mpiexec -n N python benchmarks/allreduce_bw.py``.
 
-For each backend and size: out-of-place and in-place time (us, averaged over
-iterations and then over ranks; with --trials N, the median, or with --stat min
-the minimum, of N such means, taken round-robin over the backends), algbw =
-size / time and busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong,
-the elements that differ from the exact sum after a checked run (values are
-small integers, exact in every dtype). Warm-up iterations and a barrier
-precede each timing. Exit status 1 if anything was wrong.
+For each backend (an ``--allreduce`` strategy) and size: out-of-place and
+in-place time (us, averaged over a block of calls lasting about --block-ms, then
+over ranks; with --trials N, the median, or with --stat min the minimum, of N
+such blocks, taken round-robin over the backends), algbw = size / time and
+busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that
+differ from the exact sum after a checked run (values are small integers, exact
+in every dtype). Warm-up calls (where ``auto`` measures a new size class) and a
+barrier precede each timing. ``shared`` reduces its own node-shared buffer (in
+place only; out of place it is ``mpi``). Exit status 1 if anything was wrong.
 """
 
 from __future__ import annotations
@@ -25,14 +27,11 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from mpisgd.backend import Backend, select_backend, to_numpy  # noqa: E402
+from mpisgd.backend import Backend, select_backend, sync, to_numpy, xp_of  # noqa: E402
 from mpisgd.comm import create_reducer  # noqa: E402
 from mpisgd.comm.base import Reducer  # noqa: E402
-from mpisgd.comm.ring import RingReducer  # noqa: E402
 
-CPU_BACKENDS = ("mpi", "ring", "ring-p2p", "auto", "deterministic", "hierarchical")
-# ring-p2p: our ring with its point-to-point transport forced (what `ring` is between nodes; on one node
-# `ring` passes chunks through a shared-memory window, mpisgd.comm.shm)
+CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "shared")
 GPU_BACKENDS = ("nccl", "mpi", "ring", "auto")
 
 
@@ -45,23 +44,13 @@ def parse_size(text: str) -> int:
 
 
 def make_reducer(name: str, comm: Any, backend: Backend, args: argparse.Namespace) -> Reducer:
-    if name == "deterministic":  # the mechanism itself (create_reducer skips it at k <= 2, where it is not needed)
-        if backend.is_gpu:
-            from mpisgd.comm.cuda import DirectReducer, StagedReducer, probe_cuda_aware  # noqa: PLC0415
-
-            direct, why = probe_cuda_aware(comm, args.cuda_aware)
-            ring = RingReducer(comm, deterministic=True)
-            return DirectReducer(ring, why) if direct else StagedReducer(ring, why)
-        return RingReducer(comm, deterministic=True)
-    if name == "ring-p2p":
-        return RingReducer(comm, transport="p2p")
-    return create_reducer(name, comm, backend=backend, cuda_aware=args.cuda_aware, compress=args.compress)
+    return create_reducer(name, comm, device=backend.is_gpu, cuda_aware=args.cuda_aware)
 
 
-def fill(xp: Any, buf: Any, rank: int) -> None:
+def fill(buf: Any, rank: int) -> None:
     """Rank r holds (r + 1) * (1 + i % 13): the sum over k ranks, k(k+1)/2 * (1 + i % 13), is exact."""
-    n = buf.size
-    buf[...] = ((xp.arange(n, dtype=np.int64) % 13 + 1) * (rank + 1)).astype(buf.dtype)
+    values = ((np.arange(buf.size, dtype=np.int64) % 13 + 1) * (rank + 1)).astype(buf.dtype)
+    buf[...] = xp_of(buf).asarray(values)
 
 
 def count_wrong(result: Any, k: int) -> int:
@@ -70,58 +59,62 @@ def count_wrong(result: Any, k: int) -> int:
     return int(np.count_nonzero(got != want))
 
 
-def iterations(nbytes: int, args: argparse.Namespace) -> int:
-    if args.iters:
-        return args.iters
-    return max(3, min(200, int(args.bytes_per_size / max(nbytes, 1))))
+def buffers(reducers: dict[str, Reducer], xp: Any, dtype: np.dtype, max_count: int) -> dict[str, Any]:
+    """A source buffer per backend, of the largest size: the node-shared buffer for ``shared``, plain
+    arrays elsewhere (auto offers one too, but auto is measured on ordinary buffers), and one plain
+    destination (``out``) that the backends take turns to fill out of place."""
+    out = {"out": xp.empty(max_count, dtype=dtype)}
+    for name, red in reducers.items():
+        window = red.shared_buffer(max_count, dtype) if name == "shared" else None
+        out[name] = window if window is not None else xp.empty(max_count, dtype=dtype)
+    return out
 
 
-def measure_all(reducers: dict[str, Reducer], comm: Any, backend: Backend, nbytes: int, dtype: np.dtype,
-                inplace: bool, args: argparse.Namespace) -> dict[str, tuple[float, int]]:
+def measure_all(reducers: dict[str, Reducer], bufs: dict[str, Any], comm: Any, count: int, inplace: bool,
+                args: argparse.Namespace) -> dict[str, tuple[float, int]]:
     """Per backend: (time per all-reduce in us, #wrong summed over ranks).
 
-    Each backend is checked on fresh data after its warm-up; then the timed
-    blocks (iterations averaged, then averaged over ranks) run round-robin over
-    the backends, --trials times, and the median (or min) block is reported, so
+    Each backend warms up, then is checked on fresh data; the timed blocks (a number of calls that
+    lasts about --block-ms, the same on every rank; averaged, then averaged over ranks) run
+    round-robin over the backends, --trials times, and the median (or min) block is reported, so
     that a change of load on a shared machine hits every backend alike.
     """
-    xp, k, rank = backend.xp, comm.Get_size(), comm.Get_rank()
-    count = max(1, nbytes // dtype.itemsize)
-    src = xp.empty(count, dtype=dtype)  # shared by the backends: timing does not need fresh values
-    dst = src if inplace else xp.empty(count, dtype=dtype)
-
-    def once(red: Reducer) -> None:
-        if inplace:
-            red.allreduce_(dst)
-        else:
-            red.allreduce(src, dst)
-
-    def sync() -> None:
-        if backend.is_gpu:
-            xp.cuda.get_current_stream().synchronize()
-
-    wrong = {}
+    k, rank = comm.Get_size(), comm.Get_rank()
+    calls: dict[str, tuple[Any, Any]] = {}
+    wrong, n_calls = {}, {}
     for name, red in reducers.items():
-        fill(xp, src, rank)
-        with np.errstate(over="ignore"):  # in place, values double every iteration: inf is as fast to add
+        src = bufs[name][:count]
+        dst = src if inplace else bufs["out"][:count]
+        calls[name] = (src, dst)
+        fill(src, rank)
+        t0 = time.perf_counter()
+        with np.errstate(over="ignore"):  # in place, values double every call: inf is as fast to add
             for _ in range(args.warmup):
-                once(red)
-        fill(xp, src, rank)  # the checked run
+                red.allreduce_(dst) if inplace else red.allreduce(src, dst)
+        sync(dst)
+        per_call = comm.allreduce((time.perf_counter() - t0) / max(1, args.warmup), op=MPI.MAX)
+        n_calls[name] = args.iters or max(3, min(20_000, int(args.block_ms * 1e-3 / max(per_call, 1e-7))))
+        fill(src, rank)  # the checked run
         if not inplace:
             dst[...] = 0
-        once(red)
-        sync()
+        red.allreduce_(dst) if inplace else red.allreduce(src, dst)
+        sync(dst)
         wrong[name] = comm.allreduce(count_wrong(dst, k))
-    n = iterations(nbytes, args)
     blocks: dict[str, list[float]] = {name: [] for name in reducers}
     for _ in range(args.trials):
         for name, red in reducers.items():
+            src, dst = calls[name]
+            n = n_calls[name]
             comm.Barrier()
             t0 = time.perf_counter()
             with np.errstate(over="ignore"):
-                for _ in range(n):
-                    once(red)
-            sync()
+                if inplace:
+                    for _ in range(n):
+                        red.allreduce_(dst)
+                else:
+                    for _ in range(n):
+                        red.allreduce(src, dst)
+            sync(dst)
             blocks[name].append(comm.allreduce((time.perf_counter() - t0) / n) / k)
     pick = np.min if args.stat == "min" else np.median
     return {name: (float(pick(blocks[name])) * 1e6, wrong[name]) for name in reducers}
@@ -138,15 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="where the buffers live")
     p.add_argument("--cuda-aware", default="auto", choices=("auto", "direct", "staged"),
                    help="GPU buffers to MPI: probe, pass device pointers, or stage through pinned host memory")
-    p.add_argument("--compress", default="none", choices=("none", "fp16"), help="cast for the wire")
     p.add_argument("--inplace", default="both", choices=("both", "yes", "no"), help="in-place, out-of-place or both")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations before each measurement")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations (0: about --bytes-per-size / size)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each measurement")
+    p.add_argument("--iters", type=int, default=0, help="calls per timed block (0: as many as last --block-ms)")
+    p.add_argument("--block-ms", type=float, default=20.0, help="length of a timed block when --iters is 0")
     p.add_argument("--trials", type=int, default=1,
                    help="timed blocks per row; the median of their rank-averaged means is reported (noisy machines)")
     p.add_argument("--stat", default="median", choices=("median", "min"),
                    help="how --trials are combined: median, or min (latency on a machine shared with others)")
-    p.add_argument("--bytes-per-size", type=float, default=1e9, help="bytes to reduce per timed row when --iters 0")
     p.add_argument("--json", type=Path, help="write one JSON record per row here (rank 0)")
     p.add_argument("--plot", type=Path, help="write a PNG of busbw against size here (rank 0)")
     p.add_argument("--summarize", type=Path, help="print a Markdown comparison of a --json file and exit (no MPI)")
@@ -170,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         s *= args.step_factor
 
     reducers = {name: make_reducer(name, comm, backend, args) for name in names}
+    bufs = buffers(reducers, backend.xp, dtype, sizes[-1] // dtype.itemsize)
     out = print if rank == 0 else (lambda *a, **kw: None)
     library = MPI.Get_library_version().splitlines()[0].strip()
     out(f"# allreduce_bw: k={k} ranks, {backend.describe()}, dtype {dtype}, {library}")
@@ -183,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes in sizes:
         cells: dict[str, list[str]] = {name: [] for name in reducers}
         for inplace in modes:
-            for name, (t_us, wrong) in measure_all(reducers, comm, backend, nbytes, dtype, inplace, args).items():
+            for name, (t_us, wrong) in measure_all(reducers, bufs, comm, nbytes // dtype.itemsize, inplace,
+                                                   args).items():
                 algbw = nbytes / (t_us * 1e-6) / 1e9
                 busbw = algbw * 2 * (k - 1) / k
                 total_wrong += wrong

@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     args = parser.parse_args()
     result = numpy_loop(args) if args.impl == "numpy" else torch_ddp(args)
-    from mpisgd.metrics import peak_rss_mib  # noqa: PLC0415
+    from mpisgd.report import peak_rss_mib  # noqa: PLC0415
 
     result["peak_rss_mib"] = peak_rss_mib()  # rank 0's (DDP ranks hold the same)
     if result.pop("rank", 0) == 0:

@@ -10,7 +10,7 @@ What it measures, on 2 emulated hosts whose links are unlimited, 10 Gbit/s or 1 
     (forward, backward, optimizer, exposed and total communication) from the metrics file,
     and the "communication efficiency" step time without exposed communication / step time,
     which is unaffected by the oversubscription;
-  * at 1 Gbit/s: the effect of --no-overlap, --bucket-mb, --allreduce hierarchical, --compress fp16;
+  * at 1 Gbit/s: the effect of --no-overlap, --bucket-mb, --allreduce ring and mpi (auto measures which);
   * MPI_Allreduce time against size on each link (a probe run under the same mpiexec), to which an
     alpha-beta model t(n, p) = 2(p-1) alpha + 2(p-1)/p n / beta is fitted (least squares, per link).
 
@@ -222,7 +222,7 @@ def experiment(quick: bool, out: Path, repeats: int) -> dict:
     ks = (2,) if quick else (2, 4)
     tech_width = 1024
     techniques: list[tuple[str, ...]] = [("--no-overlap",), ("--bucket-mb", "1"), ("--bucket-mb", "100"),
-                                         ("--compress", "fp16")]
+                                         ("--allreduce", "ring"), ("--allreduce", "mpi")]
     rows: list[dict] = []
     probes: dict[str, dict] = {}
     t_start = time.monotonic()
@@ -243,11 +243,8 @@ def experiment(quick: bool, out: Path, repeats: int) -> dict:
                     runs: list[tuple[int, tuple[str, ...]]] = [(w, ()) for w in widths]
                     if link == "1gbit" or (quick and link is not None):
                         runs += [(tech_width, t) for t in techniques]
-                        if k == 4:
-                            runs += [(tech_width, ("--allreduce", "hierarchical")),
-                                     (tech_width, ("--allreduce", "hierarchical", "--compress", "fp16"))]
                         if not quick:
-                            runs += [(4096, ("--no-overlap",)), (4096, ("--compress", "fp16"))]
+                            runs += [(4096, ("--no-overlap",))]
                     found: dict[tuple[int, tuple[str, ...]], tuple[dict, dict]] = {}
                     for _ in range(repeats):  # the whole list again: repeats are spread out in time
                         for w, extra in runs:

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
 BASELINES = ("numpy-1t", "numpy-2t", "torch-ddp")
-MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.loop
+MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.report
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
 

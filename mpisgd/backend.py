@@ -37,12 +37,14 @@ def _gpu_count() -> tuple[ModuleType | None, int, str]:
     """(cupy, number of GPUs, why not) without failing when CuPy or a GPU is absent."""
     try:
         import cupy  # noqa: PLC0415 - lazy on purpose: the CPU path must not import it
-    except Exception as exc:  # ImportError, or a broken CUDA install
-        return None, 0, f"CuPy not importable ({type(exc).__name__}: {exc})"
+    except ModuleNotFoundError:
+        return None, 0, "CuPy not installed"
+    except Exception as exc:  # a broken CUDA install
+        return None, 0, f"CuPy unusable: {exc}"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return cupy, 0, f"no CUDA device ({exc})"
+        return cupy, 0, f"no CUDA device: {exc}"
     return cupy, n, "" if n else "no CUDA device"
 
 
@@ -59,7 +61,7 @@ def select_backend(device: str, local_rank: int = 0) -> tuple[Backend, str]:
     if n == 0:
         if device == "gpu":
             raise UsageError(f"--device gpu but {why}; use --device cpu or auto")
-        return Backend(np, "cpu"), f"no GPU: {why}; running on CPU with NumPy"
+        return Backend(np, "cpu"), f"no GPU: {why}"
     gpu_id = local_rank % n
     cupy.cuda.Device(gpu_id).use()
     props = cupy.cuda.runtime.getDeviceProperties(gpu_id)
@@ -88,10 +90,13 @@ def to_numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
-def sync_device(backend: Backend) -> None:
-    """Wait for queued GPU work: MPI must not read a device buffer still being written."""
-    if backend.is_gpu:
-        backend.xp.cuda.get_current_stream().synchronize()
+def sync(a: Any) -> None:
+    """Wait for the GPU work queued on ``a``'s device (nothing for a host array): MPI must not read a
+    device buffer that a kernel is still writing."""
+    if is_device_array(a):
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.get_current_stream().synchronize()
 
 
 def set_threads(n: int) -> None:

@@ -38,7 +38,8 @@ class Config:
     synthetic_samples: int = opt(8192, "training samples of the synthetic data set")
     # optimisation
     epochs: int = opt(12, "passes over the training set")
-    max_steps: int | None = opt(None, "stop after this many optimizer steps (for tests and benchmarks)")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps; the schedule (warmup, decay) is "
+                                      "shortened to end there")
     batch_size: int = opt(128, "per-rank micro-batch size b")
     accum_steps: int = opt(1, "micro-batches accumulated locally per step m (no communication between them)")
     lr: float = opt(0.1, "base learning rate eta0, the rate for a batch of --base-batch")
@@ -56,13 +57,14 @@ class Config:
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
-    threads: int | None = opt(None, "BLAS threads per rank (default: cores per node / ranks per node)")
-    grad_reduction: str = opt("mean", "mean (all-reduce sum / k) or sum (the classic bug, for demos)", ("mean", "sum"))
-    allreduce: str = opt("auto", "all-reduce strategy", ("auto", "mpi", "ring", "hierarchical", "nccl"))
+    threads: int | None = opt(None, "BLAS threads per rank (default: $OMP_NUM_THREADS if set, else cores per "
+                                    "node / ranks per node)")
+    allreduce: str = opt("auto", "all-reduce strategy (docs/allreduce.md)",
+                         ("auto", "mpi", "ring", "shared", "deterministic", "nccl"))
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB (first bucket: min(1, this))")
     overlap: bool = opt(True, "start each bucket's all-reduce during backward")
-    deterministic: bool = opt(False, "fixed summation order: bitwise reproducible across bucket sizes")
-    compress: str = opt("none", "cast gradients for communication only", ("none", "fp16"))
+    deterministic: bool = opt(False, "sum every gradient element in rank order: bitwise reproducible across "
+                                     "bucket sizes and strategies")
     shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
                                        "all-gather them (same result; CPU only)")
     shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
@@ -75,16 +77,15 @@ class Config:
                                       "reached it (0: no watchdog)")
     stall_abort: bool = opt(False, "abort the job when the stall check fires")
     # files and output
-    metrics_file: str | None = opt(None, "append one JSON object per epoch to this file (rank 0)")
+    metrics_file: str | None = opt(None, "append JSON lines to this file, one per step and one per epoch (rank 0)")
     timeline: str | None = opt(None, "write a Chrome-trace JSON timeline, one file per rank (PATH.rankN.json)")
     save_model: str | None = opt(None, "write the final parameters to this .npz file (rank 0)")
     checkpoint_dir: str | None = opt(None, "directory of checkpoints (rank 0 writes)")
     checkpoint_every: int = opt(0, "write a checkpoint every N steps (0: at each epoch end if a dir is set)")
     checkpoint_keep: int = opt(3, "checkpoints kept")
     resume: str = opt("no", "no, auto (latest good checkpoint), or a checkpoint path")
-    progress: str = opt("auto", "progress bar on rank 0", ("auto", "on", "off"))
-    fail_at_step: int | None = opt(None, "testing aid: raise an error at this step")
-    fail_rank: int = opt(0, "testing aid: the rank that fails at --fail-at-step")
+    progress: str = opt("auto", "progress bar on rank 0: auto (when stderr is a terminal; under mpiexec it is "
+                                "not), on, off", ("auto", "on", "off"))
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
@@ -172,7 +173,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"] + f" (default: {_show(f.default)})"
+        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)})")
         kind = f.type if isinstance(f.type, str) else str(f.type)
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

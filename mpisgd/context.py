@@ -14,6 +14,8 @@ from typing import Any
 from mpi4py import MPI
 
 from mpisgd.backend import Backend, select_backend
+from mpisgd.comm.base import node_layout
+from mpisgd.config import UsageError
 
 
 @dataclass
@@ -27,49 +29,50 @@ class Context:
     n_nodes: int
     host: str
     backend: Backend
-    backend_note: str  # why CPU was chosen, for the banner
+    backend_note: str  # why the CPU was chosen under --device auto, for the banner
 
     @property
     def xp(self) -> Any:
         return self.backend.xp
 
 
-def node_layout(comm: Any) -> tuple[int, int, int, int]:
-    """(local_rank, local_size, node_index, n_nodes) from an MPI shared-memory split.
-
-    Read from MPI itself, not from launcher variables, so it is right under
-    mpiexec, srun and any other launcher alike.
-    """
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        local_rank, local_size = local.Get_rank(), local.Get_size()
-        leader = local.bcast(comm.Get_rank(), root=0)  # lowest world rank on the node
-    finally:
-        local.Free()
-    leaders = sorted(set(comm.allgather(leader)))
-    return local_rank, local_size, leaders.index(leader), len(leaders)
-
-
 def init(comm: Any = None, device: str = "auto") -> Context:
     """Find this rank's place and bind its device (GPU ``local_rank % n_gpus``).
 
     All ranks must call it. ``comm`` defaults to ``MPI.COMM_WORLD`` only here,
-    at the application's entry point.
+    at the application's entry point. Every rank ends on the same kind of device, or every rank raises
+    :class:`AgreedError` (a rank whose CuPy fails must not leave the others waiting in a collective).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     local_rank, local_size, node, n_nodes = node_layout(comm)
-    backend, note = select_backend(device, local_rank)
+    error, backend, note = None, None, ""
+    try:
+        backend, note = select_backend(device, local_rank)
+    except UsageError as exc:
+        error = exc
+    agree(comm, error)
+    kinds = comm.allgather(backend.device)  # type: ignore[union-attr]
+    if len(set(kinds)) > 1:
+        gpu = [r for r, d in enumerate(kinds) if d == "gpu"]
+        agree(comm, UsageError(f"ranks {gpu} found a GPU and the others none; every rank must use the same "
+                               "kind of device: pass --device cpu, or make the GPUs visible on every node"))
     return Context(comm, comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, n_nodes,
                    socket.gethostname(), backend, note)
 
 
-def default_threads(local_size: int) -> int:
-    """BLAS threads per rank: this node's cores shared evenly among its ranks (at least 1)."""
+def blas_threads(requested: int | None, local_size: int) -> tuple[int, str]:
+    """BLAS threads per rank and where the number came from: ``--threads``, else $OMP_NUM_THREADS when
+    the user set it, else this node's cores shared evenly among its ranks (at least 1)."""
+    if requested:
+        return requested, "--threads"
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env), "OMP_NUM_THREADS"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_size))
+    return max(1, cores // max(1, local_size)), f"{cores} core(s) / {local_size} rank(s) on this node"
 
 
 class AgreedError(Exception):

@@ -20,6 +20,7 @@ the update, with the momentum buffer kept whole so that checkpoints do not chang
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import Counter
@@ -30,14 +31,13 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.backend import Backend, sync_device, to_numpy
+from mpisgd.backend import is_device_array, to_numpy
 from mpisgd.blas import all_finite
 from mpisgd.comm import Handle, Reducer, create_reducer
-from mpisgd.comm.base import chunk_bounds
+from mpisgd.comm.base import chunk_counts
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
 from mpisgd.optim import SGD
-from mpisgd.timeline import Timeline
 
 FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
 
@@ -127,57 +127,70 @@ class NullWatchdog:
     def close(self) -> None: ...
 
 
+class NullTimeline:
+    """The timeline's interface, recording nothing (see mpisgd.timeline)."""
+
+    def begin(self, name: str, cat: str = "compute") -> None: ...
+
+    def end(self, name: str, cat: str = "compute") -> None: ...
+
+    def span(self, name: str, cat: str = "compute") -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+
 class DataParallel:
     """Wrap a model replica and its optimizer so that each step averages gradients over ``comm``.
 
-    ``comm`` is duplicated (and freed by :meth:`close`), so our traffic never
-    mixes with the caller's.
+    ``comm`` is duplicated (and freed by :meth:`close`), so our traffic never mixes with the caller's.
+    ``reducer`` is the all-reduce strategy (``mpisgd.comm.create_reducer``; ``auto`` over ``comm``
+    when None); DataParallel owns it and closes it. ``loss`` (default softmax cross-entropy) must
+    offer ``forward_array(logits, labels)`` and ``backward(scale)``.
     """
 
-    def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, backend: Backend | None = None,
-                 allreduce: str | Reducer = "auto", average: bool = True, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, on_nan: str = "stop", timeline: Timeline | None = None,
-                 deterministic: bool = False, compress: str = "none", cuda_aware: str = "auto",
-                 watchdog: Any = None, fingerprint: bool = True, shard_optimizer: bool = False,
-                 shared_grads: bool = True) -> None:
+    def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, reducer: Reducer | None = None,
+                 loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
+                 shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
+                 timeline: Any = None, fingerprint: bool = True) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
             raise ValueError("materialize() the model before wrapping it")
-        if shard_optimizer and backend is not None and backend.is_gpu:
+        device = is_device_array(model.flat.params)
+        if shard_optimizer and device:
             raise ValueError("the sharded optimizer step runs on host buffers only; drop --shard-optimizer "
                              "or use --device cpu")
+        if reducer is not None and device and not reducer.device:
+            raise ValueError("GPU parameters need a reducer made for device buffers: "
+                             "create_reducer(name, comm, device=True)")
         self.model, self.optimizer, self.flat = model, optimizer, model.flat
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
-        self.backend = backend
-        self.average = average
         self.overlap = overlap
         self.on_nan = on_nan
         self.fingerprint = fingerprint  # per-step check that all ranks are at the same step
         self.skipped_steps = 0
-        self.timeline = timeline or Timeline(enabled=False)
+        self.timeline = timeline or NullTimeline()
         self.watchdog = watchdog or NullWatchdog()
-        self.reducer = create_reducer(allreduce, self.comm, backend=backend, deterministic=deterministic,
-                                      compress=compress, cuda_aware=cuda_aware) \
-            if isinstance(allreduce, str) else allreduce
+        self.reducer = reducer if reducer is not None else create_reducer("auto", self.comm, device=device)
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
         self.sharded = shard_optimizer and self.k > 1
         self._shards: list[tuple[int, int, Any]] = []  # sharded step: (lo, hi, gradient chunk) per bucket
         self._shard_grads = self._plan_shards() if self.sharded else None
-        self.loss = SoftmaxCrossEntropy()
+        self.loss = loss or SoftmaxCrossEntropy()
         self.times = StepTimes()
         self.step_count = 0
         verify_same(self.comm, shapes_digest(model), "the model (layers, shapes or dtype)")
         # same shapes everywhere: gradients into memory the reducer reads in place, where it has any
-        # (auto with every rank on one node: mpisgd.comm.shared)
+        # (auto or shared with every rank on one node: mpisgd.comm.shared)
         shared = self.reducer.shared_buffer(self.flat.size, self.flat.dtype) \
-            if shared_grads and self.k > 1 and self.flat.xp is np else None
+            if shared_grads and self.k > 1 and not device else None
         self.shared_grads = shared is not None
         if shared is not None:
             model.move_grads(shared)
         self.broadcast_parameters()
+        if self.k > 1 and not self.sharded:  # auto picks its strategy for these sizes now, not mid-step
+            self.reducer.tune([self.flat.grads[b.start:b.stop] for b in self.buckets])
 
     def _plan_shards(self) -> Any:
         """Give each bucket its chunk bounds (chunk_bounds, rank order) and this rank's part; returns
@@ -188,9 +201,9 @@ class DataParallel:
             raise ValueError(f"buckets {covered} do not tile the {self.flat.size} parameters")
         offset = 0
         for b in self.buckets:
-            bounds = chunk_bounds(b.stop - b.start, self.k)
-            b.counts = [bounds[c + 1] - bounds[c] for c in range(self.k)]
-            lo, hi = b.start + bounds[self.rank], b.start + bounds[self.rank + 1]
+            b.counts = chunk_counts(b.stop - b.start, self.k)
+            lo = b.start + sum(b.counts[:self.rank])
+            hi = lo + b.counts[self.rank]
             b.own = (lo, hi, offset)
             offset += hi - lo
         shard = self.flat.xp.empty(offset, dtype=self.flat.dtype)
@@ -209,9 +222,8 @@ class DataParallel:
 
     def _bcast_(self, arr: Any, root: int) -> None:
         """Broadcast in place; device arrays go through the host (start-up only, so no CUDA-aware MPI needed)."""
-        if self.backend is not None and self.backend.is_gpu:
-            self._sync()
-            host = to_numpy(arr)
+        if is_device_array(arr):
+            host = to_numpy(arr)  # a copy after the kernels that wrote arr
             self.comm.Bcast(host, root=root)
             arr.set(host)
         else:
@@ -219,7 +231,6 @@ class DataParallel:
 
     def replica_checksums(self) -> list[str]:
         """Every rank's parameter digest (collective)."""
-        self._sync()
         digest = hashlib.blake2b(to_numpy(self.flat.params).tobytes(), digest_size=8).hexdigest()
         return self.comm.allgather(digest)
 
@@ -233,8 +244,8 @@ class DataParallel:
 
     # -- the step ------------------------------------------------------------------------
     def grad_scale(self, local_batch: int, accum_steps: int) -> float:
-        """Loss-gradient factor making the all-reduce SUM the effective-batch mean."""
-        return 1.0 / (local_batch * accum_steps * (self.k if self.average else 1))
+        """Loss-gradient factor making the all-reduce SUM the effective-batch mean: 1/(k*b*m)."""
+        return 1.0 / (local_batch * accum_steps * self.k)
 
     def train_step(self, micro_batches: Sequence[tuple[Any, Any]], lr: float) -> Any:
         """One optimizer step over this rank's micro-batches; returns the local mean loss (0-d array)."""
@@ -314,7 +325,6 @@ class DataParallel:
                 self._done(b)
 
     def _start(self, bucket: Bucket) -> None:
-        self._sync()
         self.timeline.begin(bucket.name, cat="comm")
         bucket.t_start = time.perf_counter()
         grads = self.flat.grads[bucket.start:bucket.stop]
@@ -383,9 +393,11 @@ class DataParallel:
         if self.sharded and self.optimizer.velocity is not None:
             self.gather_(self.optimizer.velocity, f"momentum all-gather at step {self.step_count}")
 
-    def _sync(self) -> None:
-        if self.backend is not None:
-            sync_device(self.backend)
+    def describe(self) -> str:
+        """The banner's all-reduce line: what runs, the buckets, overlap."""
+        mib = ", ".join(f"{(b.stop - b.start) * self.flat.dtype.itemsize / 2**20:.2f}" for b in self.buckets)
+        when = "overlapped with backward" if self.overlap else "after backward"
+        return f"{self.reducer.describe()} ({len(self.buckets)} bucket(s): {mib} MiB), {when}"
 
     def close(self) -> None:
         """Collective: every rank calls it together. A rank that fails alone must not call it (with a

@@ -71,7 +71,7 @@ def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
 
 
 def run(cfg: Config, world: Any) -> int:
-    from mpisgd.loop import Trainer  # noqa: PLC0415 - heavy imports after argument checks
+    from mpisgd.trainer import Trainer  # noqa: PLC0415 - heavy imports after argument checks
 
     trainer = Trainer(cfg, world)
     try:

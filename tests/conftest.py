@@ -34,6 +34,45 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             continue
 
 
+os.environ.setdefault("MPISGD_PLAN_FILE", "off")  # auto measures afresh in tests: no plan from earlier runs
+DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def local_values(n: int, dtype: str, rank: int):
+    """Small integers: sums are exact in every dtype, so any difference is a bug, not rounding."""
+    import numpy as np
+
+    return ((np.arange(n) * 7 + 3 * rank + 1) % 11).astype(dtype)
+
+
+def oracle(comm, x):
+    """MPI_Allreduce's answer; where the library has no SUM for the dtype (float16 outside MPICH), the
+    exact sum of the gathered inputs (they are small integers)."""
+    import numpy as np
+
+    from mpisgd.comm import MpiReducer
+    from mpisgd.comm.mpi import mpi_sum_type
+
+    if mpi_sum_type(x.dtype) is None:
+        return np.sum(comm.allgather(x), axis=0, dtype=np.int64).astype(x.dtype)
+    y = x.copy()
+    red = MpiReducer(comm)
+    red.allreduce_(y)
+    red.close()
+    return y
+
+
+def gathered(comm, failures: list) -> list:
+    """Every rank's failures (collective), so each rank asserts on the whole picture."""
+    return [f for per_rank in comm.allgather(failures) for f in per_rank]
+
+
 def rank_order_sum(comm, x):
     """x0 + x1 + ... + x(k-1), elementwise, in x's dtype (collective): the deterministic order, which
     the direct and shared-memory reductions use too."""

@@ -70,9 +70,9 @@ ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "
         "--epochs", "3", "--batch-size", "16", "--progress", "off", "--nesterov", "--warmup-epochs", "1"]
 
 
-def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0):
+def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = ""):
     out = tmp_path / f"{name}.npz"
-    r = run_mpi(k, *ARGS, "--save-model", str(out), *extra, timeout=180)
+    r = run_mpi(k, *ARGS, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
     assert r.returncode == expect, r.stderr[-3000:]
     return (np.load(out)["flat"] if expect == 0 else None), r
 
@@ -84,7 +84,7 @@ def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, k):
     ck = str(tmp_path / "ck")
     # dies mid-epoch 2 (a step not on a checkpoint boundary): the last checkpoint is at step 60
     final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
-          "--fail-at-step", "70", "--fail-rank", str(k - 1), expect=1)
+          expect=1, fail_at=f"70:{k - 1}")
     assert [p.name for p in list_checkpoints(ck)][0] == "ckpt-000000060.npz"
     resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck,
                        "--checkpoint-every", "30", "--resume", "auto")
@@ -99,7 +99,7 @@ def test_sharded_run_checkpoints_whole_momentum_and_resumes_bitwise(tmp_path):
     full, _ = final(tmp_path, "full", k, "--batch-size", str(b), *sharded)
     ck = str(tmp_path / "ck")
     final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
-          "--fail-at-step", "70", "--fail-rank", "1", *sharded, expect=1)
+          *sharded, expect=1, fail_at="70:1")
     resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--resume", "auto",
                        *sharded)
     assert "at step 60" in r.stdout
@@ -110,7 +110,7 @@ def test_resume_with_other_k_and_same_effective_batch(tmp_path):
     ck = str(tmp_path / "ck")
     full, _ = final(tmp_path, "full", 1, "--batch-size", "32")
     final(tmp_path, "part", 2, "--batch-size", "16", "--checkpoint-dir", ck, "--checkpoint-every", "40",
-          "--fail-at-step", "50", expect=1)
+          expect=1, fail_at="50")
     resumed, r = final(tmp_path, "resumed", 1, "--batch-size", "32", "--checkpoint-dir", ck, "--resume", "auto")
     assert "written by k=2 ranks, now k=1" in r.stdout
     np.testing.assert_allclose(resumed, full, rtol=1e-5, atol=1e-6)  # float32: summation order differs

@@ -4,7 +4,7 @@ veth links through a bridge, MPICH's ssh launcher pointed at a wrapper.
 Serial tests (each launches its own mpiexec); they need root and ``ip netns`` and
 skip with the reason otherwise. Every run has a hard timeout. What they check:
 the same training run gives the same parameters across 2 or 3 emulated hosts as on
-one host, for every all-reduce strategy; hierarchical sees the real node split;
+one host, for every all-reduce strategy that can cross hosts (``shared`` refuses, clearly);
 the data crossed the links (byte counters); a cut link ends the job, never hangs.
 """
 
@@ -31,7 +31,7 @@ sys.modules["netcluster"] = netcluster  # dataclasses look their module up by na
 spec.loader.exec_module(netcluster)
 NetCluster = netcluster.NetCluster
 
-ALL_STRATEGIES = ("mpi", "ring", "hierarchical", "auto")  # the issue's list: missing ones show as skipped
+ALL_STRATEGIES = ("mpi", "ring", "deterministic", "auto")
 STEPS = 6
 # small and float64: the comparison is about arithmetic, not speed (2 shared cores)
 TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--dtype", "float64", "--hidden", "48,48",
@@ -51,7 +51,7 @@ def available() -> None:
 
 
 def strategies_now() -> tuple[str, ...]:
-    """The strategies mpisgd offers at test time (other work adds ring/hierarchical)."""
+    """The strategies mpisgd offers at test time."""
     out = subprocess.run([sys.executable, "-c", "from mpisgd.comm import STRATEGIES; print(','.join(STRATEGIES))"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     return tuple(out.stdout.strip().split(",")) if out.returncode == 0 else ()
@@ -216,7 +216,7 @@ def test_training_matches_one_host(available: None, tmp_path: Path, hosts: int, 
 # ids not equal to "mpi": pytest-mpi treats a bare "mpi" keyword as its marker and skips the test serially
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES, ids=[f"allreduce-{s}" for s in ALL_STRATEGIES])
 def test_strategy_matches_one_host(available: None, tmp_path: Path, strategy: str) -> None:
-    """2 hosts x 2 ranks: the node split is real (2 nodes of 2), so hierarchical's two levels both run."""
+    """2 hosts x 2 ranks: the node split is real (2 nodes of 2)."""
     offered = strategies_now()
     if strategy not in offered:
         pytest.skip(f"--allreduce {strategy} is not offered by mpisgd.comm yet (STRATEGIES={offered})")
@@ -226,10 +226,17 @@ def test_strategy_matches_one_host(available: None, tmp_path: Path, strategy: st
     with NetCluster(hosts=2, ranks_per_host=2) as c:
         flat, out = on_cluster(c, tmp_path / "cluster.npz", *extra)
     assert layout(out) == (4, 2)
-    assert "rank map: 0:h1/local 0, 1:h1/local 1, 2:h2/local 0, 3:h2/local 1" in out, out[:1500]
-    if strategy == "hierarchical":  # its own account of the split it used: 2 nodes, 2 ranks on rank 0's
-        assert "hierarchical (2 node(s), 2 rank(s) on this one)" in out, out[:1500]
+    assert "h1: ranks 0-1 | h2: ranks 2-3" in out, out[:1500]
+    if strategy == "auto":  # no node-shared buffer across hosts: mpi or ring, measured for the buckets
+        assert "all-reduce: auto: float64" in out, out[:1500]
     assert_same(flat, ref)
+
+
+def test_shared_strategy_across_hosts_is_refused_in_one_line(available: None, tmp_path: Path) -> None:
+    with NetCluster(hosts=2, ranks_per_host=1) as c:
+        r = c.run([sys.executable, *train_args(tmp_path / "x.npz", "--allreduce", "shared")], timeout=RUN_TIMEOUT_S)
+    assert not r.timed_out and r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("mpisgd: error") == 1 and "every rank on one node" in r.stderr, r.stderr
 
 
 # --- a cut cable ------------------------------------------------------------------------------

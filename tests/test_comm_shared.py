@@ -1,7 +1,5 @@
-"""Reductions of buffers in node-shared memory (mpisgd.comm.shared), under mpiexec (-n 2 and -n 3;
-test_comm_misc.py runs them at k = 4).
-
-Every rank of these runs is on one node, so ``auto`` always has its shared window.
+"""The shared strategy: buffers in node-shared memory summed from the peers' copies, under mpiexec
+(-n 2 and -n 3; test_comm.py runs them at k = 4). Every rank of these runs is on one node.
 Every collective is reached by all ranks before any assert.
 """
 
@@ -11,24 +9,18 @@ import time
 
 import numpy as np
 import pytest
-from conftest import rank_order_sum
+from conftest import rank_order_sum, world
 
-from mpisgd.comm import AutoReducer
+from mpisgd.comm import SharedReducer
 from mpisgd.comm.base import chunk_bounds
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
-def world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 def arena_of(comm, n: int, dtype: str = "float32"):
-    red = AutoReducer(comm)
+    red = SharedReducer(comm)
     buf = red.shared_buffer(n, dtype)
-    assert buf is not None and red.arena is not None, "every rank is on one node here"
+    assert buf is not None and red.win is not None, "every rank is on one node here"
     return red, buf
 
 
@@ -58,7 +50,7 @@ def test_buckets_in_flight_together_sum_in_rank_order_bit_for_bit(dtype):
     result, desc = buf.copy(), red.describe()
     red.close()
     assert all(isinstance(h, SharedOp) for h in handles)
-    assert "node-shared buffer" in desc
+    assert desc.startswith("node-shared buffer")
     np.testing.assert_array_equal(result[:4100], want[:4100])
     np.testing.assert_array_equal(out, want[4100:][b[r]:b[r + 1]])
     np.testing.assert_array_equal(result[4100:], before[4100:])  # a reduce-scatter leaves its input
@@ -115,24 +107,23 @@ def test_ranks_reducing_different_pieces_all_raise():
 
 
 def test_only_contiguous_pieces_of_this_ranks_buffer_use_the_window():
-    """Anything else goes the private-buffer way (auto's direct operations), whatever it is."""
-    from mpisgd.comm.direct import DirectOp
+    """Anything else goes to mpi, whatever it is."""
+    from mpisgd.comm.shared import SharedOp
 
     comm = world()
     k, r = comm.Get_size(), comm.Get_rank()
-    red, buf = arena_of(comm, 1 << 19)  # 2 MiB: above auto's non-blocking crossover
-    arena = red.arena
-    assert arena.offset_of(buf[8:16]) == 8
-    assert arena.offset_of(buf[::2]) is None  # strided
-    assert arena.offset_of(buf.view(np.int32)) is None  # another dtype
-    assert arena.offset_of(np.zeros(8, np.float32)) is None  # private memory
-    assert arena.offset_of(buf[:0]) is None
+    red, buf = arena_of(comm, 1 << 10)
+    assert red.offset_of(buf[8:16]) == 8
+    assert red.offset_of(buf[::2]) is None  # strided
+    assert red.offset_of(buf.view(np.int32)) is None  # another dtype
+    assert red.offset_of(np.zeros(8, np.float32)) is None  # private memory
+    assert red.offset_of(buf[:0]) is None
     assert red.shared_buffer(8, "float32") is None  # one window per reducer
-    private = np.full(1 << 19, r + 1, np.float32)
+    private = np.full(1 << 10, r + 1, np.float32)
     h = red.start(private)
     h.wait()
     red.close()
-    assert isinstance(h, DirectOp)
+    assert not isinstance(h, SharedOp)
     assert np.all(private == k * (k + 1) / 2)
 
 
@@ -141,10 +132,16 @@ def test_no_window_when_the_shared_file_system_lacks_room_on_any_rank(monkeypatc
     page: if any rank lacks room for twice the window, every rank declines and says why."""
     comm = world()
     if comm.Get_rank() == comm.Get_size() - 1:
-        monkeypatch.setattr("mpisgd.comm.auto.shm_free_bytes", lambda: 1000)
-    red = AutoReducer(comm)
+        monkeypatch.setattr("mpisgd.comm.shared.shm_free_bytes", lambda: 1000)
+    red = SharedReducer(comm)
     buf = red.shared_buffer(1000, "float32")
     desc = red.describe()
     red.close()
-    assert buf is None and red.arena is None
-    assert "gradients kept private" in desc and "/dev/shm" in desc
+    assert buf is None and red.win is None
+    assert "no node-shared buffer" in desc and "/dev/shm" in desc
+
+
+def test_refused_unless_every_rank_is_on_one_node(monkeypatch):
+    monkeypatch.setattr("mpisgd.comm.shared.on_one_node", lambda comm: False)
+    with pytest.raises(ValueError, match="every rank on one node"):
+        SharedReducer(world())

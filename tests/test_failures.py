@@ -63,9 +63,11 @@ def rank_pids(tag: str) -> dict[int, int]:
     return found
 
 
-def launch(k: int, tag: str, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+def launch(k: int, tag: str, *args: str, timeout: float = 120, fail_at: str = "") -> tuple[
+        subprocess.CompletedProcess, float]:
+    """Run the CLI tagged; ``fail_at`` ("STEP:RANK") makes that rank raise at that step ($MPISGD_FAIL_AT_STEP)."""
     t0 = time.monotonic()
-    r = run_mpi(k, *args, timeout=timeout, env={"MPISGD_TEST_TAG": tag})
+    r = run_mpi(k, *args, timeout=timeout, env={"MPISGD_TEST_TAG": tag, "MPISGD_FAIL_AT_STEP": fail_at})
     return r, time.monotonic() - t0
 
 
@@ -80,7 +82,7 @@ def assert_no_rank_left(tag: str) -> None:
 # rank 0 too: it runs the watchdog's thread (on by default), whose shutdown waits for every rank
 @pytest.mark.parametrize(("k", "failing"), [(2, 1), (3, 1), (2, 0), (3, 0)])
 def test_exception_on_one_rank_ends_the_job(k: int, failing: int, tag: str) -> None:
-    r, elapsed = launch(k, tag, *SYNTH, "--fail-at-step", "5", "--fail-rank", str(failing), timeout=90)
+    r, elapsed = launch(k, tag, *SYNTH, timeout=90, fail_at=f"5:{failing}")
     assert r.returncode != 0
     assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
     assert f"mpisgd: rank {failing} of {k} failed" in r.stderr, r.stderr
@@ -178,10 +180,10 @@ def test_killed_rank_ends_the_job(k: int, tag: str, tmp_path: Path) -> None:
 
 
 # -- the sharded step's extra collectives (reduce-scatter, finite vote, all-gathers) ---------------
-@pytest.mark.parametrize("args", [("--fail-at-step", "5", "--fail-rank", "2"), ("--max-steps", "20", "--lr", "1e30")],
+@pytest.mark.parametrize("args,fail_at", [((), "5:2"), (("--max-steps", "20", "--lr", "1e30"), "")],
                          ids=["exception", "non-finite"])
-def test_sharded_step_failures_end_every_rank(args: tuple[str, ...], tag: str) -> None:
-    r, elapsed = launch(3, tag, *SYNTH, "--shard-optimizer", *args, timeout=90)
+def test_sharded_step_failures_end_every_rank(args: tuple[str, ...], fail_at: str, tag: str) -> None:
+    r, elapsed = launch(3, tag, *SYNTH, "--shard-optimizer", *args, timeout=90, fail_at=fail_at)
     assert r.returncode != 0, r.stdout
     assert elapsed < PROMPT_S, f"{elapsed:.1f} s to end the job"
     assert "final test accuracy" not in r.stdout

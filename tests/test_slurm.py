@@ -251,8 +251,7 @@ def test_failing_job_is_reported_failed(cluster: Cluster, tmp_path: Path) -> Non
     """A rank that raises ends the job promptly, and Slurm records the failure."""
     t0 = time.monotonic()
     r, job, out = _submit(cluster, tmp_path, "--dataset", "synthetic", "--synthetic-samples", "2048",
-                          "--hidden", "32", "--fail-at-step", "3", "--fail-rank", "1",
-                          env={"RUN_DIR": str(tmp_path / "run")})
+                          "--hidden", "32", env={"RUN_DIR": str(tmp_path / "run"), "MPISGD_FAIL_AT_STEP": "3:1"})
     elapsed = time.monotonic() - t0
     state, code = _job_state(cluster, job)
     assert r.returncode != 0 and state == "FAILED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"

@@ -1,148 +1,176 @@
-"""``auto``: the MPI library's Allreduce below a measured size crossover, our ring above it."""
+"""``auto``, the default: the node-shared buffer where there is one, else mpi or ring, whichever is faster.
+
+1. Every rank on one node: data parallelism keeps its gradients in the
+   ``shared`` strategy's buffer, and their buckets are summed there.
+2. Any other buffer takes ``mpi`` or ``ring`` by its size class (2^(c-1) to
+   2^c - 1 bytes, per dtype). The first time a class is seen, both run a few
+   times on that buffer's data, the slowest rank's time decides (one small
+   all-reduce, so every rank picks alike), and the class keeps the choice.
+   Non-blocking buffers are decided when data parallelism calls :meth:`tune`.
+
+Why measure: the two cross at sizes that move with the caches and the MPI
+library from machine to machine (docs/allreduce.md). Choices are kept in a
+plan file (``$MPISGD_PLAN_FILE``, default ``~/.cache/mpisgd/allreduce-plans.json``,
+``off`` for none) under the MPI library, k and the hosts, so later runs there
+choose the same and give the same bits; the banner and metrics show the plan.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, Handle, Reducer
-from mpisgd.comm.direct import DirectOps
+from mpisgd.backend import sync
+from mpisgd.comm.base import Array, Handle, Reducer, on_one_node
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
-from mpisgd.comm.shared import SHM_DIR, SharedArena, shm_free_bytes
-from mpisgd.comm.shm import single_node_comm
+from mpisgd.comm.shared import SharedReducer
 
-# Measured with benchmarks/allreduce_bw.py at k = 2 (MPICH 5.0.2; docs/allreduce.md). Below the crossover
-# MPICH's Allreduce wins (latency: our ring pays Python per step); above it our ring is faster. MPICH's
-# in-place path is its quicker one at mid sizes, so in place and out of place cross at different sizes.
-# Ring through the shared-memory window (every rank on one node), 2026-11-30: in place ring/mpi was 0.87-0.88
-# at 256 KiB and 1.22-1.31 at 512 KiB; out of place 0.70-0.80 at 32 KiB and 1.20-1.58 at 64 KiB.
-CROSSOVER_BYTES = 512 << 10
-OUT_OF_PLACE_CROSSOVER_BYTES = 64 << 10
-# Ring over messages (ranks on several nodes, and every non-blocking start), two runs of 2026-11-29 on
-# one node: in place 0.88-0.94 at 512 KiB and 1.03-1.04 at 1 MiB; out of place 0.73-0.77 at 128 KiB and
-# 1.03-1.05 at 256 KiB. Iallreduce measured the same as Allreduce at 64 KiB-16 MiB.
-P2P_CROSSOVER_BYTES = 1 << 20
-P2P_OUT_OF_PLACE_CROSSOVER_BYTES = 256 << 10
+PLAN_FILE = "~/.cache/mpisgd/allreduce-plans.json"
+
+
+def trials_for(nbytes: int) -> int:
+    """Timed runs of each candidate for a new class: more where calls are cheap and noisy. A function of
+    the size only, so that every rank makes the same number of calls."""
+    return 9 if nbytes <= 64 << 10 else 5 if nbytes <= 4 << 20 else 3
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
 
 
 class AutoReducer(Reducer):
-    """Per buffer: ``mpi`` below the crossover, else ``ring``; one size test of overhead.
-
-    Three crossovers, because the ring's transport differs by call (RingReducer.uses_shm): blocking
-    in place (``crossover_bytes``), blocking out of place (``out_of_place_crossover_bytes``) and
-    non-blocking ``start`` (``start_crossover_bytes``: always messages). Left out, each is the value
-    measured for its transport; an explicit ``crossover_bytes`` alone sets all three."""
-
     name = "auto"
     native_reduce_scatter = True
 
-    def __init__(self, comm: Any, *, crossover_bytes: int | None = None,
-                 out_of_place_crossover_bytes: int | None = None, start_crossover_bytes: int | None = None,
-                 ring: RingReducer | None = None) -> None:
+    def __init__(self, comm: Any, *, plan_file: str | None = None) -> None:
         super().__init__(comm)
-        self.mpi = MpiReducer(comm)
-        self.ring = ring or RingReducer(comm)
-        shm = self.ring.shm is not None and self.ring.shm_max_bytes is not None  # auto transport on one node
-        measured = (CROSSOVER_BYTES, OUT_OF_PLACE_CROSSOVER_BYTES, P2P_CROSSOVER_BYTES) if shm else \
-            (P2P_CROSSOVER_BYTES, P2P_OUT_OF_PLACE_CROSSOVER_BYTES, P2P_CROSSOVER_BYTES)
-        defaults = measured if crossover_bytes is None else (crossover_bytes,) * 3
-        given = (crossover_bytes, out_of_place_crossover_bytes, start_crossover_bytes)
-        self.crossover_bytes, self.oop_crossover_bytes, self.start_crossover_bytes = (
-            d if g is None else g for g, d in zip(given, defaults))
-        # every rank on this node: the direct operations, over this private copy of comm (same ranks, same
-        # order) so that their tags never meet anyone else's messages
-        node = single_node_comm(comm) if self.size > 1 else None
-        self.direct = DirectOps(node) if node is not None else None
-        self.arena: SharedArena | None = None  # made by shared_buffer(), on one node only
-        self.arena_refused = ""  # why shared_buffer() said no, for the banner
+        self.mpi, self.ring = MpiReducer(self.comm), RingReducer(self.comm)
+        self.shared = SharedReducer(self.comm) if self.size > 1 and on_one_node(self.comm) else None
+        self.routes: dict[int, Reducer] = {}  # dtype.num << 8 | size class -> mpi or ring
+        self.plan: dict[str, str] = {}  # "dtype:class" -> "mpi" | "ring": this run's choices
+        path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
+        self.plan_file = None if path in ("", "off") else Path(path).expanduser()
+        hosts = ",".join(sorted(set(self.comm.allgather(MPI.Get_processor_name()))))
+        self.plan_key = f"{' '.join(MPI.Get_library_version().split()[:3])} | k={self.size} | {hosts}"
+        self.known: dict[str, str] = self.comm.bcast(self._plans().get(self.plan_key, {}) if self.rank == 0
+                                                     else None, root=0)
 
-    def shared_buffer(self, n: int, dtype: Any) -> Array | None:
-        """On one node (host buffers), a buffer in a window every rank maps: buckets of it are reduced
-        in place from the peers' memory (mpisgd.comm.shared). One per reducer."""
-        if self.direct is None or self.arena is not None:
-            return None
-        # every rank's part lives in the node's tmpfs: a full one would kill the job with SIGBUS when a page
-        # is first touched, so all ranks decline together unless it has room for twice the window
-        need = self.size * n * np.dtype(dtype).itemsize
-        free = shm_free_bytes()
-        room = free is None or free >= 2 * need
-        if not self.direct.comm.allreduce(room, op=MPI.LAND):
-            self.arena_refused = (f"gradients kept private: {need / 2**20:.0f} MiB of node-shared memory wanted, "
-                                  f"twice that not free in {SHM_DIR} on some rank")
-            return None
-        self.arena = SharedArena(self.direct.comm.Dup(), n, dtype)
-        return self.arena.mine
+    # -- the plan ------------------------------------------------------------------------
+    def _plans(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.plan_file.read_text()) if self.plan_file else {}
+        except (OSError, ValueError):
+            return {}
 
-    def _pick(self, buf: Array, crossover_bytes: int) -> Reducer:
-        if buf.nbytes < crossover_bytes and mpi_sum_type(buf.dtype) is not None:
-            return self.mpi
-        return self.ring  # large, or a dtype the library cannot sum
+    def _save(self) -> None:
+        if self.plan_file is None or self.rank != 0:
+            return
+        plans = self._plans()
+        plans[self.plan_key] = {**plans.get(self.plan_key, {}), **self.plan}
+        try:
+            self.plan_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.plan_file.with_suffix(f".tmp.{os.getpid()}")
+            tmp.write_text(json.dumps(plans, indent=1, sort_keys=True))
+            tmp.replace(self.plan_file)
+        except OSError:
+            pass  # a plan that cannot be kept is measured again next time
 
-    def _mpi_if_small(self, src: Array, dst: Array, crossover_bytes: int) -> bool:
-        """Below the crossover, MPI_Allreduce straight away (True); inlined rather than through
-        ``self.mpi``: at 4 B every 100 ns is a few percent of the latency."""
-        if dst.nbytes >= crossover_bytes:
-            return False
-        dt = mpi_sum_type(dst.dtype)
-        if dt is None:
-            return False  # a dtype the library cannot sum: the ring
-        if self.size > 1:
-            self.comm.Allreduce(MPI.IN_PLACE if src is dst else [src, dt], [dst, dt], MPI.SUM)
-        elif src is not dst:
-            dst[...] = src
-        return True
+    def _route(self, src: Array, dst: Array) -> Reducer:
+        """mpi or ring for dst's class: as decided before, else decided now (on this call's data)."""
+        key = dst.dtype.num << 8 | dst.nbytes.bit_length()
+        red = self.routes.get(key)
+        if red is None:
+            name = f"{dst.dtype}:{dst.nbytes.bit_length()}"
+            if self.size == 1 or mpi_sum_type(dst.dtype) is None:  # nothing to choose; a dtype MPI cannot sum
+                choice = "mpi" if self.size == 1 else "ring"
+            else:
+                choice = self.known.get(name) or self._measure(src, dst)
+            self.plan[name] = choice
+            if name not in self.known:
+                self._save()
+            red = self.routes[key] = self.mpi if choice == "mpi" else self.ring
+        return red
 
+    def _measure(self, src: Array, dst: Array) -> str:
+        """Run mpi and ring alternately on this data; the faster at the slowest rank (collective)."""
+        keep = dst.copy() if src is dst else None
+        best = np.full(2, np.inf)
+        for trial in range(trials_for(dst.nbytes)):
+            for i in (0, 1) if trial % 2 == 0 else (1, 0):
+                red = (self.mpi, self.ring)[i]
+                t0 = time.perf_counter()
+                if keep is None:
+                    red.allreduce(src, dst)
+                else:
+                    dst[...] = keep
+                    red.allreduce_(dst)
+                sync(dst)
+                best[i] = min(best[i], time.perf_counter() - t0)
+        if keep is not None:
+            dst[...] = keep
+        self.comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
+        return "ring" if best[1] < best[0] else "mpi"
+
+    def plan_summary(self) -> str:
+        """The plan in words: per dtype, the byte ranges each strategy serves."""
+        out = []
+        for dtype in sorted({name.split(":")[0] for name in self.plan}):
+            runs: list[list[Any]] = []  # [first class, last class, choice], neighbours with one choice merged
+            for c, choice in sorted((int(n.split(":")[1]), v) for n, v in self.plan.items()
+                                    if n.split(":")[0] == dtype):
+                if runs and runs[-1][2] == choice and runs[-1][1] == c - 1:
+                    runs[-1][1] = c
+                else:
+                    runs.append([c, c, choice])
+            out.append(f"{dtype} " + ", ".join(f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human((1 << b) - 1)}"
+                                               for a, b, v in runs))
+        return "; ".join(out)
+
+    # -- the Reducer interface -------------------------------------------------------------
     def allreduce_(self, buf: Array) -> None:
-        if not self._mpi_if_small(buf, buf, self.crossover_bytes):
-            self.ring.allreduce_(buf)
+        self._route(buf, buf).allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
-        if not self._mpi_if_small(src, dst, self.oop_crossover_bytes):
-            self.ring.allreduce(src, dst)
+        self._route(src, dst).allreduce(src, dst)
+
+    def _in_window(self, buf: Array) -> bool:
+        return self.shared is not None and self.shared.offset_of(buf) is not None
 
     def start(self, buf: Array) -> Handle:
-        """A piece of the shared buffer (see :meth:`shared_buffer`): reduced in place from the peers'
-        memory, any size. Otherwise below the crossover the library's ``Iallreduce``; above it, on one
-        node, the direct all-reduce (mpisgd.comm.direct), else the ring over messages."""
-        if self.arena is not None and self.arena.offset_of(buf) is not None:
-            return self.arena.allreduce(buf)
-        red = self._pick(buf, self.start_crossover_bytes)
-        if red is self.ring and self.direct is not None and isinstance(buf, np.ndarray):
-            return self.direct.allreduce(buf)
-        return red.start(buf)
+        return self.shared.start(buf) if self._in_window(buf) else self._route(buf, buf).start(buf)  # type: ignore
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
-        """A piece of the shared buffer: reduced in place from the peers' memory (mpisgd.comm.shared:
-        0.64x the direct reduce-scatter's time for the reference buckets at k = 2). Other buffers on one
-        node: the direct reduce-scatter (mpisgd.comm.direct: 0.8x the library's time); else the library's
-        ``Ireduce_scatter`` (in training at k = 2 it tied with the ring's own reduce-scatter), or the ring
-        where the library cannot sum the dtype."""
-        if self.arena is not None and self.arena.offset_of(buf) is not None:
-            return self.arena.reduce_scatter(buf, out, counts)
-        if self.direct is not None and isinstance(buf, np.ndarray):
-            return self.direct.reduce_scatter(buf, out, counts)
-        if mpi_sum_type(buf.dtype) is not None:
-            return self.mpi.start_reduce_scatter(buf, out, counts)
-        return self.ring.start_reduce_scatter(buf, out, counts)
+        if self._in_window(buf):
+            return self.shared.start_reduce_scatter(buf, out, counts)  # type: ignore[union-attr]
+        red = self.mpi if mpi_sum_type(buf.dtype) is not None else self.ring
+        return red.start_reduce_scatter(buf, out, counts)
+
+    def shared_buffer(self, n: int, dtype: Any) -> Array | None:
+        return None if self.shared is None else self.shared.shared_buffer(n, dtype)
+
+    def tune(self, bufs: list[Array]) -> None:
+        for buf in bufs:
+            if not self._in_window(buf):
+                self._route(buf, buf)
 
     def describe(self) -> str:
-        return (f"auto (mpi below {self.crossover_bytes / 2**20:g} MiB in place, "
-                f"{self.oop_crossover_bytes / 2**20:g} MiB out of place, "
-                f"{self.start_crossover_bytes / 2**20:g} MiB non-blocking; else {self.ring.describe()}"
-                + ("; on this node the direct operations for non-blocking buffers from the crossover and "
-                   "every reduce-scatter" if self.direct is not None else "")
-                + ("; a node-shared buffer reduced in place from the peers' memory" if self.arena is not None
-                   else "") + (f"; {self.arena_refused}" if self.arena_refused else "") + ")")
+        if self.shared is not None and self.shared.win is not None:
+            return self.shared.describe()
+        why = f" (no node-shared buffer: {self.shared.refused})" if self.shared and self.shared.refused else ""
+        return f"auto: {self.plan_summary() or 'mpi or ring per size, whichever is faster when first seen'}{why}"
 
     def close(self) -> None:
-        self.ring.close()
-        self.mpi.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if self.direct is not None:
-            self.direct.comm.Free()
-            self.direct = None
+        for red in (self.shared, self.ring, self.mpi):
+            if red is not None:
+                red.close()
+        super().close()

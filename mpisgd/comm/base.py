@@ -1,8 +1,9 @@
-"""The one interface every all-reduce strategy implements."""
+"""The one interface every all-reduce strategy implements, and the helpers strategies share."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, Protocol
 
 import numpy as np
@@ -10,7 +11,7 @@ from mpi4py import MPI
 
 from mpisgd.backend import xp_of
 
-Array = Any
+Array = Any  # numpy.ndarray or cupy.ndarray
 
 
 class Handle(Protocol):
@@ -21,6 +22,36 @@ class Handle(Protocol):
         """Block until the buffer holds the result."""
 
 
+class Done:
+    """A handle for an operation that completed at start (blocking strategies, k = 1)."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class RequestHandle:
+    """A Handle over one non-blocking MPI request."""
+
+    def __init__(self, req: Any) -> None:
+        self.req = req
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+
+def flat_view(buf: Array, what: str = "buffer") -> Array:
+    """``buf`` as a 1-D view (never a copy: a reduction into a copy would be lost)."""
+    if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+        raise ValueError(f"{what} must be a contiguous array (got strides {buf.strides}); pass a copy")
+    return buf.reshape(-1, order="A")
+
+
 def chunk_bounds(n: int, k: int) -> list[int]:
     """k+1 offsets splitting n elements into k near-equal chunks (the first n % k one longer; some empty if n < k)."""
     q, rem = divmod(n, k)
@@ -28,6 +59,40 @@ def chunk_bounds(n: int, k: int) -> list[int]:
     for c in range(k):
         out.append(out[-1] + q + (1 if c < rem else 0))
     return out
+
+
+def chunk_counts(n: int, k: int) -> list[int]:
+    """The sizes of chunk_bounds(n, k)'s chunks: rank c's share of n elements."""
+    b = chunk_bounds(n, k)
+    return [b[c + 1] - b[c] for c in range(k)]
+
+
+def check_chunks(n: int, out_size: int, counts: list[int], k: int, r: int) -> None:
+    """A reduce-scatter's chunks must tile the n elements, one per rank, and ``out`` fit rank r's."""
+    if len(counts) != k or sum(counts) != n or out_size != counts[r]:
+        raise ValueError(f"reduce-scatter of {n} elements over {k} ranks: counts {counts} must be "
+                         f"k chunks summing to the buffer, and out ({out_size}) this rank's chunk")
+
+
+def on_one_node(comm: Any) -> bool:
+    """Whether every rank of ``comm`` shares this node's memory (collective)."""
+    return node_layout(comm)[3] == 1
+
+
+def node_layout(comm: Any) -> tuple[int, int, int, int]:
+    """(local_rank, local_size, node_index, n_nodes) from an MPI shared-memory split (collective).
+
+    Read from MPI itself, not from launcher variables, so it is right under mpiexec, srun and any
+    other launcher alike; nodes are numbered by their lowest rank.
+    """
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        leader = local.bcast(comm.Get_rank(), root=0)
+    finally:
+        local.Free()
+    leaders = sorted(set(comm.allgather(leader)))
+    return local_rank, local_size, leaders.index(leader), len(leaders)
 
 
 class ScratchPool:
@@ -53,28 +118,40 @@ class ScratchPool:
         self.free.clear()
 
 
-def check_chunks(n: int, out_size: int, counts: list[int], k: int, r: int) -> None:
-    """A reduce-scatter's chunks must tile the n elements, one per rank, and ``out`` fit rank r's."""
-    if len(counts) != k or sum(counts) != n or out_size != counts[r]:
-        raise ValueError(f"reduce-scatter of {n} elements over {k} ranks: counts {counts} must be "
-                         f"k chunks summing to the buffer, and out ({out_size}) this rank's chunk")
-
-
-def add_in_rank_order(parts: list[Array], dst: Array, r: int, pool: ScratchPool) -> None:
-    """dst <- parts[0] + parts[1] + ... in that order (host arrays), the deterministic ring's order.
-    parts[r] may be dst itself (this rank's own chunk, summed in place): at r >= 2 it is added after
-    x0 + x1 would have overwritten it, so the sum then goes through a spare buffer."""
-    spare = pool.take(dst.dtype, dst.size, np) if r >= 2 and np.may_share_memory(dst, parts[r]) else None
+def add_in_rank_order(parts: list[Array], dst: Array, pool: ScratchPool) -> None:
+    """dst <- parts[0] + parts[1] + ... in that order: the deterministic order, whoever owns the chunk.
+    dst may be one of the parts (a rank's own chunk, summed in place); when it is a part after the first
+    two, the first add would overwrite it before it is read, so the sum then goes through a spare buffer."""
+    xp = xp_of(dst)
+    spare = pool.take(dst.dtype, dst.size, xp) if any(xp.may_share_memory(dst, p) for p in parts[2:]) else None
     acc = dst if spare is None else spare
     if len(parts) == 1:
         acc[...] = parts[0]
     else:
-        np.add(parts[0], parts[1], out=acc)
+        xp.add(parts[0], parts[1], out=acc)
         for part in parts[2:]:
-            np.add(acc, part, out=acc)
+            xp.add(acc, part, out=acc)
     if spare is not None:
         dst[...] = spare
         pool.give(spare)
+
+
+class InOrder:
+    """Operations whose second step must begin in the order the operations were started, on every rank
+    (ranks must start collectives in one order, whatever order their handles are tested in). An
+    operation offers ``ready(block) -> bool`` (its first step is complete) and ``begin()``."""
+
+    def __init__(self) -> None:
+        self.queue: deque[Any] = deque()
+
+    def pump(self, until: Any = None) -> None:
+        """Begin queued operations, oldest first, while their first step is complete; with ``until``,
+        block until that one has begun."""
+        block = until is not None and until in self.queue
+        while self.queue and self.queue[0].ready(block):
+            head = self.queue.popleft()
+            head.begin()
+            block = block and head is not until
 
 
 class _OwnChunk:
@@ -96,45 +173,23 @@ class _OwnChunk:
             self.copied = True
 
 
-class RequestHandle:
-    """A Handle over one non-blocking MPI request."""
-
-    def __init__(self, req: Any) -> None:
-        self.req = req
-
-    def test(self) -> bool:
-        return bool(self.req.Test())
-
-    def wait(self) -> None:
-        self.req.Wait()
-
-
-class Done:
-    """A handle for an operation that completed at start (blocking strategies, k = 1)."""
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
 class Reducer(ABC):
     """In-place SUM all-reduce of contiguous buffers over a communicator.
 
-    A reducer never sees models or optimizers: only buffers. Every rank must
-    call the same operations on buffers of the same size and dtype, in the
-    same order; implementations may rely on that.
+    A reducer never sees models or optimizers, only buffers. It works on its own duplicate of the
+    communicator it is given (freed by :meth:`close`), so its messages never meet the caller's.
+    Every rank must call the same operations on buffers of the same size and dtype, in the same
+    order; implementations rely on that (tags, plans, windows).
     """
 
     name = "base"
-    # whether start_reduce_scatter moves only the chunks (False: a full all-reduce, then a copy)
-    native_reduce_scatter = False
+    native_reduce_scatter = False  # whether start_reduce_scatter moves only the chunks (else: all-reduce + copy)
+    device = False  # whether it takes GPU buffers (waiting for the kernels that write them before MPI reads)
 
     def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
+        self.comm = comm.Dup()
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
 
     @abstractmethod
     def allreduce_(self, buf: Array) -> None:
@@ -148,12 +203,10 @@ class Reducer(ABC):
     def start(self, buf: Array) -> Handle:
         """Non-blocking form of allreduce_; the default runs the blocking one at once.
 
-        The handle's ``test()`` may advance the operation (MPI progresses only
-        inside MPI calls): call it now and then while computing, ``wait()`` before
-        reading the buffer. With several handles open, wait for them in the same
-        order on every rank (or test them all until done): the ring's and the direct
-        operations' later steps are posted only when their own handle is tested, so a
-        rank blocked in another handle's ``wait()`` would wait for ever.
+        The handle's ``test()`` may advance the operation (MPI progresses only inside MPI calls): call
+        it now and then while computing, ``wait()`` before reading the buffer. With several handles
+        open, wait for them in the same order on every rank (or test them all until done): some
+        strategies post an operation's later steps only when its own handle is tested.
         """
         self.allreduce_(buf)
         return Done()
@@ -161,20 +214,14 @@ class Reducer(ABC):
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         """Begin out <- this rank's chunk of the sum over ranks of buf; chunk c holds ``counts[c]``
         elements, in rank order. buf may be overwritten. The default runs :meth:`start` (a full
-        all-reduce, so any strategy and option works) and copies the chunk out when it completes;
-        strategies with a true reduce-scatter (``mpi``) move half the data."""
+        all-reduce) and copies the chunk out; strategies with a true reduce-scatter move half the data."""
+        check_chunks(buf.size, out.size, counts, self.size, self.rank)
         lo = sum(counts[:self.rank])
-        return _OwnChunk(self.start(buf), buf[lo:lo + counts[self.rank]], out)
-
-    def allgather_(self, buf: Array, counts: list[int]) -> None:
-        """In place: every rank's chunk (``counts`` elements each, rank order) of ``buf`` reaches every
-        rank; blocks. Host buffers only."""
-        self.start_allgather(buf, counts).wait()
+        return _OwnChunk(self.start(buf), buf.reshape(-1)[lo:lo + counts[self.rank]], out)
 
     def start_allgather(self, buf: Array, counts: list[int]) -> Handle:
-        """Non-blocking :meth:`allgather_`: ``MPI_Iallgatherv`` on bytes (moving needs no reduction, so
-        any dtype goes). Also the faster call when blocking: MPICH 5.0.2's blocking ``Allgatherv`` took
-        1.7 ms for the reference model's two buckets at k = 2, ``Iallgatherv`` + wait 0.65 ms."""
+        """In place: every rank's chunk (``counts`` elements each, rank order) of ``buf`` to every rank:
+        ``MPI_Iallgatherv`` on bytes (any dtype; in MPICH faster than the blocking call, even waited at once)."""
         if self.size == 1:
             return Done()
         nbytes = [c * buf.itemsize for c in counts]
@@ -188,8 +235,16 @@ class Reducer(ABC):
         has none (the default). Collective where it returns one; valid until :meth:`close`."""
         return None
 
+    def tune(self, bufs: list[Array]) -> None:
+        """Collective: prepare for non-blocking operations on buffers like these (``auto`` picks its
+        strategy for their sizes now rather than in the middle of a step). The default does nothing."""
+        return None
+
     def describe(self) -> str:
+        """What this reducer runs, in a few plain words (the banner's all-reduce line)."""
         return self.name
 
     def close(self) -> None:
-        return None
+        """Collective: free the communicator and any window. The reducer is unusable afterwards."""
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()

@@ -1,30 +1,24 @@
-"""Reductions of buffers that live in node-shared memory: every rank reads its peers' buffers in place.
+"""``shared``: every rank on one node; buffers in node-shared memory are summed from the peers' copies.
 
-``SharedArena(node, n, dtype)`` gives each rank of one node a buffer of n
-elements in one MPI-3 shared window (``MPI_Win_allocate_shared``) and maps
-every peer's. Data parallelism keeps its gradient buffer there (see
-``Reducer.shared_buffer``); then a bucket, which sits at the same offset on
-every rank, needs no message carrying data at all:
+:meth:`SharedReducer.shared_buffer` gives each rank n elements of one MPI-3
+shared window that every rank maps. Data parallelism keeps its gradients there,
+so a bucket (at the same offset on every rank) moves no data in messages:
 
-- reduce-scatter: once every peer says its bucket is written, rank r adds
-  chunk r of all k buffers in rank order, x0 + x1 + ... + x(k-1), reading the
-  peers' memory directly: one add, where the direct operations
-  (mpisgd.comm.direct) first copy each peer's chunk into scratch;
-- all-reduce: that, into its own chunk, then each rank copies every peer's
-  reduced chunk into place (one copy, as in the direct all-reduce).
+1. "written": each rank sends its peers the bucket's (offset, size) and checks
+   theirs, so ranks that start different buckets raise instead of adding
+   the wrong memory;
+2. rank r adds chunk r of all k buffers in rank order, x0 + x1 + ..., straight
+   from the peers' memory, into its own chunk (all-reduce) or ``out``
+   (reduce-scatter), then sends "summed";
+3. all-reduce only: it copies every peer's reduced chunk into place, then
+   sends "copied". An operation completes only when no peer will read this
+   rank's buffer again, so the caller may then overwrite it.
 
-Ranks tell each other where they are with small messages (the bucket's
-offset and size, checked on arrival, so ranks that disagree raise instead of
-adding the wrong memory): "written" (phase 1), "summed, done reading yours"
-(phase 2) and, for an all-reduce, "copied" (phase 3). An operation completes
-only when no peer will read this rank's buffer again, so the caller may then
-overwrite it. A ``MPI_Win_sync`` on each side of every message is the memory
-fence the MPI standard asks for between the stores of one process and the
-loads of another.
-
-Same summation order as the direct operations and the deterministic ring, so
-the same bits. Like them, a later phase is posted only when the handle is
-tested (the Reducer contract on several open handles applies).
+``MPI_Win_sync`` on each side of every message is the memory fence between one
+process's stores and another's loads. Later phases are posted when the handle
+is tested. Buffers outside the window go to ``mpi``. The window lives in
+``/dev/shm``, where a full tmpfs kills the job with SIGBUS at a page's first
+touch, so no rank gets a buffer unless every rank has twice its size free.
 """
 
 from __future__ import annotations
@@ -35,11 +29,21 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.comm.base import Array, ScratchPool, add_in_rank_order, check_chunks, chunk_bounds
+from mpisgd.comm.base import (
+    Array,
+    Handle,
+    Reducer,
+    ScratchPool,
+    add_in_rank_order,
+    check_chunks,
+    chunk_counts,
+    on_one_node,
+)
+from mpisgd.comm.mpi import MpiReducer
 
 TAG_BASE = 16_400
 TAG_TRIPLES = 4_096  # operations in flight at once before a tag comes round again
-SHM_DIR = "/dev/shm"  # where MPICH and Open MPI back shared windows on Linux: a tmpfs, often small in containers
+SHM_DIR = "/dev/shm"  # where MPICH and Open MPI back shared windows on Linux
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int | None:
@@ -51,84 +55,30 @@ def shm_free_bytes(path: str = SHM_DIR) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-class SharedArena:
-    """One buffer of n elements per rank of ``node`` in a shared window; ``mine`` is this rank's."""
-
-    def __init__(self, node: Any, n: int, dtype: Any) -> None:
-        self.node = node  # owned: freed in close()
-        self.k, self.r = node.Get_size(), node.Get_rank()
-        self.dtype = np.dtype(dtype)
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages, first touched by it
-        self.win = MPI.Win.Allocate_shared(max(1, n) * self.dtype.itemsize, self.dtype.itemsize, info, comm=node)
-        info.Free()
-        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: Sync() is the fence
-        self.bufs = [np.frombuffer(self.win.Shared_query(p)[0], dtype=self.dtype, count=n) for p in range(self.k)]
-        self.mine = self.bufs[self.r]
-        self.n = n
-        self.scratch = ScratchPool()
-        self.seq = 0
-
-    def offset_of(self, view: Array) -> int | None:
-        """Where ``view`` starts in ``mine`` (elements), if it is a contiguous piece of it; else None."""
-        if not isinstance(view, np.ndarray) or view.dtype != self.dtype or not view.flags.c_contiguous \
-                or view.size == 0:
-            return None
-        delta = view.ctypes.data - self.mine.ctypes.data
-        off, rem = divmod(delta, self.dtype.itemsize)
-        return off if rem == 0 and 0 <= off and off + view.size <= self.n else None
-
-    def next_tag(self) -> int:
-        self.seq += 1
-        return TAG_BASE + 3 * (self.seq % TAG_TRIPLES)
-
-    def allreduce(self, view: Array) -> SharedOp:
-        """Begin view <- the sum over ranks of the same piece of every rank's buffer, in place."""
-        flat = view.reshape(-1)
-        bounds = chunk_bounds(flat.size, self.k)
-        return SharedOp(self, flat, [bounds[c + 1] - bounds[c] for c in range(self.k)], None)
-
-    def reduce_scatter(self, view: Array, out: Array, counts: list[int]) -> SharedOp:
-        """Begin out <- chunk r of that sum (chunk c has counts[c] elements, rank order)."""
-        check_chunks(view.size, out.size, counts, self.k, self.r)
-        return SharedOp(self, view.reshape(-1), list(counts), out.reshape(-1))
-
-    def close(self) -> None:
-        """Collective. Views of ``mine`` must not be used afterwards (data parallelism copies its
-        gradients out first)."""
-        self.bufs, self.mine = [], None
-        self.scratch.clear()
-        self.win.Unlock_all()
-        self.win.Free()
-        self.node.Free()
-
-
 class SharedOp:
-    """One in-flight operation on a piece of the arena (a Handle)."""
+    """One in-flight operation on a piece of the window (a Handle)."""
 
-    def __init__(self, arena: SharedArena, view: Array, counts: list[int], out: Array | None) -> None:
-        off = arena.offset_of(view)
-        if off is None:
-            raise ValueError("a shared-memory reduction needs a contiguous piece of this rank's arena buffer")
-        self.arena, self.out, self.gather = arena, out, out is None
-        k, r = arena.k, arena.r
+    def __init__(self, red: SharedReducer, off: int, counts: list[int], out: Array | None) -> None:
+        k, r = red.size, red.rank
+        self.red, self.out, self.gather = red, out, out is None
         self.bounds = [off]
         for c in counts:
             self.bounds.append(self.bounds[-1] + c)
         self.peers = [p for p in range(k) if p != r]
-        self.tag = arena.next_tag()
-        self.me = np.array([off, view.size], dtype=np.int64)
+        red.seq += 1
+        self.tag = TAG_BASE + 3 * (red.seq % TAG_TRIPLES)
+        self.me = np.array([off, self.bounds[-1] - off], dtype=np.int64)
         self.theirs = np.zeros((len(self.peers), 2), dtype=np.int64)
-        arena.win.Sync()  # this bucket's stores, visible before "written" goes out
-        self.reqs = [arena.node.Irecv(self.theirs[i], p, self.tag) for i, p in enumerate(self.peers)]
-        self.reqs += [arena.node.Isend(self.me, p, self.tag) for p in self.peers]
+        red.win.Sync()  # this bucket's stores, visible before "written" goes out
+        self.reqs = [red.comm.Irecv(self.theirs[i], p, self.tag) for i, p in enumerate(self.peers)]
+        self.reqs += [red.comm.Isend(self.me, p, self.tag) for p in self.peers]
         self.phase = 1  # 1: waiting for "written"; 2: for "summed"; 3: for "copied"; 4: done
 
     def _signal(self, tag: int) -> None:
         """Tell every peer we are past this phase, and post the receives of theirs."""
-        node = self.arena.node
-        self.reqs = [node.Irecv([None, 0, MPI.BYTE], p, tag) for p in self.peers]
-        self.reqs += [node.Isend([None, 0, MPI.BYTE], p, tag) for p in self.peers]
+        comm = self.red.comm
+        self.reqs = [comm.Irecv([None, 0, MPI.BYTE], p, tag) for p in self.peers]
+        self.reqs += [comm.Isend([None, 0, MPI.BYTE], p, tag) for p in self.peers]
 
     def _sum(self) -> None:
         bad = [p for i, p in enumerate(self.peers) if (self.theirs[i] != self.me).any()]
@@ -136,21 +86,21 @@ class SharedOp:
             raise RuntimeError(f"shared-memory reduction: rank(s) {bad} reduce a different piece of the buffer "
                                f"(offset, size {dict(zip(self.peers, map(tuple, self.theirs.tolist())))}, "
                                f"this rank {tuple(self.me.tolist())}); ranks called different operations")
-        a = self.arena
-        a.win.Sync()  # the peers' stores, visible to our loads
-        lo, hi = self.bounds[a.r], self.bounds[a.r + 1]
-        parts = [buf[lo:hi] for buf in a.bufs]  # rank order; parts[r] is our own chunk
-        add_in_rank_order(parts, self.out if self.out is not None else parts[a.r], a.r, a.scratch)
-        a.win.Sync()
+        red = self.red
+        red.win.Sync()  # the peers' stores, visible to our loads
+        lo, hi = self.bounds[red.rank], self.bounds[red.rank + 1]
+        parts = [buf[lo:hi] for buf in red.bufs]  # rank order; parts[r] is our own chunk
+        add_in_rank_order(parts, self.out if self.out is not None else parts[red.rank], red.scratch)
+        red.win.Sync()
         self._signal(self.tag + 1)
         self.phase = 2
 
     def _copy(self) -> None:
-        a = self.arena
-        a.win.Sync()
+        red = self.red
+        red.win.Sync()
         for p in self.peers:  # every peer's reduced chunk, from its buffer into ours
             lo, hi = self.bounds[p], self.bounds[p + 1]
-            a.mine[lo:hi] = a.bufs[p][lo:hi]
+            red.mine[lo:hi] = red.bufs[p][lo:hi]
         self._signal(self.tag + 2)
         self.phase = 3
 
@@ -173,3 +123,87 @@ class SharedOp:
 
     def wait(self) -> None:
         self._advance(block=True)
+
+
+class SharedReducer(Reducer):
+    """Pieces of :meth:`shared_buffer` are reduced in place from the peers' memory; other buffers go to mpi."""
+
+    name = "shared"
+    native_reduce_scatter = True
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        if not on_one_node(self.comm):
+            self.comm.Free()
+            raise ValueError("the shared strategy needs every rank on one node; use auto, mpi or ring")
+        self.other = MpiReducer(self.comm)
+        self.win: Any = None
+        self.bufs: list[Array] = []  # every rank's buffer, rank order, mapped here
+        self.mine: Array | None = None
+        self.scratch = ScratchPool()
+        self.seq = 0
+        self.refused = ""  # why shared_buffer() said no, for describe()
+
+    def shared_buffer(self, n: int, dtype: Any) -> Array | None:
+        """This rank's part of a window of n elements per rank (once per reducer; collective), or None."""
+        if self.win is not None:
+            return None
+        dtype = np.dtype(dtype)
+        need = self.size * n * dtype.itemsize
+        free = shm_free_bytes()
+        if not self.comm.allreduce(free is None or free >= 2 * need, op=MPI.LAND):
+            self.refused = f"{need / 2**20:.0f} MiB wanted, twice that not free in {SHM_DIR} on some rank"
+            return None
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages, first touched by it
+        self.win = MPI.Win.Allocate_shared(max(1, n) * dtype.itemsize, dtype.itemsize, info, comm=self.comm)
+        info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: Sync() is the fence
+        self.bufs = [np.frombuffer(self.win.Shared_query(p)[0], dtype=dtype, count=n) for p in range(self.size)]
+        self.mine = self.bufs[self.rank]
+        return self.mine
+
+    def offset_of(self, view: Array) -> int | None:
+        """Where ``view`` starts in this rank's window buffer (elements), if it is a contiguous piece of it."""
+        mine = self.mine
+        if mine is None or not isinstance(view, np.ndarray) or view.dtype != mine.dtype \
+                or not view.flags.c_contiguous or view.size == 0:
+            return None
+        off, rem = divmod(view.ctypes.data - mine.ctypes.data, mine.itemsize)
+        return off if rem == 0 and 0 <= off and off + view.size <= mine.size else None
+
+    def allreduce_(self, buf: Array) -> None:
+        self.start(buf).wait()
+
+    def allreduce(self, src: Array, dst: Array) -> None:
+        self.other.allreduce(src, dst)
+
+    def start(self, buf: Array) -> Handle:
+        off = self.offset_of(buf)
+        if off is None:
+            return self.other.start(buf)
+        return SharedOp(self, off, chunk_counts(buf.size, self.size), None)
+
+    def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
+        off = self.offset_of(buf)
+        if off is None:
+            return self.other.start_reduce_scatter(buf, out, counts)
+        check_chunks(buf.size, out.size, counts, self.size, self.rank)
+        return SharedOp(self, off, list(counts), out.reshape(-1))
+
+    def describe(self) -> str:
+        if self.win is not None:
+            return "node-shared buffer on this node"
+        return "mpi (no node-shared buffer" + (f": {self.refused})" if self.refused else ")")
+
+    def close(self) -> None:
+        """Collective. Views of the shared buffer must not be used afterwards (data parallelism copies
+        its gradients out first)."""
+        self.bufs, self.mine = [], None
+        self.scratch.clear()
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
+        self.other.close()
+        super().close()

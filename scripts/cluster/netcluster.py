@@ -20,7 +20,7 @@ namespaces of the same kernel, so nothing crosses the veth; ``UCX_TLS=tcp,self``
 sends inter-host data over TCP through the links, while MPICH's own
 shared memory still serves ranks of the same emulated host, as on a real node.
 ``MPIR_CVAR_NOLOCAL=1`` would make every rank its own "node", breaking the
-``MPI.COMM_TYPE_SHARED`` split that hierarchical all-reduce relies on.
+``MPI.COMM_TYPE_SHARED`` split that the node layout (and the node-shared buffer) rely on.
 
 Every run reads the links' byte counters, so a silent fallback to shared memory
 cannot pass as a multi-node run. Everything created (namespaces, links, qdiscs,

@@ -1,4 +1,5 @@
-"""Data parallelism under real MPI (run by scripts/test.sh with mpiexec -n 2 and -n 3).
+"""Data parallelism under real MPI (run by scripts/test.sh with mpiexec -n 2 and -n 3; test_comm.py
+runs it at k = 4).
 
 Size-agnostic: the reference is the same computation on one rank (COMM_SELF)
 with the global batch, computed on every rank, so any k checks the seed's
@@ -7,37 +8,49 @@ equivalence. Every collective is reached by all ranks before any assert.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
+from conftest import world
 
+from mpisgd.comm import create_reducer
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
-from mpisgd.nn import mlp
+from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError, verify_same
 
 pytestmark = pytest.mark.mpi(min_size=2)
+STRATEGIES = ("mpi", "ring", "auto", "shared", "deterministic")
 
 
-def world():
-    from mpi4py import MPI
+class SummedLoss(SoftmaxCrossEntropy):
+    """The classic bug as a loss: its gradient is k times too large (summed over ranks, not averaged)."""
 
-    return MPI.COMM_WORLD
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def backward(self, scale=None):
+        return super().backward(scale * self.k)
 
 
 def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
           allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, shard: bool = False,
-          shared_grads: bool = True, **opt) -> DataParallel:
+          shared_grads: bool = True, deterministic: bool = False, dtype: str = "float64", hidden=(16, 8),
+          **opt) -> DataParallel:
     """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
     k = comm.Get_size()
     rank = comm.Get_rank() if rank is None else rank
     data = synthetic(512, seed=0)
-    model = mlp((16, 8)).materialize(np, "float64", seed=0)
+    model = mlp(hidden).materialize(np, dtype, seed=0)
     optimizer = SGD(model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
                     weight_decay=opt.get("weight_decay", 1e-3),
                     momentum_correction=opt.get("momentum_correction", False))
-    dp = DataParallel(model, optimizer, comm, allreduce=allreduce, average=average, bucket_cap_mb=bucket_mb,
-                      overlap=overlap, shard_optimizer=shard, shared_grads=shared_grads)
-    loader = BatchLoader(data, np, "float64")
+    dp = DataParallel(model, optimizer, comm, reducer=create_reducer(allreduce, comm, deterministic=deterministic),
+                      loss=None if average else SummedLoss(k), bucket_cap_mb=bucket_mb, overlap=overlap,
+                      shard_optimizer=shard, shared_grads=shared_grads)
+    loader = BatchLoader(data, np, dtype)
     batches = GlobalBatches(len(data), k * local_batch, rank, k)
     for step in range(steps):
         perm = epoch_permutation(len(data), 0, step // batches.steps_per_epoch)
@@ -187,7 +200,8 @@ def test_finite_check_is_exact(dtype):
     ("auto", 0.0005, True, {"nesterov": True}),
     ("auto", 0.0005, False, {"momentum_correction": True}),
     ("ring", 0.0005, True, {"momentum": 0.0}),
-    ("hierarchical", 25.0, True, {}),
+    ("deterministic", 25.0, True, {}),
+    ("shared", 0.0005, True, {}),
 ])
 def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, bucket_mb, overlap, opt):
     comm = world()
@@ -214,7 +228,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
     dp = train(comm, b, steps, allreduce="auto", bucket_mb=bucket_mb, overlap=overlap, shard=shard)
-    arena = dp.reducer.arena
+    arena = dp.reducer.shared
     in_arena = arena is not None and arena.offset_of(dp.flat.grads) == 0
     layer_grads_in_arena = all(arena.offset_of(g.reshape(-1)) is not None
                                for layer in dp.model.layers for g in layer.grads.values())
@@ -228,7 +242,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     off = train(comm, b, 1, allreduce="auto", shared_grads=False)
     off_shared = off.shared_grads
     off.close()
-    assert dp.reducer.arena is None and not dp.shared_grads
+    assert arena.win is None and not dp.shared_grads
     assert in_arena and layer_grads_in_arena  # the layers write their gradients there, not a stale copy
     assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
     assert n_buckets > 1 or bucket_mb > 1
@@ -292,10 +306,34 @@ def test_sharded_finite_vote_reaches_every_rank():
     assert skipped == 1 and same
 
 
-def test_sharded_step_refuses_gpu_buffers_before_any_communication():
-    class GpuBackend:  # what DataParallel reads of mpisgd.backend.Backend
-        is_gpu = True
-
+def test_sharded_step_refuses_gpu_buffers_before_any_communication(monkeypatch):
+    monkeypatch.setattr("mpisgd.parallel.is_device_array", lambda a: True)  # parameters "on a GPU"
     model = mlp((8,)).materialize(np, "float64")
     with pytest.raises(ValueError, match="host buffers only"):
-        DataParallel(model, SGD(model.flat), world(), backend=GpuBackend(), shard_optimizer=True)
+        DataParallel(model, SGD(model.flat), world(), shard_optimizer=True)
+    with pytest.raises(ValueError, match="device=True"):
+        DataParallel(model, SGD(model.flat), world(), reducer=create_reducer("mpi", world()))
+
+
+# -- every strategy under data parallelism --------------------------------------------------------------
+def digest(dp: DataParallel) -> str:
+    value = hashlib.sha256(dp.flat.params.tobytes()).hexdigest()
+    dp.close()
+    return value
+
+
+def test_deterministic_training_is_bitwise_the_same_for_every_strategy_bucket_and_overlap():
+    """--deterministic: every strategy sums in rank order (auto and shared through the node-shared
+    buffer, the others through the deterministic strategy at k >= 3; at k = 2 any order is exact)."""
+    digests = {(s, b, o): digest(train(world(), 8, 6, allreduce=s, bucket_mb=b, overlap=o, deterministic=True,
+                                       dtype="float32", hidden=(32, 16), weight_decay=1e-3))
+               for s in STRATEGIES for b in (0.001, 0.004, 25.0) for o in (True, False)}
+    everywhere = world().allgather(digests)
+    assert len({d for per in everywhere for d in per.values()}) == 1, everywhere[0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_overlap_on_and_off_give_the_same_bits(strategy):
+    on = digest(train(world(), 8, 6, allreduce=strategy, bucket_mb=0.002, overlap=True, dtype="float32"))
+    off = digest(train(world(), 8, 6, allreduce=strategy, bucket_mb=0.002, overlap=False, dtype="float32"))
+    assert all(world().allgather(on == off))

@@ -1,4 +1,7 @@
-"""The training run behind the CLI: set-up, the epoch loop, evaluation, metrics."""
+"""The training run behind the CLI: set-up, the epoch loop, evaluation, checkpoints, metrics records.
+
+What rank 0 prints is formatted in mpisgd.report.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +12,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mpisgd import __version__
+from mpisgd import report
 from mpisgd.backend import set_threads, to_numpy
 from mpisgd.checkpoint import CheckpointError, TrainState, check_compatible, find_resume, save_checkpoint
+from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
-from mpisgd.context import Context, agree, default_threads, init
+from mpisgd.context import Context, agree, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
-from mpisgd.metrics import MetricsWriter, format_epoch, peak_rss_mib, progress_bar
+from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError
+from mpisgd.report import peak_rss_mib
 from mpisgd.schedule import Schedule, effective_batch
 from mpisgd.timeline import Timeline
 
@@ -35,20 +40,20 @@ class Trainer:
         self.is_root = self.rank == 0
         self._agreed(self._verify_config)
         self._agreed(self._verify_device_options)
-        self.threads = cfg.threads or default_threads(self.ctx.local_size)
+        self.threads, self.threads_from = blas_threads(cfg.threads, self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
             set_threads(self.threads)
+        self.fail_at = _injected_failure()
         self.train_set, self.test_set, self.data_source = self._agreed(self._load_data)
         xp = self.ctx.xp
         self.model = build_model(cfg.model, cfg.hidden).materialize(xp, cfg.dtype, cfg.seed)
         self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
         self.timeline = Timeline(enabled=bool(cfg.timeline), rank=self.rank)
-        self.dp = DataParallel(self.model, self.optimizer, world, backend=self.ctx.backend,
-                               allreduce=cfg.allreduce, average=cfg.grad_reduction == "mean",
-                               bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, on_nan=cfg.on_nan,
-                               timeline=self.timeline, deterministic=cfg.deterministic,
-                               compress=cfg.compress, cuda_aware=cfg.cuda_aware, watchdog=self._watchdog(),
-                               shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads)
+        reducer = self._agreed(lambda: self._reducer(cfg))
+        self.dp = DataParallel(self.model, self.optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_mb,
+                               overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=self.timeline,
+                               watchdog=self._watchdog(), shard_optimizer=cfg.shard_optimizer,
+                               shared_grads=cfg.shared_grads)
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))
@@ -63,6 +68,13 @@ class Trainer:
         self._resume()
 
     # -- helpers ------------------------------------------------------------------------
+    def _reducer(self, cfg: Config) -> Any:
+        try:
+            return create_reducer(cfg.allreduce, self.world, deterministic=cfg.deterministic,
+                                  device=self.ctx.backend.is_gpu, cuda_aware=cfg.cuda_aware)
+        except ValueError as exc:  # a strategy that cannot run here: every rank finds it alike
+            raise UsageError(str(exc)) from None
+
     def _watchdog(self) -> Any:
         if not self.cfg.stall_timeout:
             return None
@@ -119,62 +131,6 @@ class Trainer:
     def log(self, msg: str) -> None:
         if self.is_root:
             print(msg, flush=True)
-
-    def banner(self) -> None:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        cfg, ctx, s = self.cfg, self.ctx, self.schedule
-        flat = self.model.flat
-        assert flat is not None
-        lib = MPI.Get_library_version().splitlines()[0].strip()
-        ranks = self.world.gather((ctx.host, ctx.local_rank, ctx.backend.gpu_id), root=0)
-        if not self.is_root:
-            return
-        self.log(f"mpisgd {__version__} | {lib} | k={self.k} rank(s) on {ctx.n_nodes} node(s)")
-        self.log(f"device: {ctx.backend.describe()}" + (f" ({ctx.backend_note})" if ctx.backend_note else "")
-                 + (f" | BLAS threads per rank: {self.threads}" if ctx.backend.device == "cpu" else ""))
-        self.log(f"model: {cfg.model} {self.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB "
-                 f"{flat.dtype}")
-        self.log(f"data: {self.data_source} | train {len(self.train_set)} test {len(self.test_set)}")
-        self.log(f"batch: b={cfg.batch_size} per rank x k={self.k} x m={cfg.accum_steps} accumulation = "
-                 f"effective B={self.B} | {self.batches.steps_per_epoch} steps/epoch, {self.total_steps} steps")
-        self.log(f"lr: eta0={cfg.lr:g} for B0={cfg.base_batch}, {cfg.lr_scaling} scaling -> {s.peak_lr:.4g}, "
-                 f"warmup {s.warmup_steps} steps, decay {cfg.decay}")
-        bucket_mb = [f"{(b.stop - b.start) * flat.dtype.itemsize / 2**20:.2f}" for b in self.dp.buckets]
-        self.log(f"all-reduce: {self.dp.reducer.describe()} | {len(bucket_mb)} bucket(s) of "
-                 f"{', '.join(bucket_mb)} MiB | overlap {'on' if cfg.overlap else 'off'} | "
-                 f"gradient {cfg.grad_reduction}{'' if cfg.grad_reduction == 'mean' else ' (NOT divided by k)'}")
-        if cfg.shard_optimizer and not self.dp.sharded:
-            self.log("optimizer step: not sharded (--shard-optimizer has nothing to split at k=1)")
-        if self.dp.sharded:
-            self.log(f"optimizer step: sharded (reduce-scatter of each bucket; each rank updates 1/{self.k} of "
-                     "the parameters, then all-gathers them)")
-            if not self.dp.reducer.native_reduce_scatter:
-                opts = f"--allreduce {cfg.allreduce}" + (" --compress fp16" if cfg.compress != "none" else "") \
-                    + (" --deterministic" if cfg.deterministic else "")
-                self.log(f"warning: with {opts} there is no reduce-scatter, so the sharded step runs a full "
-                         "all-reduce and then the all-gather: more traffic than unsharded (--allreduce auto or "
-                         "mpi reduce-scatter)")
-        self.log("rank map: " + ", ".join(f"{r}:{h}/local {lr}" + ("" if g is None else f"/gpu {g}")
-                                          for r, (h, lr, g) in enumerate(ranks or [])))
-        self._warn_placement(ranks or [])
-
-    def _warn_placement(self, ranks: list[tuple[str, int, int | None]]) -> None:
-        gpus = [(h, g) for h, _, g in ranks if g is not None]
-        if len(set(gpus)) < len(gpus):
-            self.log("warning: several ranks share a GPU; expect them to contend for it")
-        per_host: dict[str, int] = {}
-        for h, _, _ in ranks:
-            per_host[h] = per_host.get(h, 0) + 1
-        cores = os.cpu_count() or 1  # the node's cores (a bound rank's affinity shows only its own)
-        worst = max(per_host.values())
-        if self.ctx.backend.device == "cpu" and worst * self.threads > cores:
-            self.log(f"warning: {worst} rank(s) x {self.threads} thread(s) on a node with {cores} core(s): "
-                     "oversubscribed, expect slow steps")
-        if self.ctx.backend.device == "cpu" and self.cfg.compress == "fp16" and self.k > 1:
-            # measured: k=2 reference workload 2,140 against 9,700 samples/s (docs/allreduce.md)
-            self.log("warning: --compress fp16 on the CPU: NumPy's float16 casts and sums run in software, "
-                     "so communication gets several times slower, not faster; it pays off on GPUs")
 
     # -- checkpoints ----------------------------------------------------------------------
     def _resume(self) -> None:
@@ -238,12 +194,14 @@ class Trainer:
     # -- training -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         cfg, dp = self.cfg, self.dp
-        self.banner()
+        places = self.world.gather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id), root=0)
+        for line in report.banner(self, places or []):
+            self.log(line)
         spe = self.batches.steps_per_epoch
         n_epochs = -(-self.total_steps // spe)
         for epoch in range(self.start_epoch, n_epochs):
             perm = epoch_permutation(len(self.train_set), cfg.seed, epoch)
-            bar = progress_bar(spe, self.is_root and cfg.progress != "off", f"epoch {epoch + 1}")
+            bar = report.progress_bar(spe, cfg.progress if self.is_root else "off", f"epoch {epoch + 1}")
             dp.times = type(dp.times)()
             loss_sum = self.ctx.xp.zeros((), dtype=cfg.dtype)
             steps = 0
@@ -279,9 +237,8 @@ class Trainer:
         return self.history
 
     def _maybe_fail(self) -> None:
-        if self.cfg.fail_at_step is not None and self.global_step == self.cfg.fail_at_step \
-                and self.rank == self.cfg.fail_rank:
-            raise RuntimeError(f"injected failure at step {self.global_step} (--fail-at-step)")
+        if self.fail_at == (self.global_step, self.rank):
+            raise RuntimeError(f"injected failure at step {self.global_step} ($MPISGD_FAIL_AT_STEP)")
 
     def evaluate(self) -> float:
         """Test accuracy: each rank scores a disjoint part of the test set, counts are summed."""
@@ -326,10 +283,11 @@ class Trainer:
             "world_size": self.k, "effective_batch": self.B,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (self.k - 1) / self.k,
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
+            "allreduce": self.dp.describe(),
         }
         self.history.append(record)
         self.metrics.write(record)
-        self.log(format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
+        self.log(report.format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
 
     def _state_mib(self) -> float:
         """What training needs in memory, in MiB (the speed issue's bound counts these): parameters,
@@ -346,19 +304,8 @@ class Trainer:
             save_params(cfg.save_model, self.model)
         if cfg.timeline:
             self.timeline.save(f"{cfg.timeline}.rank{self.rank}.json")
-        wall = time.perf_counter() - self.t_launch
-        acc = self.history[-1]["test_acc"] if self.history else float("nan")
-        last = self.history[-1] if self.history else {}
-        if self.k > 1 and last.get("bucket_busbw_gbps"):
-            self.log(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s achieved in training (start "
-                     f"to completion, overlapped with backward), {last['comm_exposed_ms']:.2f} ms/step exposed of "
-                     f"{last['comm_total_ms']:.2f} ms/step in flight; compare benchmarks/allreduce_bw.py")
-        peak = f" | peak memory {last['peak_rss_mib']:.0f} MiB per rank (RSS, largest rank" if last else ""
-        if last and not self.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
-            peak += (f"; {last['rss_start_mib']:.0f} at start-up, before any data, then {last['state_mib']:.0f} "
-                     "of parameters, gradients, momentum, activations and data")
-        peak += ")" if last else ""
-        self.log(f"final test accuracy {acc:.4f} after {self.global_step} steps | wall time {wall:.1f} s{peak}")
+        for line in report.final_lines(self, time.perf_counter() - self.t_launch):
+            self.log(line)
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
@@ -367,3 +314,13 @@ class Trainer:
         if collective:
             self.dp.close()
 
+
+
+def _injected_failure() -> tuple[int, int] | None:
+    """(step, rank) from $MPISGD_FAIL_AT_STEP ("STEP" or "STEP:RANK", rank 0 by default): the failure tests
+    raise an error there, on that rank only, to check that the whole job ends."""
+    text = os.environ.get("MPISGD_FAIL_AT_STEP", "")
+    if not text:
+        return None
+    step, _, rank = text.partition(":")
+    return int(step), int(rank or 0)

@@ -1,0 +1,146 @@
+"""What rank 0 prints: the banner, the progress bar, one line per epoch, the final line, memory in parts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+MAX_WIDTH = 120  # a banner line longer than this is cut, ending in "..."
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix only
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def progress_bar(total: int, mode: str, desc: str) -> Any:
+    """A tqdm bar on stderr: with ``on`` always (under mpiexec rank 0's stderr is a pipe that the launcher
+    forwards, so only ``on`` shows one there), with ``auto`` only when stderr is a terminal."""
+    if mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+        return _NoBar()
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5,
+                dynamic_ncols=sys.stderr.isatty(), ncols=None if sys.stderr.isatty() else 100)
+
+
+def fit(line: str) -> str:
+    return line if len(line) <= MAX_WIDTH else line[:MAX_WIDTH - 3] + "..."
+
+
+def rank_map(places: list[tuple[str, int, int | None]]) -> str:
+    """'host-a: ranks 0-3 | host-b: ranks 4-7' (GPU ids when there are any), one group per host."""
+    hosts: dict[str, list[tuple[int, int | None]]] = {}
+    for r, (host, _, gpu) in enumerate(places):
+        hosts.setdefault(host, []).append((r, gpu))
+    groups = []
+    for host, ranks in hosts.items():
+        ids = [r for r, _ in ranks]
+        span = f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else \
+            ",".join(map(str, ids))
+        gpus = [g for _, g in ranks if g is not None]
+        groups.append(f"{host}: rank{'s' if len(ids) > 1 else ''} {span}" + (f" on gpu {','.join(map(str, gpus))}"
+                                                                             if gpus else ""))
+    return " | ".join(groups)
+
+
+def format_epoch(r: dict[str, Any], epochs: int) -> str:
+    """One epoch: loss, accuracy, speed, the share of the step spent waiting for communication."""
+    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  test_acc {r['test_acc']:.4f}  "
+            f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
+            f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s")
+
+
+def memory_line(peak: float, start: float, state: float) -> str:
+    """Peak RSS in parts that add up: start-up (interpreter, NumPy, MPI; no data yet), what training
+    holds (parameters, gradients, optimizer state, activations, data), and the rest (temporaries,
+    the allocator's slack, pages of peers' shared gradients this rank read)."""
+    other = max(0.0, peak - start - state)
+    return (f"memory: peak {peak:.0f} MiB per rank (largest rank) = {start:.0f} at start-up + {state:.0f} "
+            f"training state + {other:.0f} other")
+
+
+def describe_model(model: Any) -> str:
+    """The layers that hold parameters, each with its weight's shape."""
+    parts = [f"{type(layer).__name__} {'x'.join(map(str, layer.param_shapes[0][1]))}"
+             for layer in model.layers if layer.param_shapes]
+    return ", ".join(parts)
+
+
+def describe_optimizer(cfg: Any) -> str:
+    """The update rule's settings, as given."""
+    parts = ["SGD"] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
+                       else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
+    return ", ".join(parts)
+
+
+def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
+    """The run in one short line per concern (rank 0; ``t`` is the Trainer)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    cfg, ctx, s, flat = t.cfg, t.ctx, t.schedule, t.model.flat
+    library = " ".join(MPI.Get_library_version().splitlines()[0].replace("\x00", "").split())  # Open MPI: a NUL
+    device = "cpu, NumPy" if not ctx.backend.is_gpu else ctx.backend.describe()
+    if ctx.backend_note:
+        device += f" ({ctx.backend_note})"
+    if not ctx.backend.is_gpu:
+        device += f" | BLAS threads per rank: {t.threads} ({t.threads_from})"
+    scaled = f"{cfg.lr_scaling} scaling -> {s.peak_lr:.4g}" if s.peak_lr != cfg.lr else f"{cfg.lr_scaling} scaling"
+    lines = [
+        f"mpisgd | {library} | k={t.k} rank(s) on {ctx.n_nodes} node(s) | {rank_map(places)}",
+        f"device: {device}",
+        f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
+        f"{describe_model(t.model)}",
+        f"data: {t.data_source} | {len(t.train_set):,} train, {len(t.test_set):,} test",
+        f"batch: b={cfg.batch_size} per rank x k={t.k} x m={cfg.accum_steps} accumulated = B={t.B} | "
+        f"{t.batches.steps_per_epoch} steps/epoch, {t.total_steps} steps",
+        f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
+        f"optimizer: {describe_optimizer(cfg)} | " + (
+            f"step sharded: each rank updates 1/{t.k} of the parameters, then all-gather" if t.dp.sharded else
+            "step not sharded (--shard-optimizer has nothing to split at k=1)" if cfg.shard_optimizer else
+            "the same step on every rank"),
+        f"all-reduce: {t.dp.describe()}",
+    ]
+    if getattr(t.dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
+        lines.append(f"cuda-aware MPI: {t.dp.reducer.why}")
+    if t.dp.sharded and not t.dp.reducer.native_reduce_scatter:
+        lines.append(f"warning: --allreduce {cfg.allreduce} has no reduce-scatter, so the sharded step runs a "
+                     "full all-reduce, then the all-gather")
+    gpus = [(h, g) for h, _, g in places if g is not None]
+    if len(set(gpus)) < len(gpus):
+        lines.append("warning: several ranks share a GPU; expect them to contend for it")
+    per_host: dict[str, int] = {}
+    for host, _, _ in places:
+        per_host[host] = per_host.get(host, 0) + 1
+    cores = os.cpu_count() or 1  # the node's cores (a bound rank's affinity shows only its own)
+    worst = max(per_host.values(), default=1)
+    if not ctx.backend.is_gpu and worst * t.threads > cores:
+        lines.append(f"warning: {worst} rank(s) x {t.threads} thread(s) on a node with {cores} core(s): "
+                     "oversubscribed, expect slow steps")
+    return [fit(line) for line in lines]
+
+
+def final_lines(t: Any, wall_s: float) -> list[str]:
+    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy, time, memory in parts."""
+    last = t.history[-1] if t.history else {}
+    lines = []
+    if t.k > 1 and last.get("bucket_busbw_gbps"):
+        lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
+                     f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
+    acc = f"{last['test_acc']:.4f}" if last else "n/a (no epoch finished)"
+    lines.append(f"final test accuracy {acc} after {t.global_step} steps | wall time {wall_s:.1f} s")
+    if last and not t.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
+        lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))
+    return lines

@@ -1,0 +1,239 @@
+"""The benchmark scripts: each one's helpers, and a quick real run that checks what it prints and writes
+(the large-batch sweep, training throughput, all-reduce bandwidth, the step profile)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ONE_THREAD, ROOT, run_mpi
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import allreduce_bw  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+# scripts/test.sh also runs this file on every rank under mpiexec: what starts its own processes runs once
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
+    a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD", "MPIR_CVAR_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)} | ONE_THREAD
+
+
+def is_png(path: Path) -> bool:
+    return path.exists() and path.read_bytes()[:8] == PNG
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import large_batch
+    finally:
+        sys.path.pop(0)
+    return large_batch
+
+
+def test_large_batch_split_keeps_micro_batch_bounded():
+    lb = _bench()
+    assert lb.split_batch(64, 2, 512) == (32, 1)
+    assert lb.split_batch(8192, 2, 512) == (512, 8)
+    with pytest.raises(ValueError):
+        lb.split_batch(63, 2, 512)
+
+
+def test_large_batch_report_writer(tmp_path):
+    lb = _bench()
+    recs = [{"batch": B, "recipe": r, "ranks": 2, "micro_batch": min(B // 2, 512), "accum_steps": max(1, B // 1024),
+             "command": f"cmd {B} {r}", "epochs_budget": 2, "epochs_done": 0 if div else 2,
+             "test_acc": [] if div else [0.8, 0.85], "steps": 10, "diverged": div,
+             "diverged_at_step": 3 if div else None, "wall_s": 1.0}
+            for B in (64, 2048) for r, div in (("none", False), ("linear", B == 2048))]
+    lb.write_report(recs, tmp_path, "test")
+    table = (tmp_path / "large_batch.md").read_text()
+    assert "| 2048 | linear | 2x512x2 | 90.0 | 90.0 | 0/2 | 3 | 1.0 | diverged at step 3 |" in table
+    assert "| 64 | none | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
+    assert is_png(tmp_path / "large_batch.png") and (tmp_path / "large_batch.csv").exists()
+
+
+def test_large_batch_quick_run(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64,1024",
+                        "--recipes", "none,linear+warmup", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads((tmp_path / "large_batch.json").read_text())
+    assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(64, "none"), (64, "linear+warmup"),
+                                                                  (1024, "none"), (1024, "linear+warmup")}
+    assert all(len(x["test_acc"]) == 2 for x in data["runs"])
+    assert is_png(tmp_path / "large_batch.png")
+    again = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64",
+                            "--recipes", "none", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert "skipped" in again.stdout  # finished points are not rerun
+
+
+def test_throughput_ratios_are_paired_within_a_repeat():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+
+    def run(impl, rep, sps, step):
+        return {"impl": impl, "repeat": rep, "samples_per_s": sps, "step_ms": step}
+
+    runs = {"mpisgd k=1": [run("mpisgd k=1", 0, 100, 10.0), run("mpisgd k=1", 1, 50, 20.0)],
+            "mpisgd k=2": [run("mpisgd k=2", 0, 170, 12.0), run("mpisgd k=2", 1, 90, 22.0)],
+            "numpy-loop-1t": [run("numpy-loop-1t", 1, 55, 19.0)],  # repeat 0 failed: left out
+            "torch-ddp-gloo": [run("torch-ddp-gloo", 0, 100, 30.0), run("torch-ddp-gloo", 1, 60, 40.0)]}
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["efficiency k=2 (>= 0.85)"] == pytest.approx([0.85, 0.9])
+    assert ratios["k=1 step / numpy-loop-1t step (<= 1.05)"] == pytest.approx([20.0 / 19.0])
+    assert ratios["k=2 / PyTorch DDP gloo k=2 (>= 1.6)"] == pytest.approx([1.7, 1.5])
+    assert not any("2 BLAS threads" in label or "sharded" in label for label in ratios)  # no such runs
+    runs["mpisgd k=2 sharded"] = [run("mpisgd k=2 sharded", 0, 120, 0), run("mpisgd k=2 sharded", 1, 126, 0)]
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["efficiency k=2 sharded (>= 0.85)"] == pytest.approx([0.6, 1.26])
+    assert ratios["k=2 sharded / k=2"] == pytest.approx([120 / 170, 126 / 90])
+    assert not any("apart" in label for label in ratios)
+    runs["mpisgd k=2 apart"] = [run("mpisgd k=2 apart", 1, 88, 0)]  # repeat 0 missing: paired on repeat 1 only
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["ceiling: k=2 apart / (2 x k=1)"] == pytest.approx([0.88])
+    assert ratios["k=2 / k=2 apart"] == pytest.approx([90 / 88])
+    assert ratios["k=2 sharded / k=2 apart"] == pytest.approx([126 / 88])
+    # --variant launches: each against plain mpisgd, or the sharded one when its options shard
+    runs["mpisgd k=2 private"] = [dict(run("mpisgd k=2 private", 1, 100, 0), options="--no-shared-grads")]
+    runs["mpisgd k=2 private sh"] = [dict(run("mpisgd k=2 private sh", 0, 60, 0),
+                                          options="--no-shared-grads --shard-optimizer")]
+    ratios = tt.paired_ratios(runs, 2)
+    assert ratios["k=2 private / k=2"] == pytest.approx([100 / 90])
+    assert ratios["k=2 private sh / k=2 sharded"] == pytest.approx([60 / 120])
+    # on a GPU: the CuPy loop and DDP over NCCL are the comparisons
+    gpu = {"mpisgd k=1": runs["mpisgd k=1"], "mpisgd k=2": runs["mpisgd k=2"],
+           "cupy-loop": [run("cupy-loop", 0, 120, 8.0)], "torch-ddp-nccl": [run("torch-ddp-nccl", 0, 85, 9.0)]}
+    ratios = tt.paired_ratios(gpu, 2)
+    assert ratios["k=1 step / cupy-loop step (<= 1.05)"] == pytest.approx([10.0 / 8.0])
+    assert ratios["k=2 / PyTorch DDP nccl k=2 (>= 1.6)"] == pytest.approx([2.0])
+
+
+def test_median_interval_covers_the_median_and_narrows_with_repeats():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    assert tt.median_ci([0.8] * 5) == (0.8, 0.8)
+    rng = np.random.default_rng(1)
+    few, many = list(rng.normal(0.85, 0.05, 6)), list(rng.normal(0.85, 0.05, 60))
+    lo6, hi6 = tt.median_ci(few)
+    lo60, hi60 = tt.median_ci(many)
+    assert lo6 <= float(np.median(few)) <= hi6 and lo60 <= float(np.median(many)) <= hi60
+    assert min(few) <= lo6 < hi6 <= max(few)
+    assert hi60 - lo60 < hi6 - lo6  # ten times the repeats: a narrower interval
+    assert lo60 < 0.85 < hi60
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
+def test_throughput_benchmark_smoke_run(tmp_path):
+    """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
+                        "--baselines", "numpy-1t", "--sharded", "--apart", "--variant", "private=--no-shared-grads",
+                        "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads(out.read_text())
+    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "mpisgd k=2 apart",
+                                    "mpisgd k=2 private", "numpy-loop-1t"}
+    assert len(data["ratios"]["k=2 private / k=2"]) == 2
+    # the ceiling pairs each apart launch (two ranks' samples/s summed) with the k=1 launch of its repeat; no
+    # bound on the value itself: epochs this small last a fraction of a second, so timing noise rules them
+    apart = data["runs"]["mpisgd k=2 apart"]
+    one = {x["repeat"]: x["samples_per_s"] for x in data["runs"]["mpisgd k=1"]}
+    assert [x["repeat"] for x in apart] == [0, 1] and all(x["samples_per_s"] > 0 for x in apart)
+    assert data["ratios"]["ceiling: k=2 apart / (2 x k=1)"] == pytest.approx(
+        [x["samples_per_s"] / (2 * one[x["repeat"]]) for x in apart])
+    lo, hi = data["ratio_ci95"]["k=2 / k=2 apart"]
+    assert lo <= statistics.median(data["ratios"]["k=2 / k=2 apart"]) <= hi
+    assert len(data["ratios"]["k=2 sharded / k=2"]) == 2
+    assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
+    assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
+    assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
+    assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
+def test_profile_step_reports_phases_gemm_efficiency_and_spread():
+    r = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--hidden", "64", "--steps", "40"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    phases = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert {"data", "forward", "backward", "optimizer"} <= phases
+    eff = float(r.stdout.split("GEMM efficiency ")[1].split()[0])
+    assert 0 < eff < 2
+    spread = r.stdout.split("spread from pass to pass (sd): GEMMs alone ")[1]
+    assert float(spread.split(" ms")[0]) > 0 and "forward+backward" in spread
+
+
+@pytest.mark.parametrize("text,nbytes", [("4", 4), ("64K", 65536), ("256M", 256 << 20), ("1GiB", 1 << 30),
+                                         ("2kb", 2048)])
+def test_allreduce_bw_sizes_parse(text, nbytes):
+    assert allreduce_bw.parse_size(text) == nbytes
+
+
+def test_allreduce_bw_counts_wrong_elements():
+    k = 3
+    good = ((np.arange(100) % 13 + 1) * (k * (k + 1) // 2)).astype("float32")
+    assert allreduce_bw.count_wrong(good, k) == 0
+    bad = good.copy()
+    bad[[3, 50]] += 1
+    assert allreduce_bw.count_wrong(bad, k) == 2
+
+
+def test_allreduce_bw_runs_verifies_and_writes_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bw.jsonl", tmp_path / "bw.png"
+    res = run_mpi(2, str(ROOT / "benchmarks" / "allreduce_bw.py"), "--max-bytes", "64K", "--step-factor", "16",
+                  "--iters", "3", "--json", str(out), "--plot", str(png), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["backend"] for r in rows} == set(allreduce_bw.CPU_BACKENDS)
+    assert {r["size_bytes"] for r in rows} == {4, 64, 1024, 16384}
+    for r in rows:
+        assert {"backend", "size_bytes", "dtype", "inplace", "time_us", "algbw_gbps", "busbw_gbps", "wrong"} <= set(r)
+        assert r["wrong"] == 0 and r["time_us"] > 0
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 * (2 - 1) / 2, rel=1e-3)
+    assert png.stat().st_size > 1000
+    assert "out of bounds values: 0 OK" in res.stdout
+
+
+def test_allreduce_bw_exits_non_zero_on_a_wrong_result(tmp_path):
+    """A reducer that adds 1 to element 0 must be caught by the #wrong column and the exit code."""
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]\n"
+        "import allreduce_bw\n"
+        "real = allreduce_bw.make_reducer\n"
+        "def broken(*a):\n"
+        "    red = real(*a)\n"
+        "    inner = red.allreduce_\n"
+        "    def wrong(buf):\n"
+        "        inner(buf); buf[0] += 1\n"
+        "    red.allreduce_ = wrong\n"
+        "    return red\n"
+        "allreduce_bw.make_reducer = broken\n"
+        "args = ['--max-bytes', '64', '--backends', 'ring', '--inplace', 'yes', '--iters', '2']\n"
+        "sys.exit(allreduce_bw.main(args))\n")
+    res = run_mpi(2, str(script), timeout=300)
+    assert res.returncode != 0
+    assert "ERROR" in res.stdout

@@ -1,0 +1,106 @@
+"""GPU buffers and MPI (mpisgd.comm.cuda). On a CPU: the probe's decision (every rank agrees; one rank's
+wrong result stages everyone) and the rule that device operations start in the order they were asked
+for, with stand-in events. On a GPU (CuPy and a CUDA device; skipped with the reason elsewhere): device
+buffers through every strategy, staged and, where the probe allows, passed to MPI. Under mpiexec at
+k = 1, 2, 3 (scripts/gpu_check.sh runs k = 2 and 3 on one GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import world
+
+from mpisgd.comm import cuda
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+# -- on any machine ------------------------------------------------------------------------------------
+def test_forced_modes_and_bad_mode():
+    assert cuda.probe_cuda_aware(world(), "direct") == (True, "--cuda-aware direct")
+    assert cuda.probe_cuda_aware(world(), "staged") == (False, "--cuda-aware staged")
+    with pytest.raises(ValueError, match="auto, direct or staged"):
+        cuda.probe_cuda_aware(world(), "sometimes")
+
+
+@pytest.mark.parametrize("library,child,wrong_on_last,want", [
+    ((False, "MPIX_Query_cuda_support"), None, None, (False, "says no")),
+    ((None, "no query function"), (False, "device-buffer probe failed (boom)"), None, (False, "probe failed")),
+    ((True, "MPIX_Query_cuda_support"), (True, "passed"), [], (True, "every call training makes checked")),
+    ((None, "no query function"), (True, "passed"), ["Ialltoallv"], (False, "Ialltoallv on device buffers")),
+])
+def test_probe_decides_alike_on_every_rank(monkeypatch, library, child, wrong_on_last, want):
+    """The library's word, then the crash-safe child, then every training call on the real communicator:
+    one rank's wrong result (here the last rank's all-to-all) makes every rank stage."""
+    comm = world()
+    last = comm.Get_rank() == comm.Get_size() - 1
+    monkeypatch.setattr(cuda, "library_query", lambda: library)
+    monkeypatch.setattr(cuda, "probe_child", lambda: child)
+    monkeypatch.setattr(cuda, "probe_calls", lambda c, xp: (wrong_on_last or []) if last else [])
+    direct, why = cuda.probe_cuda_aware(comm, "auto", xp=object())
+    everyone = comm.allgather(direct)
+    assert all(d == want[0] for d in everyone), everyone
+    assert want[1] in why
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------
+def gpu():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU paths untested here")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CUDA driver missing
+        n = 0
+    if n == 0:
+        pytest.skip("no CUDA device: GPU paths untested here")
+    cupy.cuda.Device(world().Get_rank() % n).use()
+    return cupy
+
+
+def device_values(cupy, n: int, dtype: str, rank: int):
+    return cupy.asarray(((np.arange(n) * 7 + 3 * rank + 1) % 11).astype(dtype))
+
+
+def expected(n: int, dtype: str, k: int) -> np.ndarray:
+    return sum(((np.arange(n) * 7 + 3 * r + 1) % 11).astype("int64") for r in range(k)).astype(dtype)
+
+
+def test_probe_on_the_real_communicator():
+    cupy = gpu()
+    direct, why = cuda.probe_cuda_aware(world(), "auto")
+    assert isinstance(direct, bool) and why
+    wrong = cuda.probe_calls(world(), cupy) if direct else []
+    assert wrong == []
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+@pytest.mark.parametrize("name", ["mpi", "ring", "auto", "deterministic"])
+def test_device_buffers_through_every_strategy(mode, name):
+    cupy = gpu()
+    from mpisgd.comm import create_reducer
+
+    comm = world()
+    if mode == "direct" and not cuda.probe_cuda_aware(comm, "auto")[0]:
+        pytest.skip("MPI is not CUDA-aware here: direct would crash")
+    k, rank = comm.Get_size(), comm.Get_rank()
+    red = create_reducer(name, comm, device=True, cuda_aware=mode)
+    failures = []
+    for dtype in ("float32", "float64", "int32"):
+        for n in (1, 3, 1001, (5 << 20) // 4 + 3):
+            x = device_values(cupy, n, dtype, rank)
+            red.allreduce_(x)
+            if not np.array_equal(cupy.asnumpy(x), expected(n, dtype, k)):
+                failures.append((name, mode, dtype, n))
+        # buckets as training makes them: several in flight, written by kernels just queued, tested in a
+        # rank-dependent order (the starts must still happen in the same order everywhere)
+        xs = [device_values(cupy, n, dtype, rank) * 1 for n in (70_000, 5, 300_001)]
+        handles = [red.start(x) for x in xs]
+        turn = [(i + rank) % 3 for i in range(3)]
+        while not all([handles[i].test() for i in turn]):
+            pass
+        for h in handles:
+            h.wait()
+        for x in xs:
+            if not np.array_equal(cupy.asnumpy(x), expected(x.size, dtype, k)):
+                failures.append((name, mode, dtype, x.size, "start"))
+    red.close()
+    assert [f for per in comm.allgather(failures) for f in per] == []
