@@ -4,11 +4,12 @@ Library use, Horovod-style::
 
     from mpi4py import MPI
     import mpisgd
-    ctx = mpisgd.init(MPI.COMM_WORLD, device="auto")      # node layout, GPU binding
-    model = mpisgd.nn.mlp((256,)).materialize(ctx.xp, "float32", seed=0)
-    opt = mpisgd.SGD(model.flat, momentum=0.9)
-    dp = mpisgd.DataParallel(model, opt, ctx.comm)         # checks shapes, broadcasts rank 0's weights
-    loss = dp.train_step([(x, y)], lr=0.1)                 # grads averaged over ranks, then the step
+    with mpisgd.guard(MPI.COMM_WORLD):                      # an error on one rank ends the whole job
+        ctx = mpisgd.init(MPI.COMM_WORLD, device="auto")    # node layout, GPU binding
+        model = mpisgd.nn.mlp((256,)).materialize(ctx.xp, "float32", seed=0)
+        opt = mpisgd.SGD(model.flat, momentum=0.9)
+        dp = mpisgd.DataParallel(model, opt, ctx.comm)       # checks shapes, broadcasts rank 0's weights
+        loss = dp.train_step([(x, y)], lr=0.1)               # this rank's loss; gradients averaged, same step
 """
 
 __version__ = "0.1.0"
@@ -23,7 +24,8 @@ _LAZY = {
     "SGD": ("mpisgd.optim", "SGD"), "DataParallel": ("mpisgd.parallel", "DataParallel"),
     "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
-    "scaled_lr": ("mpisgd.schedule", "scaled_lr"),
+    "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
+    "create_reducer": ("mpisgd.comm", "create_reducer"),
 }
 
 
@@ -36,4 +38,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["SGD", "Context", "DataParallel", "NonFiniteError", "ReplicaError", "Schedule", "__version__",
-           "effective_batch", "init", "nn", "scaled_lr"]
+           "create_reducer", "effective_batch", "guard", "init", "nn", "scaled_lr"]

@@ -7,6 +7,9 @@ import signal
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # MPICH 5's hydra can tear down a rank's stdio forwarding as soon as it hears of MPI_Abort, dropping
@@ -44,3 +47,28 @@ def _flush() -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream must not stop the abort
             pass
+
+
+def fail_alone(exc: BaseException, comm: Any, code: int = 1) -> None:
+    """An error on this rank only: print it with the rank's name and traceback, then end the whole job,
+    so that no other rank waits for ever in a collective this one will never reach."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    print(f"mpisgd: rank {rank} of {size} failed:\n{text}", file=sys.stderr, flush=True)
+    if size > 1:
+        print(f"mpisgd: rank {rank} aborts the job (MPI_Abort) so that no rank waits for ever",
+              file=sys.stderr, flush=True)
+        abort_job(comm, code)
+
+
+@contextmanager
+def guard(comm: Any) -> Iterator[None]:
+    """For your own training script: an exception on any rank inside the block (a bad label, a shape
+    error) ends the whole job with that rank's message instead of leaving the others waiting in the
+    next collective. Use it around the whole script (``with mpisgd.guard(comm): ...``)."""
+    try:
+        yield
+    except BaseException as exc:
+        if comm.Get_size() > 1 and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            fail_alone(exc, comm)
+        raise

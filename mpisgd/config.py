@@ -11,12 +11,21 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class UsageError(ValueError):
     """Bad input from the user: reported as one line, exit code 2, on every rank."""
+
+
+# What a resumed run must share with the run that wrote its checkpoint, unless --resume-allow names it
+# ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
+IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
+            "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
+            "momentum_correction", "weight_decay", "max_steps")
+STRUCTURE = ("model", "hidden", "dtype")
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -84,11 +93,20 @@ class Config:
     checkpoint_every: int = opt(0, "write a checkpoint every N steps (0: at each epoch end if a dir is set)")
     checkpoint_keep: int = opt(3, "checkpoints kept")
     resume: str = opt("no", "no, auto (latest good checkpoint), or a checkpoint path")
+    resume_allow: str = opt("", "comma-separated options a resumed run may change on purpose (e.g. lr,epochs); "
+                                "any other difference from the checkpoint's run is refused")
+    overwrite_checkpoints: bool = opt(False, "a fresh run may delete another run's checkpoints in --checkpoint-dir")
     progress: str = opt("auto", "progress bar on rank 0: auto (when stderr is a terminal; under mpiexec it is "
                                 "not), on, off", ("auto", "on", "off"))
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+        if self.seed < 0:
+            raise UsageError(f"--seed must be >= 0, got {self.seed}")
         positive = {
             "epochs": self.epochs, "batch-size": self.batch_size, "accum-steps": self.accum_steps,
             "base-batch": self.base_batch, "synthetic-samples": self.synthetic_samples,
@@ -131,6 +149,13 @@ class Config:
             raise UsageError(f"--stall-timeout must be >= 0, got {self.stall_timeout}")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
+        for name in self.allowed_changes():
+            if name not in IDENTITY or name in STRUCTURE:
+                raise UsageError(f"--resume-allow: {name!r} is not an option a resumed run can change; "
+                                 f"choose from {', '.join(k for k in IDENTITY if k not in STRUCTURE)}")
+
+    def allowed_changes(self) -> tuple[str, ...]:
+        return tuple(n.strip().replace("-", "_") for n in self.resume_allow.split(",") if n.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -194,8 +219,17 @@ def _show(value: Any) -> str:
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
-    """Parse and validate the command line. Raises UsageError; prints --help unless quiet."""
-    ns = build_parser(quiet).parse_args(argv)
+    """Parse and validate the command line. Raises UsageError; prints --help unless quiet.
+
+    ``cfg.given`` holds the fields set on the command line (a resumed run derives the others)."""
+    parser = build_parser(quiet)
+    ns = parser.parse_args(argv)
     cfg = Config(**vars(ns))
     cfg.validate()
+    quiet_parser = build_parser(quiet=True)
+    quiet_parser.set_defaults(**{f.name: _UNSET for f in dataclasses.fields(Config)})
+    cfg.given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET}  # type: ignore[attr-defined]
     return cfg
+
+
+_UNSET = object()

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -142,6 +143,31 @@ def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, P
             raise DataError(f"{directory}: {split} images must be unsigned bytes, got {images.dtype}")
         sets.append(Dataset(images[:, None, :, :], labels.astype(np.int64)))
     return sets[0], sets[1], directory
+
+
+def check_labels(data: Dataset, n_classes: int, what: str) -> None:
+    """Refuse a set the models cannot learn from: empty, or labels outside 0 .. n_classes - 1 (a label of -1
+    would index the last class silently; a label too large crashes mid-epoch)."""
+    if len(data) == 0:
+        raise DataError(f"the {what} set is empty")
+    if data.labels.dtype.kind not in "iu":
+        raise DataError(f"{what} labels must be integers, got {data.labels.dtype}")
+    lo, hi = int(data.labels.min()), int(data.labels.max())
+    if lo < 0 or hi >= n_classes:
+        bad = int(np.count_nonzero((data.labels < 0) | (data.labels >= n_classes)))
+        raise DataError(f"{what} labels must lie in 0..{n_classes - 1}; {bad} do not (from {lo} to {hi})")
+
+
+def identity(name: str, train: Dataset, test: Dataset) -> dict[str, Any]:
+    """The data set in a few fields, to compare across ranks and with a checkpoint's run: its name, its
+    sizes and a fingerprint (a hash of the shapes, every label and 256 evenly spaced training samples)."""
+    h = hashlib.blake2b(digest_size=8)
+    for d in (train, test):
+        h.update(repr((d.images.shape, d.images.dtype.str)).encode())
+        h.update(np.ascontiguousarray(d.labels).tobytes())
+    picks = np.linspace(0, len(train) - 1, num=min(256, len(train)), dtype=np.int64)
+    h.update(np.ascontiguousarray(train.images[picks]).tobytes())
+    return {"name": name, "n_train": len(train), "n_test": len(test), "fingerprint": h.hexdigest()}
 
 
 def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, separation: float = 0.15,

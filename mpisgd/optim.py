@@ -34,6 +34,9 @@ class SGD:
 
     def __init__(self, flat: FlatBuffer, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, momentum_correction: bool = False, level1: bool = True) -> None:
+        if flat is None:
+            raise ValueError("materialize() the model before building its optimizer: SGD(model.flat) needs the "
+                             "parameters")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if weight_decay < 0:

@@ -91,7 +91,7 @@ def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
     from mpi4py import MPI  # noqa: PLC0415
 
     cfg, ctx, s, flat = t.cfg, t.ctx, t.schedule, t.model.flat
-    library = " ".join(MPI.Get_library_version().splitlines()[0].replace("\x00", "").split())  # Open MPI: a NUL
+    library = " ".join(MPI.Get_library_version().splitlines()[0].replace("\x00", "").replace("Version:", "").split())
     device = "cpu, NumPy" if not ctx.backend.is_gpu else ctx.backend.describe()
     if ctx.backend_note:
         device += f" ({ctx.backend_note})"
@@ -115,9 +115,20 @@ def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
     ]
     if getattr(t.dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
         lines.append(f"cuda-aware MPI: {t.dp.reducer.why}")
+    lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
+    plan = t.resume
+    if plan is not None:  # not cut: a path is shown whole
+        lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "
+                     f"{plan.step_in_epoch} of {t.batches.steps_per_epoch})")
+        if plan.world_size != t.k or plan.derived:
+            lines.append(fit(f"resume: written by k={plan.world_size} ranks, now k={t.k} with the same B={t.B}"
+                             + (f"; {plan.derived}" if plan.derived else "")))
+        for change in plan.changes:
+            lines.append(fit(f"resume: changed {change} on purpose (--resume-allow): the trajectory differs from "
+                             "the original run's"))
     if t.dp.sharded and not t.dp.reducer.native_reduce_scatter:
-        lines.append(f"warning: --allreduce {cfg.allreduce} has no reduce-scatter, so the sharded step runs a "
-                     "full all-reduce, then the all-gather")
+        lines.append(fit(f"warning: --allreduce {cfg.allreduce} has no reduce-scatter, so the sharded step runs a "
+                         "full all-reduce, then the all-gather"))
     gpus = [(h, g) for h, _, g in places if g is not None]
     if len(set(gpus)) < len(gpus):
         lines.append("warning: several ranks share a GPU; expect them to contend for it")
@@ -127,9 +138,9 @@ def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
     cores = os.cpu_count() or 1  # the node's cores (a bound rank's affinity shows only its own)
     worst = max(per_host.values(), default=1)
     if not ctx.backend.is_gpu and worst * t.threads > cores:
-        lines.append(f"warning: {worst} rank(s) x {t.threads} thread(s) on a node with {cores} core(s): "
-                     "oversubscribed, expect slow steps")
-    return [fit(line) for line in lines]
+        lines.append(fit(f"warning: {worst} rank(s) x {t.threads} thread(s) on a node with {cores} core(s): "
+                         "oversubscribed, expect slow steps"))
+    return lines
 
 
 def final_lines(t: Any, wall_s: float) -> list[str]:

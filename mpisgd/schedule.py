@@ -52,8 +52,9 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise UsageError(f"the run has {self.total_steps} steps; it needs at least 1")
-        if not (self.base_lr > 0 and self.peak_lr > 0):
-            raise UsageError(f"learning rates must be > 0, got eta0={self.base_lr}, eta={self.peak_lr}")
+        if not (0 < self.base_lr < math.inf and 0 < self.peak_lr < math.inf):
+            raise UsageError(f"learning rates must be finite and > 0, got eta0={self.base_lr}, eta={self.peak_lr} "
+                             "(eta is --lr scaled to the effective batch)")
         if self.warmup_steps < 0:
             raise UsageError(f"warmup must be >= 0 steps, got {self.warmup_steps}")
         if self.warmup_steps > self.total_steps:

@@ -1,24 +1,29 @@
 """The training CLI: ``mpiexec -n K python -m mpisgd.train [options]``.
 
 Exit codes: 0 done; 2 bad input (one line from rank 0, every rank exits 2);
-1 an error every rank saw (diverged replicas, non-finite gradient); any other
-error on one rank aborts the whole job through ``MPI_Abort`` so nothing hangs.
+1 an error every rank saw (diverged replicas, non-finite gradient), or an error
+on one rank, which ends the whole job through ``MPI_Abort`` so nothing hangs;
+75 stopped by SIGTERM at a step, with a checkpoint (run again with --resume
+auto); 130 interrupted (SIGINT, Ctrl-C); 143 SIGTERM without a clean stop
+(mpisgd.signals).
 """
 
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any
 
-from mpisgd.abort import abort_job
+from mpisgd.abort import abort_job, fail_alone
 from mpisgd.config import Config, UsageError, parse_config
+from mpisgd.signals import Signals
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals = Signals.block()  # before MPI starts its threads: they inherit the mask
     from mpi4py import MPI  # noqa: PLC0415 - MPI starts here, not at import
 
     world = MPI.COMM_WORLD
+    signals.start(world)
     rank = world.Get_rank()
     try:
         error: BaseException | None = None
@@ -33,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
         agree(world, error)
         assert cfg is not None
-        return run(cfg, world)
-    except Exception as exc:
+        return run(cfg, world, signals)
+    except BaseException as exc:  # whatever ends this rank must end the job, not leave the others waiting
         return _report(exc, world)
 
 
@@ -48,18 +53,12 @@ def _report(exc: BaseException, world: Any) -> int:
             print(f"mpisgd: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code if isinstance(exc, AgreedError) else 1
     if isinstance(exc, UsageError):
-        msg = f"mpisgd: error on rank {rank}: {exc}"
-        code = 2
-    else:
-        msg = f"mpisgd: rank {rank} of {size} failed:\n" + "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-        code = 1
-    print(msg, file=sys.stderr, flush=True)
-    if size > 1:
-        print(f"mpisgd: rank {rank} aborts the job (MPI_Abort) so that no rank waits forever",
-              file=sys.stderr, flush=True)
-        abort_job(world, code)
-    return code
+        print(f"mpisgd: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        if size > 1:
+            abort_job(world, 2)
+        return 2
+    fail_alone(exc, world)
+    return 1
 
 
 def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
@@ -70,12 +69,12 @@ def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
     return AgreedError, ReplicaError, NonFiniteError
 
 
-def run(cfg: Config, world: Any) -> int:
+def run(cfg: Config, world: Any, signals: Any = None) -> int:
     from mpisgd.trainer import Trainer  # noqa: PLC0415 - heavy imports after argument checks
 
-    trainer = Trainer(cfg, world)
+    trainer = Trainer(cfg, world, signals)
     try:
-        trainer.fit()
+        status = trainer.fit()
     except _errors_every_rank_raises():
         trainer.close()
         raise
@@ -85,7 +84,7 @@ def run(cfg: Config, world: Any) -> int:
         trainer.close(collective=False)
         raise
     trainer.close()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

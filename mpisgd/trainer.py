@@ -6,45 +6,73 @@ What rank 0 prints is formatted in mpisgd.report.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
-from mpisgd import report
+from mpisgd import data, report
 from mpisgd.backend import set_threads, to_numpy
-from mpisgd.checkpoint import CheckpointError, TrainState, check_compatible, find_resume, save_checkpoint
+from mpisgd.checkpoint import (
+    CheckpointError,
+    ResumePlan,
+    RunDirectory,
+    TrainState,
+    find_resume,
+    plan_resume,
+    save_checkpoint,
+    save_params,
+)
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
+from mpisgd.files import check_output_dir, check_output_file, free_bytes
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError
 from mpisgd.report import peak_rss_mib
 from mpisgd.schedule import Schedule, effective_batch
+from mpisgd.signals import EXIT_PREEMPTED
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
+N_CLASSES = 10  # the stock models' outputs
+
+
+class NoSignals:
+    """For a Trainer driven without the CLI's signal thread: nobody asks it to stop."""
+
+    stop_requested = False
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: Any) -> None:
+    """One training run: every rank builds one, then ``fit()`` returns the exit status (0, or
+    EXIT_PREEMPTED when a SIGTERM stopped it at a step with a checkpoint)."""
+
+    def __init__(self, cfg: Config, world: Any, signals: Any = None) -> None:
         self.t_launch = time.perf_counter()
-        self.cfg, self.world = cfg, world
-        self.ctx: Context = self._agreed(lambda: init(world, cfg.device))
+        self.cfg, self.world, self.signals = cfg, world, signals or NoSignals()
+        self.ctx: Context = init(world, cfg.device)  # every rank ends on one kind of device, or all raise
         self.rss_start_mib = peak_rss_mib()  # the interpreter, NumPy, MPI, mpisgd and the backend: no data yet
         self.k, self.rank = self.ctx.size, self.ctx.rank
         self.is_root = self.rank == 0
         self._agreed(self._verify_config)
         self._agreed(self._verify_device_options)
+        self._agreed(self._check_outputs)  # before any work: a path that cannot be written fails now
+        self.run_dir = self._agreed(self._own_checkpoint_dir)
         self.threads, self.threads_from = blas_threads(cfg.threads, self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
             set_threads(self.threads)
         self.fail_at = _injected_failure()
-        self.train_set, self.test_set, self.data_source = self._agreed(self._load_data)
+        self.train_set, self.test_set, self.data_source, self.data_id = self._agreed(self._load_data)
+        self._agreed(self._verify_data)
+        self.resume, resume_warnings = self._agreed(self._plan_resume)
+        self._agreed(self._check_memory)
         xp = self.ctx.xp
         self.model = build_model(cfg.model, cfg.hidden).materialize(xp, cfg.dtype, cfg.seed)
         self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
@@ -53,7 +81,7 @@ class Trainer:
         self.dp = DataParallel(self.model, self.optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_mb,
                                overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=self.timeline,
                                watchdog=self._watchdog(), shard_optimizer=cfg.shard_optimizer,
-                               shared_grads=cfg.shared_grads)
+                               shared_grads=cfg.shared_grads, fingerprint=False)  # fit() checks in itself
         self.B = effective_batch(cfg.batch_size, self.k, cfg.accum_steps)
         self.batches = self._agreed(lambda: GlobalBatches(len(self.train_set), self.B, self.rank, self.k,
                                                           cfg.accum_steps))
@@ -64,8 +92,11 @@ class Trainer:
         self.test_loader = BatchLoader(self.test_set, xp, cfg.dtype)
         self.metrics = MetricsWriter(cfg.metrics_file, enabled=self.is_root)
         self.start_epoch, self.start_step, self.global_step = 0, 0, 0
+        self.saved_at = -1  # the step of the newest checkpoint this run wrote
         self.history: list[dict[str, Any]] = []
-        self._resume()
+        for w in resume_warnings:
+            self.log(f"warning: {w}")
+        self._restore()
 
     # -- helpers ------------------------------------------------------------------------
     def _reducer(self, cfg: Config) -> Any:
@@ -113,7 +144,27 @@ class Trainer:
             raise UsageError("--shard-optimizer runs on the CPU only (its all-gather takes host buffers); "
                              "drop it or pass --device cpu")
 
-    def _load_data(self) -> tuple[Dataset, Dataset, str]:
+    def _check_outputs(self) -> None:
+        """Every file this rank will write can be written: found now, not after the training."""
+        cfg = self.cfg
+        if cfg.timeline:
+            check_output_file(f"{cfg.timeline}.rank{self.rank}.json", "--timeline")
+        if not self.is_root:
+            return
+        if cfg.checkpoint_dir:
+            check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+        for path, what in ((cfg.save_model, "--save-model"), (cfg.metrics_file, "--metrics-file")):
+            if path:
+                check_output_file(path, what)
+
+    def _own_checkpoint_dir(self) -> RunDirectory | None:
+        """Rank 0 locks the checkpoint directory for this run, and refuses another run's checkpoints there."""
+        cfg = self.cfg
+        if not (cfg.checkpoint_dir and self.is_root):
+            return None
+        return RunDirectory(cfg.checkpoint_dir, cfg.resume, cfg.overwrite_checkpoints)
+
+    def _load_data(self) -> tuple[Dataset, Dataset, str, dict[str, Any]]:
         cfg = self.cfg
         if cfg.dataset == "synthetic":
             train, test, source = synthetic(cfg.synthetic_samples, cfg.seed), synthetic(2000, cfg.seed, split=1), \
@@ -126,79 +177,129 @@ class Trainer:
             train = Dataset(train.images[:cfg.limit_train].copy(), train.labels[:cfg.limit_train].copy())
         if cfg.limit_test:
             test = Dataset(test.images[:cfg.limit_test].copy(), test.labels[:cfg.limit_test].copy())
-        return train, test, source
+        data.check_labels(train, N_CLASSES, "training")
+        data.check_labels(test, N_CLASSES, "test")
+        if cfg.model == "cnn" and train.images.shape[1:] != (1, 28, 28):
+            raise UsageError(f"--model cnn takes 1x28x28 images, the data has {train.images.shape[1:]}")
+        return train, test, source, data.identity(cfg.dataset, train, test)
+
+    def _verify_data(self) -> None:
+        """Every rank must train on the same data: different sets would end one rank's epoch early and
+        leave the others waiting in a collective."""
+        every = self.world.allgather(self.data_id)
+        odd = [r for r, d in enumerate(every) if d != every[0]]
+        if odd:
+            raise UsageError(f"ranks {odd} loaded other data than rank 0 (rank 0: {every[0]}; rank {odd[0]}: "
+                             f"{every[odd[0]]}): give every rank the same data set")
+
+    def _plan_resume(self) -> tuple[ResumePlan | None, list[str]]:
+        """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue
+        it and works out b and m; every rank takes the plan. The state itself is loaded in _restore."""
+        cfg = self.cfg
+        plan, warnings, error = None, [], None
+        if self.is_root and cfg.resume != "no":
+            try:
+                state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+                if state is not None:
+                    plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()),
+                                       cfg.allowed_changes(), self.k, self.data_id)
+                    self._state = state
+            except CheckpointError as exc:
+                error = exc
+        agree(self.world, error)
+        plan = self.world.bcast(plan, root=0)
+        if plan is not None:
+            cfg.batch_size, cfg.accum_steps = plan.batch_size, plan.accum_steps
+        elif cfg.resume != "no":
+            warnings.append(f"resume: no usable checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+        return plan, warnings
+
+    def _check_memory(self) -> None:
+        """A model that cannot fit is refused with an estimate, not a MemoryError on every rank."""
+        if self.ctx.backend.is_gpu:
+            return
+        cfg = self.cfg
+        layers = build_model(cfg.model, cfg.hidden).layers
+        n_params = sum(int(np.prod(shape)) for layer in layers for _, shape in layer.param_shapes)
+        state = 3 * n_params * np.dtype(cfg.dtype).itemsize  # parameters, gradients, momentum
+        need = state + self.train_set.images.nbytes + self.test_set.images.nbytes
+        available = _available_bytes() / max(1, self.ctx.local_size)
+        if need > 0.9 * available:
+            raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
+                             f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations), "
+                             f"but this node has {available / 2**30:.1f} GiB available per rank "
+                             f"({self.ctx.local_size} rank(s) here); use a smaller model or fewer ranks per node")
 
     def log(self, msg: str) -> None:
         if self.is_root:
             print(msg, flush=True)
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _resume(self) -> None:
-        """Rank 0 picks the checkpoint (falling back past corrupt ones) and broadcasts it."""
-        cfg = self.cfg
-        if cfg.resume == "no":
+    def _restore(self) -> None:
+        """Continue from the planned checkpoint: rank 0 loads it, every rank takes rank 0's copy."""
+        plan = self.resume
+        if plan is None:
             return
-        state, path, warnings, error = None, "", [], None
+        error = None
         if self.is_root:
-            try:
-                state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
-                if state is not None:
-                    check_compatible(state, cfg.to_dict(), self.B)
-                    if state.params.size != self.model.flat.size:
-                        raise CheckpointError(f"{path} holds {state.params.size} parameters, "
-                                              f"the model has {self.model.flat.size}")
-            except CheckpointError as exc:
-                error = exc
+            state = self._state
+            del self._state
+            if state.params.size != self.model.flat.size:
+                error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has "
+                                        f"{self.model.flat.size}")
+            else:
+                self.model.flat.params[...] = self.ctx.xp.asarray(state.params)
+                if self.optimizer.velocity is not None and state.velocity is not None:
+                    self.optimizer.velocity[...] = self.ctx.xp.asarray(state.velocity)
         agree(self.world, error)
-        for w in warnings:
-            self.log(f"warning: {w}")
-        header = self.world.bcast(None if state is None else (
-            path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps, state.prev_lr,
-            state.world_size), root=0)
-        if header is None:
-            self.log(f"resume: no usable checkpoint in {cfg.checkpoint_dir}; starting from step 0")
-            return
-        path, self.global_step, self.start_epoch, self.start_step, skipped, prev_lr, old_k = header
-        if self.is_root:
-            assert state is not None
-            self.model.flat.params[...] = self.ctx.xp.asarray(state.params)
-            if self.optimizer.velocity is not None and state.velocity is not None:
-                self.optimizer.velocity[...] = self.ctx.xp.asarray(state.velocity)
-        self.dp.broadcast_parameters()  # every rank continues from rank 0's copy
-        self.optimizer.prev_lr = None if prev_lr < 0 else prev_lr
-        self.dp.step_count, self.dp.skipped_steps = self.global_step, skipped
-        self.log(f"resumed from {path} at step {self.global_step} (epoch {self.start_epoch + 1}, "
-                 f"step {self.start_step} of {self.batches.steps_per_epoch})"
-                 + (f"; written by k={old_k} ranks, now k={self.k} with the same B={self.B}" if old_k != self.k
-                    else ""))
+        self.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
+        self.optimizer.prev_lr = None if plan.prev_lr < 0 else plan.prev_lr
+        self.global_step, self.start_epoch, self.start_step = plan.global_step, plan.epoch, plan.step_in_epoch
+        self.dp.step_count, self.dp.skipped_steps = plan.global_step, plan.skipped_steps
+        self.saved_at = plan.global_step
 
-    def _maybe_checkpoint(self, epoch: int, step: int, end_of_epoch: bool) -> None:
+    def _save(self, epoch: int, step_in_epoch: int) -> Path | None:
+        """Checkpoint of the state before step ``step_in_epoch`` of ``epoch`` (collective: the sharded step
+        gathers its momentum first). A write that fails (a full disk) warns and training goes on; the
+        checkpoints already written stay as they were."""
         cfg = self.cfg
-        if not cfg.checkpoint_dir:
-            return
-        due = self.global_step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else end_of_epoch
-        if not due:
-            return
         spe = self.batches.steps_per_epoch
-        next_epoch, next_step = (epoch + 1, 0) if step + 1 >= spe else (epoch, step + 1)
-        self.dp.gather_optimizer_state()  # collective (sharded step): due on every rank at the same step
-        if self.is_root:  # only rank 0 writes; no collective, so nothing waits on it
-            v = self.optimizer.velocity
-            save_checkpoint(cfg.checkpoint_dir, TrainState(
-                params=to_numpy(self.model.flat.params), velocity=None if v is None else to_numpy(v),
-                prev_lr=-1.0 if self.optimizer.prev_lr is None else self.optimizer.prev_lr,
-                global_step=self.global_step, epoch=next_epoch, step_in_epoch=next_step,
-                skipped_steps=self.dp.skipped_steps, world_size=self.k, effective_batch=self.B,
-                config=cfg.to_dict()), keep=cfg.checkpoint_keep)
+        if step_in_epoch >= spe:
+            epoch, step_in_epoch = epoch + 1, 0
+        self.dp.gather_optimizer_state()
+        self.saved_at = self.global_step
+        if not self.is_root:  # only rank 0 writes; no collective, so nothing waits on it
+            return None
+        v = self.optimizer.velocity
+        state = TrainState(
+            params=to_numpy(self.model.flat.params), velocity=None if v is None else to_numpy(v),
+            prev_lr=-1.0 if self.optimizer.prev_lr is None else self.optimizer.prev_lr,
+            global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
+            skipped_steps=self.dp.skipped_steps, world_size=self.k, effective_batch=self.B,
+            config=cfg.to_dict(), data=self.data_id)
+        try:
+            return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
+        except OSError as exc:
+            free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
+            self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
+                     f"free in {cfg.checkpoint_dir}); the earlier checkpoints are kept and training goes on")
+            return None
 
     # -- training -----------------------------------------------------------------------
-    def fit(self) -> list[dict[str, Any]]:
+    def fit(self) -> int:
+        """Train; returns 0, or EXIT_PREEMPTED when a SIGTERM stopped every rank at a step (checkpointed)."""
         cfg, dp = self.cfg, self.dp
         places = self.world.gather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id), root=0)
         for line in report.banner(self, places or []):
             self.log(line)
+        if self.global_step >= self.total_steps:
+            self.log(f"resume: the run is finished (step {self.global_step} of {self.total_steps}); nothing to train")
+            if self.cfg.save_model and self.is_root:
+                save_params(self.cfg.save_model, self.model)
+            return 0
         spe = self.batches.steps_per_epoch
         n_epochs = -(-self.total_steps // spe)
+        stopped = None
         for epoch in range(self.start_epoch, n_epochs):
             perm = epoch_permutation(len(self.train_set), cfg.seed, epoch)
             bar = report.progress_bar(spe, cfg.progress if self.is_root else "off", f"epoch {epoch + 1}")
@@ -208,6 +309,9 @@ class Trainer:
             t0 = time.perf_counter()
             for step in range(self.start_step if epoch == self.start_epoch else 0, spe):
                 if self.global_step >= self.total_steps:
+                    break
+                if dp.check_in_step(stop=self.signals.stop_requested):  # every rank learns of a SIGTERM here
+                    stopped = (epoch, step)
                     break
                 self._maybe_fail()
                 lr = self.schedule(self.global_step)
@@ -228,13 +332,29 @@ class Trainer:
                     dp.watchdog.enter(f"replica check at step {self.global_step}")
                     dp.check_replicas()
                     dp.watchdog.exit()
-                self._maybe_checkpoint(epoch, step, end_of_epoch=step + 1 == spe)
+                due = self.global_step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else step + 1 == spe
+                if cfg.checkpoint_dir and due:
+                    self._save(epoch, step + 1)
                 bar.update()
             bar.close()
-            train_time = time.perf_counter() - t0
-            self._end_epoch(epoch, steps, loss_sum, train_time)
+            if stopped is not None:
+                return self._stop(*stopped)
+            self._end_epoch(epoch, steps, loss_sum, time.perf_counter() - t0)
+        if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
+            self._save(n_epochs - 1, spe)
         self._finish()
-        return self.history
+        return 0
+
+    def _stop(self, epoch: int, step: int) -> int:
+        """Every rank stops before ``step`` of ``epoch`` (a SIGTERM reached one of them): checkpoint it."""
+        path = self._save(epoch, step) if self.cfg.checkpoint_dir else None
+        where = f"before step {self.global_step} (epoch {epoch + 1}, step {step} of {self.batches.steps_per_epoch})"
+        if self.is_root:
+            saved = f"checkpoint {path} written; continue with --resume auto" if path else \
+                "no checkpoint (no --checkpoint-dir, or it could not be written): this run's work is lost"
+            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {EXIT_PREEMPTED})", file=sys.stderr,
+                  flush=True)
+        return EXIT_PREEMPTED
 
     def _maybe_fail(self) -> None:
         if self.fail_at == (self.global_step, self.rank):
@@ -299,8 +419,6 @@ class Trainer:
     def _finish(self) -> None:
         cfg = self.cfg
         if cfg.save_model and self.is_root:
-            from mpisgd.checkpoint import save_params  # noqa: PLC0415
-
             save_params(cfg.save_model, self.model)
         if cfg.timeline:
             self.timeline.save(f"{cfg.timeline}.rank{self.rank}.json")
@@ -311,6 +429,8 @@ class Trainer:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
         machinery, which every rank must do together (the watchdog waits for every rank's close)."""
         self.metrics.close()
+        if self.run_dir is not None:
+            self.run_dir.close()
         if collective:
             self.dp.close()
 
@@ -324,3 +444,15 @@ def _injected_failure() -> tuple[int, int] | None:
         return None
     step, _, rank = text.partition(":")
     return int(step), int(rank or 0)
+
+
+def _available_bytes() -> float:
+    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

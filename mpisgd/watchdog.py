@@ -64,6 +64,7 @@ class Watchdog:
         self._notices: list[Any] = []  # rank 0's "reported" messages to the others
         # rank 0's view: the last collective each rank entered, and when/what each collective was first seen
         self._entered = [0] * self.size
+        self._where = [""] * self.size  # what each rank entered last, to say where a missing rank is
         self._first_seen: dict[int, tuple[float, str]] = {}
         self._closes = 0
         self._reported = 0  # the newest collective already reported (by number), by us or by rank 0
@@ -85,7 +86,7 @@ class Watchdog:
             return
         if self.rank == 0:
             with self._lock:
-                self._entered[0] = self._seq
+                self._entered[0], self._where[0] = self._seq, what
                 self._first_seen.setdefault(self._seq, (now, what))
         elif self.threaded:
             self._pending.append(self.comm.isend(("enter", self._seq, what), 0, TAG))
@@ -148,6 +149,8 @@ class Watchdog:
             return
         _, seq, what = msg
         with self._lock:
+            if seq > self._entered[source]:
+                self._where[source] = what
             self._entered[source] = max(self._entered[source], seq)
             self._first_seen.setdefault(seq, (time.monotonic(), what))
             oldest = min(self._entered)
@@ -187,8 +190,9 @@ class Watchdog:
                 if waited <= self.timeout_s:
                     return None
                 self._reported = newest
+                where = "; ".join(f"rank {r} last reached {self._where[r] or 'no collective yet'}" for r in missing)
                 return (f"mpisgd: stall: {what} waited {waited:.1f} s; ranks {reached} reached it, "
-                        f"ranks {missing} have not")
+                        f"ranks {missing} have not ({where})")
             # everybody reached it: only rank 0's own wait tells whether it is stuck inside
             if not (self._waiting and self._seq == newest and now - self._t_enter > self.timeout_s):
                 return None

@@ -38,7 +38,7 @@ def test_truncated_checkpoint_is_a_clear_error_and_auto_falls_back(tmp_path):
     save_checkpoint(tmp_path, state(10))
     newest = save_checkpoint(tmp_path, state(20))
     newest.write_bytes(newest.read_bytes()[:100])  # a crash mid-copy, a full disk...
-    with pytest.raises(CheckpointError, match="not a usable checkpoint"):
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
         load_checkpoint(newest)
     found, path, warnings = find_resume("auto", str(tmp_path))
     assert found is not None and found.global_step == 10 and path.endswith("ckpt-000000010.npz")
@@ -59,11 +59,37 @@ def test_failed_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [good.name]  # no temporary left behind
 
 
+class Planted:
+    """Unpickling this creates a file: the proof that a loader ran code from the checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def test_checkpoints_never_unpickle(tmp_path):
-    path = tmp_path / "ckpt-000000001.npz"
-    np.savez(path, format=np.int64(1), params=np.array([object()], dtype=object))
-    with pytest.raises(CheckpointError):
-        load_checkpoint(path)
+    """A checkpoint whose config is a pickled object that would run code when loaded: refused, and the
+    code never runs (with allow_pickle=True the file would appear and this test fail)."""
+    planted = tmp_path / "code-ran"
+    good = save_checkpoint(tmp_path, state(10))
+    with np.load(good) as z:
+        arrays = dict(z)
+    arrays["config"] = np.array([Planted(str(planted))], dtype=object)
+    evil = tmp_path / "ckpt-000000020.npz"
+    np.savez(evil, **arrays)
+    with pytest.raises(CheckpointError, match="not a usable checkpoint"):
+        load_checkpoint(evil)
+    assert not planted.exists()
+
+
+def test_a_failed_write_leaves_no_temporary_and_stale_ones_are_removed(tmp_path, monkeypatch):
+    from mpisgd.files import remove_stale_temporaries
+
+    (tmp_path / "ckpt-000000005.npz.tmp.999999999").write_bytes(b"x" * 100)  # a writer long dead
+    removed = remove_stale_temporaries(tmp_path, r"ckpt-\d{9}\.npz")
+    assert [p.name for p in removed] == ["ckpt-000000005.npz.tmp.999999999"] and not list(tmp_path.iterdir())
 
 
 ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32,16",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ONE_THREAD, ROOT, mpiexec_cmd, run_mpi
 
@@ -100,7 +102,7 @@ def test_exception_on_one_rank_ends_the_job(k: int, failing: int, tag: str) -> N
     (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
     (("--dataset", "fashion-mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
     (("--limit-train", "10", "--batch-size", "64"), "fewer than one global batch"),
-    (("--resume", "/nonexistent/ckpt.npz"), "not a usable checkpoint"),
+    (("--resume", "/nonexistent/ckpt.npz"), "--resume /nonexistent/ckpt.npz: no such file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str, tag: str) -> None:
     r, elapsed = launch(3, tag, *SYNTH, "--max-steps", "3", *args)
@@ -302,3 +304,284 @@ def test_fresh_debian_check_refuses_before_touching_anything(tmp_path):
     reasons = ("exists; remove it or name another", "apt-get install debootstrap first", "needs root")
     assert r.returncode == 2 and any(x in r.stderr for x in reasons), r.stdout + r.stderr
     assert "[fresh]" not in r.stdout and list(target.iterdir()) == []
+
+
+# -- interrupts and preemption ---------------------------------------------------------------
+def _mpiexec_pid(p: subprocess.Popen) -> int:
+    return p.pid  # mpiexec itself: the launcher forwards SIGINT and SIGTERM to every rank
+
+
+def test_ctrl_c_to_mpiexec_ends_every_rank_with_130_and_one_line(tag: str, tmp_path: Path) -> None:
+    p = _start_long_run(2, tag, tmp_path)
+    os.kill(_mpiexec_pid(p), signal.SIGINT)
+    out, err, elapsed = _wait_end(p, tag, limit_s=30)
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    ours = [line for line in err.splitlines() if line.startswith("mpisgd:")]
+    assert len(ours) == 1 and "interrupted (SIGINT)" in ours[0], err[-2000:]
+    assert "Traceback" not in err and elapsed < 10, f"{elapsed:.1f} s"
+    assert_no_rank_left(tag)
+
+
+@pytest.mark.parametrize("k,rank", [(2, 1), (3, 1), (3, 0)])
+def test_sigint_to_one_rank_ends_the_job_promptly(k: int, rank: int, tag: str, tmp_path: Path) -> None:
+    """Before: that rank went into MPI_Finalize while its peers waited in the all-reduce, for ever."""
+    p = _start_long_run(k, tag, tmp_path)
+    os.kill(rank_pids(tag)[rank], signal.SIGINT)
+    out, err, elapsed = _wait_end(p, tag, limit_s=30)
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert f"mpisgd: interrupted (SIGINT) on rank {rank}" in err and "Traceback" not in err, err[-2000:]
+    assert elapsed < 10, f"{elapsed:.1f} s"
+    assert_no_rank_left(tag)
+
+
+def _final_params(k: int, tag: str, tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess,
+                                                                                    Path]:
+    out = tmp_path / f"{name}.npz"
+    r, _ = launch(k, tag, *SYNTH, "--epochs", "2", "--dtype", "float64", "--save-model", str(out), *args,
+                  timeout=180)
+    return r, out
+
+
+@pytest.mark.parametrize("target", ["mpiexec", "one rank"])
+def test_sigterm_mid_epoch_checkpoints_that_step_and_the_resumed_run_is_bitwise_equal(
+        target: str, tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "metrics.jsonl"
+    # a constant rate: the schedule does not depend on the run's length, so a shorter run can be compared
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck), "--dtype", "float64", "--decay", "none")
+    victim = _mpiexec_pid(p) if target == "mpiexec" else rank_pids(tag)[1]
+    os.kill(victim, signal.SIGTERM)
+    out, err, elapsed = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 75, (p.returncode, err[-2000:])
+    stop = re.search(r"stopped by SIGTERM before step (\d+) .*checkpoint (\S+) written", err)
+    assert stop, err[-2000:]
+    step, path = int(stop.group(1)), Path(stop.group(2))
+    assert path.exists() and path.name == f"ckpt-{step:09d}.npz" and elapsed < 30
+    assert step == metrics.read_text().count('"kind":"step"')  # the steps done before the stop, no more
+    assert_no_rank_left(tag)
+    # the same run, uninterrupted, against the stopped one resumed: the same bits (float64, k = 2)
+    total = step + 25
+    r, resumed = _final_params(2, tag, tmp_path, "resumed", "--checkpoint-dir", str(ck), "--resume", "auto",
+                               "--epochs", "10000", "--decay", "none", "--max-steps", str(total),
+                               "--resume-allow", "max_steps")
+    assert r.returncode == 0 and f"at step {step}" in r.stdout, r.stderr
+    r, full = _final_params(2, tag, tmp_path, "full", "--epochs", "10000", "--decay", "none", "--max-steps",
+                            str(total))
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(resumed)["flat"], np.load(full)["flat"])
+
+
+def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_path: Path) -> None:
+    p = _start_long_run(2, tag, tmp_path)
+    os.kill(_mpiexec_pid(p), signal.SIGTERM)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 75 and "no checkpoint" in err, err[-2000:]
+    assert_no_rank_left(tag)
+
+
+# -- outputs checked before any work ------------------------------------------------------------
+@pytest.mark.parametrize("option,path,says", [
+    ("--checkpoint-dir", "{file}", "exists and is not a directory"),
+    ("--checkpoint-dir", "/proc/mpisgd-nope", "cannot create the directory"),
+    ("--save-model", "/proc/mpisgd-nope/model.npz", "cannot"),
+    ("--save-model", "/dev/null", "exists and is not a regular file"),
+    ("--metrics-file", "{file}/m.jsonl", "cannot"),
+    ("--timeline", "/proc/mpisgd-nope/trace", "cannot"),
+])
+def test_an_output_that_cannot_be_written_fails_before_training(option: str, path: str, says: str, tag: str,
+                                                                tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    r, elapsed = launch(2, tag, *SYNTH, "--max-steps", "3", option, path.format(file=file))
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "mpisgd: error" in line]
+    assert len(errors) == 1 and option in errors[0] and says in errors[0], r.stderr
+    assert "epoch" not in r.stdout and "Traceback" not in r.stderr
+    assert file.read_text() == "x"
+    assert_no_rank_left(tag)
+
+
+def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tag: str, tmp_path: Path) -> None:
+    """A real full file system: the checkpoint directory on a 256 KiB tmpfs, each checkpoint 400 KB. The
+    writes fail with a warning naming the free space, training finishes, no temporary file is left."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ck)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
+    try:
+        r, _ = launch(2, tag, *SYNTH, "--max-steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                      "--hidden", "64")
+        left = sorted(p.name for p in ck.iterdir())
+    finally:
+        subprocess.run(["umount", str(ck)], capture_output=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    warned = [line for line in r.stdout.splitlines() if line.startswith("warning: checkpoint of step")]
+    assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.stdout
+    assert "final test accuracy" in r.stdout
+    assert left == [".mpisgd.lock"]  # no checkpoint, no temporary
+
+
+# -- a checkpoint directory belongs to one run ----------------------------------------------------
+def test_a_reused_checkpoint_dir_is_refused_unless_resumed_or_overwritten(tag: str, tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "10", "--checkpoint-dir", ck)
+    assert r.returncode == 0, r.stderr
+    again, _ = launch(2, tag, *SYNTH, "--max-steps", "5", "--checkpoint-dir", ck, "--seed", "7")
+    assert again.returncode == 2 and "holds another run's checkpoints" in again.stderr, again.stderr
+    # an epoch is 8 steps: its end, and the last step whatever --checkpoint-every says; nothing pruned
+    assert sorted(p.name for p in Path(ck).glob("ckpt-*")) == ["ckpt-000000008.npz", "ckpt-000000010.npz"]
+    over, _ = launch(2, tag, *SYNTH, "--max-steps", "5", "--checkpoint-dir", ck, "--seed", "7",
+                     "--overwrite-checkpoints")
+    assert over.returncode == 0 and [p.name for p in Path(ck).glob("ckpt-*")] == ["ckpt-000000005.npz"]
+    done, _ = launch(2, tag, *SYNTH, "--max-steps", "5", "--checkpoint-dir", ck, "--seed", "7", "--resume", "auto")
+    assert done.returncode == 0 and "the run is finished (step 5 of 5)" in done.stdout, done.stdout
+    assert "nan" not in done.stdout + done.stderr
+
+
+def test_two_runs_never_share_a_checkpoint_dir(tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
+    try:
+        other, _ = launch(2, tag + "-2", *SYNTH, "--max-steps", "3", "--checkpoint-dir", str(ck), "--resume",
+                          "auto")
+    finally:
+        os.kill(_mpiexec_pid(p), signal.SIGINT)
+        _wait_end(p, tag, limit_s=30)
+    assert other.returncode == 2 and "is in use by another run (pid" in other.stderr, other.stderr
+
+
+def test_resume_checks_the_run_identity_and_names_every_difference(tag: str, tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "10", "--checkpoint-dir", ck, "--epochs", "5")
+    assert r.returncode == 0, r.stderr
+    other, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--checkpoint-dir", ck, "--epochs", "5", "--resume", "auto",
+                      "--lr", "0.05", "--seed", "3")
+    errors = [line for line in other.stderr.splitlines() if "mpisgd: error" in line]
+    assert other.returncode == 2 and len(errors) == 1, other.stderr
+    for needle in ("--lr 0.1 -> 0.05", "--seed 0 -> 3", "--max-steps 10 -> 20", "--data synthetic (2048 train",
+                   "--resume-allow data,seed,lr,max_steps"):  # the synthetic data follow the seed
+        assert needle in errors[0], errors[0]
+    allowed, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--checkpoint-dir", ck, "--epochs", "5", "--resume",
+                        "auto", "--lr", "0.05", "--resume-allow", "lr,max_steps")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "resume: changed --lr 0.1 -> 0.05 on purpose" in allowed.stdout, allowed.stdout
+
+
+def test_resume_on_other_k_derives_the_batch_or_lists_the_k_that_work(tag: str, tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "10", "--checkpoint-dir", ck, "--batch-size", "32")
+    assert r.returncode == 0, r.stderr
+    four, _ = launch(4, tag, *SYNTH, "--max-steps", "12", "--checkpoint-dir", ck, "--resume", "auto",
+                     "--resume-allow", "max_steps")
+    assert four.returncode == 0, four.stderr
+    assert "written by k=2 ranks, now k=4 with the same B=64; b=16, m=1 derived" in four.stdout, four.stdout
+    three, _ = launch(3, tag, *SYNTH, "--max-steps", "14", "--checkpoint-dir", ck, "--resume", "auto",
+                      "--resume-allow", "max_steps")
+    assert three.returncode == 2 and "B=64 cannot be split over k=3 ranks" in three.stderr, three.stderr
+    assert "(1, 2, 4, 8, 16, 32, 64)" in three.stderr
+    given, _ = launch(4, tag, *SYNTH, "--max-steps", "14", "--checkpoint-dir", ck, "--resume", "auto",
+                      "--batch-size", "32", "--resume-allow", "max_steps")
+    assert given.returncode == 2 and "pass --batch-size and --accum-steps with 4 x b x m = 64" in given.stderr
+
+
+# -- data the ranks disagree on, data the models cannot learn from -------------------------------------
+def _idx_dir(directory: Path, labels_train, n_test: int = 50, seed: int = 0) -> Path:
+    from test_data import write_idx
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir()
+    n = len(labels_train)
+    write_idx(directory / "train-images-idx3-ubyte", rng.integers(0, 255, (n, 28, 28), dtype=np.uint8))
+    write_idx(directory / "train-labels-idx1-ubyte", np.asarray(labels_train, dtype=np.uint8))
+    write_idx(directory / "t10k-images-idx3-ubyte", rng.integers(0, 255, (n_test, 28, 28), dtype=np.uint8))
+    write_idx(directory / "t10k-labels-idx1-ubyte", rng.integers(0, 10, n_test, dtype=np.uint8))
+    return directory
+
+
+def test_ranks_with_different_data_are_refused(tag: str, tmp_path: Path) -> None:
+    a = _idx_dir(tmp_path / "a", np.arange(512) % 10)
+    b = _idx_dir(tmp_path / "b", np.arange(512) % 10, seed=1)
+    train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
+    first = mpiexec_cmd(1, *train)[:1] + ["-n", "1", "-env", "MPISGD_DATA", str(a)] + mpiexec_cmd(1, *train)[3:]
+    second = ["-n", "1", "-env", "MPISGD_DATA", str(b)] + mpiexec_cmd(1, *train)[3:]
+    env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
+    r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "ranks [1] loaded other data than rank 0" in r.stderr, r.stderr
+    assert r.stderr.count("mpisgd: error") == 1
+    assert_no_rank_left(tag)
+
+
+@pytest.mark.parametrize("labels,n_test,says", [([*range(9), 10] * 20, 50, "labels must lie in 0..9"),
+                                                ([*range(10)] * 20, 0, "the test set is empty")])
+def test_data_the_models_cannot_learn_from_is_refused_at_load(labels, n_test, says, tag: str, tmp_path: Path):
+    d = _idx_dir(tmp_path / "d", labels, n_test=n_test)
+    r, _ = launch(2, tag, "-m", "mpisgd.train", "--data-dir", str(d), "--hidden", "16", "--progress", "off",
+                  "--batch-size", "8")
+    assert r.returncode == 2 and says in r.stderr and "epoch" not in r.stdout, r.stderr
+
+
+# -- every bad number: one line, exit 2 ------------------------------------------------------------
+@pytest.mark.parametrize("args,says", [
+    (("--lr", "inf"), "--lr must be a finite number"),
+    (("--lr", "1e308", "--batch-size", "512", "--base-batch", "1"), "learning rates must be finite"),
+    (("--warmup-epochs", "nan"), "--warmup-epochs must be a finite number"),
+    (("--weight-decay", "nan"), "--weight-decay must be a finite number"),
+    (("--weight-decay", "inf"), "--weight-decay must be a finite number"),
+    (("--bucket-mb", "nan"), "--bucket-mb must be a finite number"),
+    (("--stall-timeout", "nan"), "--stall-timeout must be a finite number"),
+    (("--seed", "-1"), "--seed must be >= 0"),
+    (("--allreduce", "nccl"), "needs GPU buffers"),
+    (("--hidden", "200000,200000"), "the run needs at least"),
+    (("--resume-allow", "model"), "not an option a resumed run can change"),
+])
+def test_every_bad_number_is_one_line_and_exit_2(args: tuple[str, ...], says: str, tag: str) -> None:
+    r, elapsed = launch(2, tag, *SYNTH, "--max-steps", "3", *args)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "mpisgd: error" in line]
+    assert len(errors) == 1 and says in errors[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout and elapsed < PROMPT_S
+    assert_no_rank_left(tag)
+
+
+@pytest.mark.parametrize("kind", ["npy", "edited"])
+def test_resume_from_something_that_is_not_a_checkpoint_is_one_line(kind: str, tag: str, tmp_path: Path) -> None:
+    bad = tmp_path / ("x.npy" if kind == "npy" else "x.npz")
+    if kind == "npy":
+        np.save(bad, np.zeros(3))
+    else:  # a checkpoint whose parameters someone replaced by integers
+        np.savez(bad, format=np.int64(1), params=np.arange(5), scalars=np.zeros(6, np.int64),
+                 prev_lr=np.float64(0.1), config=np.array("{}"))
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "3", "--resume", str(bad))
+    errors = [line for line in r.stderr.splitlines() if "mpisgd: error" in line]
+    assert r.returncode == 2 and len(errors) == 1 and str(bad) in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- the library: a rank that fails alone inside mpisgd.guard ends the job -------------------------
+GUARDED = """
+import sys
+import numpy as np
+from mpi4py import MPI
+sys.path.insert(0, {root!r})
+import mpisgd
+comm = MPI.COMM_WORLD
+with mpisgd.guard(comm):
+    model = mpisgd.nn.mlp((8,), n_in=4, n_classes=3).materialize(np, "float64")
+    dp = mpisgd.DataParallel(model, mpisgd.SGD(model.flat), comm)
+    x = np.ones((2, 4))
+    y = np.array([0, 7 if comm.Get_rank() == 1 else 1])  # rank 1's label is out of range
+    for _ in range(3):
+        dp.train_step([(x, y)], lr=0.1)
+    dp.close()
+"""
+
+
+def test_guard_ends_the_job_with_the_failing_ranks_message(tag: str, tmp_path: Path) -> None:
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED.format(root=str(ROOT)))
+    r, elapsed = launch(2, tag, str(script), timeout=60)
+    assert r.returncode != 0 and elapsed < PROMPT_S
+    assert "mpisgd: rank 1 of 2 failed" in r.stderr and "IndexError" in r.stderr, r.stderr
+    assert_no_rank_left(tag)

@@ -337,3 +337,31 @@ def test_overlap_on_and_off_give_the_same_bits(strategy):
     on = digest(train(world(), 8, 6, allreduce=strategy, bucket_mb=0.002, overlap=True, dtype="float32"))
     off = digest(train(world(), 8, 6, allreduce=strategy, bucket_mb=0.002, overlap=False, dtype="float32"))
     assert all(world().allgather(on == off))
+
+
+def test_a_rank_in_another_collective_is_named_at_the_check_in():
+    """Rank 0 trains a step while the last rank is in another collective of the same size: the check-in
+    sees it is not a check-in and names that rank, instead of reading its data as a step number."""
+    comm = world()
+    dp = train(comm, 8, 1)
+    data = synthetic(64, seed=3)
+    x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
+    last = comm.Get_size() - 1
+    if comm.Get_rank() == last:
+        dp.comm.Allgather(np.zeros(6, dtype=np.int64), np.zeros((comm.Get_size(), 6), dtype=np.int64))
+        err = None
+    else:
+        with pytest.raises(ReplicaError) as info:
+            dp.train_step([(x, y)], lr=0.1)
+        err = str(info.value)
+    dp.close()
+    if err is not None:
+        assert f"rank(s) [{last}] are not at the check-in of step 1" in err, err
+
+
+def test_an_unmaterialised_model_says_so():
+    model = mlp((8,))
+    with pytest.raises(ValueError, match="materialize"):
+        SGD(model.flat)
+    with pytest.raises(ValueError, match="materialize"):
+        DataParallel(model, None, world())  # type: ignore[arg-type]

@@ -135,7 +135,6 @@ class RingOp:
                 self._admit()
         return None
 
-
     def _post_ag(self, i: int, s: int) -> None:
         """Post all-gather receive s of slice i (tag step k - 1 + s): chunk (r - s) from the left.
 

@@ -1,0 +1,102 @@
+"""Output files: checked before any training, written so that a crash or a full disk never loses data.
+
+Every output a run will write is checked at start-up (:func:`check_output_file`,
+:func:`check_output_dir`), so a path that cannot be written fails in one line
+before the work, not after it. :func:`atomic_write` writes a temporary file
+beside the target, fsyncs it and renames it over the target, so the target is
+either the old file or the complete new one; a target that exists but is not a
+regular file (a device node, a directory) is refused rather than replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from mpisgd.config import UsageError
+
+TMP_SUFFIX = ".tmp."  # + pid: what an interrupted write leaves behind
+
+
+def _not_regular(path: Path) -> bool:
+    return path.exists() and not path.is_file()
+
+
+def check_output_file(path: str, what: str) -> None:
+    """``path`` can be created or replaced: its directory exists (or is made) and is writable, and the
+    path is not something other than a regular file. Raises UsageError naming ``what`` (an option)."""
+    p = Path(path)
+    if _not_regular(p):
+        raise UsageError(f"{what} {path} exists and is not a regular file; choose another path")
+    check_output_dir(str(p.parent) or ".", what)
+
+
+def check_output_dir(path: str, what: str) -> None:
+    """``path`` is (or can be made) a directory this process can create files in."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what} {path} exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot create the directory ({exc.strerror})") from None
+    probe = p / f".mpisgd-write-test{TMP_SUFFIX}{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot write there ({exc.strerror})") from None
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through ``write(f)`` all or nothing: temporary file, fsync, rename, fsync of the
+    directory. The temporary file is removed whatever happens (a full disk included)."""
+    target = Path(path)
+    if _not_regular(target):
+        raise OSError(f"{target} exists and is not a regular file: not replaced")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}{TMP_SUFFIX}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, pattern: str = r".*") -> list[Path]:
+    """Remove what interrupted writes left in ``directory`` (names matching ``pattern`` + .tmp.<pid>,
+    whose writer is no longer running); returns what was removed."""
+    found = re.compile(rf"^(?:{pattern}){re.escape(TMP_SUFFIX)}(\d+)$")
+    removed = []
+    for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
+        m = found.match(p.name)
+        if m and not _alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()  # our own leftovers cannot be in progress
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    return shutil.disk_usage(path).free

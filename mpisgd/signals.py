@@ -1,0 +1,70 @@
+"""Signals: Ctrl-C ends the job at once; SIGTERM (a scheduler's warning) stops it at a step, with a checkpoint.
+
+Python runs signal handlers in the main thread between bytecodes only, and a
+rank waiting inside an MPI call for a peer that has gone never returns to
+bytecode: a handler could then never run, and the job would hang. So both
+signals are blocked in every thread before MPI starts (its threads inherit the
+mask), and one thread of ours waits for them (``sigwait``) and acts at once:
+
+- SIGINT: this rank prints one line and ends the whole job (``MPI_Abort``),
+  exit 130. When every rank got it (Ctrl-C to mpiexec, which forwards it),
+  rank 0 speaks and aborts first, the others a moment later, so one line shows.
+- SIGTERM: :attr:`Signals.stop_requested` is set; the per-step check-in tells
+  every rank, and they stop together at the next step, write a checkpoint and
+  exit with :data:`EXIT_PREEMPTED`. If the job has not ended ``TERM_GRACE_S``
+  later (a peer stuck or gone), or on a second SIGTERM, the rank aborts it (143).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from mpisgd.abort import abort_job
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's code for Ctrl-C
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again with --resume auto
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM, and no clean stop was possible
+TERM_GRACE_S = 25.0  # inside Slurm's default KillWait (30 s) before SIGKILL
+WATCHED = {signal.SIGINT, signal.SIGTERM}
+
+
+class Signals:
+    """Create with :meth:`block` before MPI is initialised, then :meth:`start` with the job's communicator."""
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self.comm: Any = None
+
+    @classmethod
+    def block(cls) -> Signals:
+        signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+        return cls()
+
+    def start(self, comm: Any) -> None:
+        self.comm = comm
+        threading.Thread(target=self._watch, name="mpisgd-signals", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            sig = signal.sigwait(WATCHED)
+            if sig == signal.SIGTERM and not self.stop_requested:
+                self.stop_requested = True
+                timer = threading.Timer(TERM_GRACE_S, self._end, args=(
+                    EXIT_TERMINATED, f"SIGTERM: the job did not stop within {TERM_GRACE_S:g} s"))
+                timer.daemon = True
+                timer.start()
+            elif sig == signal.SIGTERM:
+                self._end(EXIT_TERMINATED, "a second SIGTERM")
+            else:
+                self._end(EXIT_INTERRUPTED, "interrupted (SIGINT)")
+
+    def _end(self, code: int, why: str) -> None:
+        rank = self.comm.Get_rank()
+        if rank != 0:
+            time.sleep(0.3)  # if rank 0 got the signal too, its abort ends us before we speak
+        print(f"mpisgd: {why} on rank {rank}: ending the job (exit {code})", file=sys.stderr, flush=True)
+        abort_job(self.comm, code, grace_s=0.2)
