@@ -30,8 +30,9 @@
 # (a comma list: run only these), MAX_BYTES (256M), GPU_CHECK_MIN_ACC (0.6: the test accuracy each
 # training must reach; chance is 0.1), GPU_CHECK_NOTES (a file whose text goes into the results' machine
 # section), PYTHON. Testing aids: GPU_CHECK_INJECT=STEP=fail|STEP=hang[,...] makes a step fail (exit 3)
-# or hang (stopped after GPU_CHECK_HANG_S, 3); GPU_CHECK_DRY_NGPU pretends a number of GPUs in a dry run. Exit status: 0 if every step passed or was skipped for a stated reason, 1 if any
-# failed, hung or found no time left, 2 if this is no GPU machine (and no dry run).
+# or hang (stopped after GPU_CHECK_HANG_S, 3); GPU_CHECK_DRY_NGPU pretends a number of GPUs in a dry run.
+# Exit status: 0 if every step passed or was skipped for a stated reason, 1 if any failed, hung or found
+# no time left, 2 if this is no GPU machine (and no dry run), or there is no mpiexec.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s.%N)
@@ -55,7 +56,10 @@ INJECT=${GPU_CHECK_INJECT:-}
 ALL_STEPS="env probe tests-k1 tests-k2 tests-k3 train-mlp-gpu train-cnn-gpu train-mlp-gpu-k2 train-mlp-nccl \
 train-mlp-cpu train-cnn-cpu bw-nccl bw-staged bw-direct"
 for s in ${STEPS//,/ }; do
-  [[ " $ALL_STEPS " == *" $s "* ]] || { echo "gpu_check: unknown step '$s' in GPU_CHECK_STEPS; steps: $ALL_STEPS" >&2; exit 2; }
+  if [[ " $ALL_STEPS " != *" $s "* ]]; then
+    echo "gpu_check: unknown step '$s' in GPU_CHECK_STEPS; steps: $ALL_STEPS" >&2
+    exit 2
+  fi
 done
 if [ -d "$WORK" ] && [ ! -f "$WORK/steps.tsv" ] && [ -n "$(ls -A "$WORK")" ]; then
   echo "gpu_check: $WORK is not empty and holds no earlier check: not removing it (set GPU_CHECK_WORK)" >&2
@@ -140,7 +144,11 @@ assemble() {  # (re)write the results file from what WORK holds; after every ste
     echo "## Machine and versions"
     echo
     if [ -n "${GPU_CHECK_NOTES:-}" ] && [ -f "$GPU_CHECK_NOTES" ]; then cat "$GPU_CHECK_NOTES"; echo; fi
-    if [ -f "$WORK/env.log" ]; then echo '```text'; cat "$WORK/env.log"; echo '```'; else echo "(the env step did not run)"; fi
+    if [ -f "$WORK/env.log" ]; then
+      echo '```text'; cat "$WORK/env.log"; echo '```'
+    else
+      echo "(the env step did not run)"
+    fi
     echo
     echo "## Step details"
     local n name status elapsed note
@@ -247,7 +255,8 @@ check_tests() {  # the GPU tests must have run (PASSED) on a GPU; in a dry run, 
 check_train() {  # an epoch finished, with a test accuracy of at least MIN_ACC (chance is 0.1): the run learnt
   local n acc
   n=$(grep -c '"kind":"epoch"' "$WORK/$1.jsonl" 2>/dev/null)
-  acc=$(grep '"kind":"epoch"' "$WORK/$1.jsonl" 2>/dev/null | tail -n 1 | grep -o '"test_acc":[0-9.]*' | cut -d: -f2)
+  acc=$(grep '"kind":"epoch"' "$WORK/$1.jsonl" 2>/dev/null | tail -n 1 | grep -o '"test_acc":[0-9.]*' | cut -d: -f2 |
+        awk '{ printf "%.4f", $1 }')
   printf '%s epoch record(s), test accuracy %s' "${n:-0}" "${acc:-none}"
   [ "${n:-0}" -ge 1 ] || return 1
   awk -v a="${acc:-0}" -v m="$MIN_ACC" 'BEGIN { exit !(a >= m) }' || { printf ' < %s' "$MIN_ACC"; return 1; }
@@ -290,7 +299,8 @@ work = Path(sys.argv[1])
 runs = [line.split("\t") for line in (work / "runs.tsv").read_text().splitlines() if line]
 if runs:
     print("## Training (the last epoch of each run: samples/s over its training steps, test accuracy after it)\n")
-    print("| run | device | k | epochs done | test acc | samples/s | step (ms) | exposed comm (%) | options | all-reduce |")
+    print("| run | device | k | epochs done | test acc | samples/s | step (ms) | exposed comm (%) | options "
+          "| all-reduce |")
     print("|---|---|---:|---|---:|---:|---:|---:|---|---|")
     speed = {}
     for name, device, k, epochs, args in runs:
