@@ -99,6 +99,7 @@ if [ "$MODE" != system ]; then
   export MPI4PY_LIBMPI=$PREFIX/lib/libmpi.so.12
 fi
 export MPISGD_DATA=$PWD/.device/fashion-mnist PYTHONUNBUFFERED=1
+[ -w "${HOME:-/nonexistent}" ] || export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}  # compiled kernels
 echo "- the bundle's wheels (DEVICE_MPI=$MODE): ${wheels[*]##*/}" >>"$GPU_CHECK_NOTES"
 echo "- Fashion-MNIST: $MPISGD_DATA" >>"$GPU_CHECK_NOTES"
 

@@ -382,11 +382,15 @@ else:
     print("nvidia-smi: not on PATH")
 EOF
 cat >"$WORK/probe.py" <<'EOF'
+import os
 from mpi4py import MPI
 from mpisgd.comm.cuda import probe_cuda_aware
+# a launcher that hands each rank its own GPU would leave ranks sharing one GPU with none: say what they see
+seen = MPI.COMM_WORLD.gather(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
 direct, why = probe_cuda_aware(MPI.COMM_WORLD, "auto")
 if MPI.COMM_WORLD.Get_rank() == 0:
     print(f"probe: {'direct' if direct else 'staged'}: {why}")
+    print(f"CUDA_VISIBLE_DEVICES by rank: {seen}")
 EOF
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -408,7 +412,7 @@ echo "gpu_check: $NGPU GPU(s); budget $BUDGET_S s; results in $RESULTS"
 run_step env 30 - "$PY" "$WORK/env.py"
 run_step probe 40 check_probe "${MPIEXEC[@]}" -n 2 "$PY" "$WORK/probe.py"
 for k in 1 2 3; do
-  run_step "tests-k$k" $((40 + 15 * k)) check_tests "${MPIEXEC[@]}" -n "$k" "$PY" -m pytest \
+  run_step "tests-k$k" $((45 + 15 * k)) check_tests "${MPIEXEC[@]}" -n "$k" "$PY" -m pytest \
       tests/test_comm_cuda.py tests/test_comm_nccl.py -v -rs -p no:cacheprovider --with-mpi \
       --junitxml="$WORK/tests-k$k.xml"
 done
