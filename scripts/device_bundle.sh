@@ -6,7 +6,7 @@
 #         pure Python: the checkout is run from PYTHONPATH, not pip-installed)
 #   fashion-mnist/  the four IDX files, from $MPISGD_DATA or the Debian package's directory
 #   manifest.txt    each file's size and sha256
-# About 44 MB; the device tool carries at most 64 MiB in all, so this stops above 60 MiB.
+# About 45.7 MB (43.5 MiB); the device tool carries at most 64 MiB in all, so this stops above 60 MiB.
 # Then, there, from the repository root with .device carried along:
 #   bash scripts/device_run.sh     # installs the wheels under /tmp/mpi, runs gpu_check.sh, copies results to $OUT
 # CuPy is not bundled: the GPU machine brings its own (cupy-cuda13x there; docs/gpu.md).

@@ -41,7 +41,7 @@ trap copy_out EXIT
 {
   echo "device_run.sh (DEVICE_MPI=$MODE), before the bundle was installed:"
   echo "- python3: $PY, $("$PY" --version 2>&1)"
-  echo "- its own mpi4py and MPI: $(PYTHONPATH=$PWD timeout 60 "$PY" -c "
+  echo "- its own mpi4py and MPI: $(PYTHONPATH=$PWD timeout 30 "$PY" -c "
 import mpi4py
 from mpi4py import MPI
 from mpisgd.comm.cuda import library_query
