@@ -12,7 +12,9 @@ setup(
     extras_require={
         "mpich": ["mpich"],  # an MPI library from PyPI; omit it to use the system's MPICH or Open MPI
         "plot": ["matplotlib>=3.5"],
-        "gpu": ["cupy-cuda12x"],
+        # CuPy for --device gpu, one wheel per CUDA major version (docs/gpu.md); never two in one environment
+        "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13.x
+        "gpu-cuda12": ["cupy-cuda12x>=13"],  # CUDA 12.x
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5"],
         "torch": ["torch"],  # only for the comparison benchmark
     },
