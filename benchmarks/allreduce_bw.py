@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from mpisgd.backend import Backend, select_backend, sync, to_numpy, xp_of  # noqa: E402
 from mpisgd.comm import create_reducer  # noqa: E402
-from mpisgd.comm.base import Reducer  # noqa: E402
+from mpisgd.comm.base import Reducer, node_layout  # noqa: E402
 
 CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "shared")
 GPU_BACKENDS = ("nccl", "mpi", "ring", "auto")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = MPI.COMM_WORLD
     k, rank = comm.Get_size(), comm.Get_rank()
-    backend, _ = select_backend(args.device, local_rank=rank)
+    backend, _ = select_backend(args.device, local_rank=node_layout(comm)[0])  # GPU local_rank % GPUs
     dtype = np.dtype(args.dtype)
     names = [b for b in args.backends.split(",") if b] or list(GPU_BACKENDS if backend.is_gpu else CPU_BACKENDS)
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.inplace]

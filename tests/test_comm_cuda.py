@@ -45,14 +45,21 @@ def test_probe_decides_alike_on_every_rank(monkeypatch, library, child, wrong_on
 
 # -- on a GPU ------------------------------------------------------------------------------------------
 def gpu():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU paths untested here")
+    """CuPy with a device bound (local rank % GPUs), or a skip on every rank when any rank lacks one:
+    a rank skipping alone would leave the others waiting in the test's collectives."""
+    why, cupy = "", None
     try:
+        import cupy
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CUDA driver missing
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device: GPU paths untested here")
-    cupy.cuda.Device(world().Get_rank() % n).use()
+        why = "" if n else "no CUDA device: GPU paths untested here"
+    except Exception as exc:  # CuPy missing, or the CUDA driver
+        why = f"no CuPy or no CUDA ({type(exc).__name__}): GPU paths untested here"
+    whys = [w for w in world().allgather(why) if w]
+    if whys:
+        pytest.skip(whys[0])
+    from mpisgd.comm.base import node_layout
+
+    cupy.cuda.Device(node_layout(world())[0] % n).use()
     return cupy
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpisgd.backend import is_device_array
-from mpisgd.comm.base import Array, Handle, InOrder, Reducer
+from mpisgd.comm.base import Array, Handle, InOrder, Reducer, flat_view
 
 MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's enum value for CUDA in MPIX_GPU_query_support
 
@@ -162,7 +162,7 @@ class _StagedOp(_DeviceOp):
 
     def __init__(self, red: StagedReducer, buf: Array) -> None:
         cupy, stream = red.cupy, red.copies
-        self.flat, self.slot, self.back = buf.reshape(-1), red.take(buf.nbytes), None
+        self.flat, self.slot, self.back = flat_view(buf), red.take(buf.nbytes), None
         self.host = self.slot[1][:buf.nbytes].view(buf.dtype)
         written = cupy.cuda.Event(disable_timing=True)
         written.record(cupy.cuda.get_current_stream())
