@@ -25,7 +25,8 @@ _LAZY = {
     "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
     "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
-    "create_reducer": ("mpisgd.comm", "create_reducer"),
+    "create_reducer": ("mpisgd.comm", "create_reducer"), "broadcast_": ("mpisgd.sync", "broadcast_"),
+    "GradientAverager": ("mpisgd.sync", "GradientAverager"),
 }
 
 
@@ -37,5 +38,5 @@ def __getattr__(name: str) -> Any:
     return value if attr is None else getattr(value, attr)
 
 
-__all__ = ["SGD", "Context", "DataParallel", "NonFiniteError", "ReplicaError", "Schedule", "__version__",
-           "create_reducer", "effective_batch", "guard", "init", "nn", "scaled_lr"]
+__all__ = ["SGD", "Context", "DataParallel", "GradientAverager", "NonFiniteError", "ReplicaError", "Schedule",
+           "__version__", "broadcast_", "create_reducer", "effective_batch", "guard", "init", "nn", "scaled_lr"]

@@ -36,12 +36,17 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
 @dataclass
 class Config:
     # model
-    model: str = opt("mlp", "model: mlp or cnn (LeNet-style)", ("mlp", "cnn"))
+    model: str = opt("mlp", "mlp, cnn (LeNet-5), or package.module:function: your own (it gets the input shape and "
+                            "the number of classes and returns an mpisgd.nn.Sequential)")
     hidden: tuple[int, ...] = opt((1024, 1024), "hidden widths of the MLP, comma-separated")
     dtype: str = opt("float32", "parameter and activation dtype", ("float32", "float64"))
     # data
-    dataset: str = opt("fashion-mnist", "fashion-mnist (IDX files) or synthetic", ("fashion-mnist", "synthetic"))
-    data_dir: str | None = opt(None, "directory of the IDX files (else $MPISGD_DATA, then the Debian path)")
+    dataset: str = opt("fashion-mnist", "fashion-mnist (IDX files, see --data-dir) or synthetic (made up, for tests)",
+                       ("fashion-mnist", "synthetic"))
+    data: str | None = opt(None, "your data: an .npz with x_train, y_train, x_test, y_test, a directory of those "
+                                 "four .npy files (memory-mapped), or an IDX directory (docs/data.md)")
+    data_dir: str | None = opt(None, "directory of Fashion-MNIST's IDX files (else $MPISGD_DATA, then the Debian "
+                                     "path)")
     limit_train: int | None = opt(None, "use only the first N training samples")
     limit_test: int | None = opt(None, "use only the first N test samples")
     synthetic_samples: int = opt(8192, "training samples of the synthetic data set")
@@ -138,6 +143,10 @@ class Config:
             raise UsageError("--decay step needs --decay-epochs, e.g. --decay-epochs 6,9")
         if any(e < 1 for e in self.decay_epochs) or list(self.decay_epochs) != sorted(self.decay_epochs):
             raise UsageError(f"--decay-epochs must be increasing positive epochs, got {self.decay_epochs}")
+        if self.model not in ("mlp", "cnn") and ":" not in self.model:
+            raise UsageError(f"--model must be mlp, cnn or package.module:function, got {self.model!r}")
+        if self.data and self.dataset == "synthetic":
+            raise UsageError("--data and --dataset synthetic: choose one")
         if any(h < 1 for h in self.hidden):
             raise UsageError(f"--hidden widths must be >= 1, got {self.hidden}")
         if self.bucket_mb <= 0:

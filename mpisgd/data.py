@@ -1,9 +1,17 @@
 """Data sets and sharding.
 
+* :func:`load_data` reads ``--data PATH``: an IDX directory (Fashion-MNIST and
+  the MNIST family), an ``.npz`` with ``x_train, y_train, x_test, y_test``, or a
+  directory of those four ``.npy`` files, which are memory-mapped (ranks on a
+  node share one copy through the page cache; a set larger than a rank's
+  memory still trains). Any per-sample shape; inputs uint8 (scaled to [0, 1])
+  or floating point (used as they are); integer labels 0..C-1, C inferred.
+  :func:`validate` refuses what cannot train, naming the array and the problem.
 * :func:`read_idx` reads MNIST-format IDX files (optionally gzipped) and rejects
   bad ones with a message naming the file and the problem.
 * :func:`load_fashion_mnist` finds the four files in ``--data-dir``, then
-  ``$MPISGD_DATA``, then Debian's ``/usr/share/datasets/fashion-mnist``.
+  ``$MPISGD_DATA``, then Debian's ``/usr/share/datasets/fashion-mnist``; its
+  inputs are standardised with the training set's pixel mean and deviation.
 * :class:`GlobalBatches` decides which samples form global batch t: a pure
   function of (seed, epoch, t, B). Rank r takes its contiguous share of that
   batch, so k ranks x b and 1 rank x k*b see the same batches in the same order,
@@ -122,13 +130,20 @@ def find_data_dir(data_dir: str | None) -> Path:
 
 @dataclass
 class Dataset:
-    """Images as uint8 (N, 1, 28, 28) on the host, labels as int64; standardised per batch."""
+    """Inputs (N, ...) on the host (uint8 or float, possibly memory-mapped) and integer labels (N,).
+    A batch becomes ``x * scale + shift`` in the model's dtype (BatchLoader)."""
 
     images: np.ndarray
     labels: np.ndarray
+    scale: float = 1.0
+    shift: float = 0.0
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def head(self, n: int) -> Dataset:
+        """The first n samples, copied (so that a large set is freed, or not read, behind a view)."""
+        return Dataset(np.array(self.images[:n]), np.array(self.labels[:n]), self.scale, self.shift)
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, Path]:
@@ -141,21 +156,86 @@ def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, P
             raise DataError(f"{directory}: {split} images {images.shape} and labels {labels.shape} do not match")
         if images.dtype != np.uint8:
             raise DataError(f"{directory}: {split} images must be unsigned bytes, got {images.dtype}")
-        sets.append(Dataset(images[:, None, :, :], labels.astype(np.int64)))
+        sets.append(Dataset(images[:, None, :, :], labels.astype(np.int64), 1.0 / (255.0 * PIXEL_STD),
+                            -PIXEL_MEAN / PIXEL_STD))
     return sets[0], sets[1], directory
 
 
-def check_labels(data: Dataset, n_classes: int, what: str) -> None:
-    """Refuse a set the models cannot learn from: empty, or labels outside 0 .. n_classes - 1 (a label of -1
-    would index the last class silently; a label too large crashes mid-epoch)."""
-    if len(data) == 0:
-        raise DataError(f"the {what} set is empty")
-    if data.labels.dtype.kind not in "iu":
-        raise DataError(f"{what} labels must be integers, got {data.labels.dtype}")
-    lo, hi = int(data.labels.min()), int(data.labels.max())
-    if lo < 0 or hi >= n_classes:
-        bad = int(np.count_nonzero((data.labels < 0) | (data.labels >= n_classes)))
-        raise DataError(f"{what} labels must lie in 0..{n_classes - 1}; {bad} do not (from {lo} to {hi})")
+ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def load_arrays(path: str) -> tuple[Dataset, Dataset]:
+    """An ``.npz`` with the four arrays, or a directory of ``x_train.npy`` ... (memory-mapped)."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            missing = [name for name in ARRAYS if not (p / f"{name}.npy").is_file()]
+            if missing:
+                raise DataError(f"--data {path}: missing {', '.join(f'{m}.npy' for m in missing)} (a directory "
+                                "needs x_train.npy, y_train.npy, x_test.npy, y_test.npy)")
+            arrays = {name: np.load(p / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in ARRAYS}
+        else:
+            with np.load(p, allow_pickle=False) as z:
+                missing = [name for name in ARRAYS if name not in z.files]
+                if missing:
+                    raise DataError(f"--data {path}: missing {', '.join(missing)} (it holds {', '.join(z.files)})")
+                arrays = {name: z[name] for name in ARRAYS}
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"--data {path}: cannot read it ({type(exc).__name__}: {exc})") from None
+    sets = []
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype == np.uint8:
+            scale = 1.0 / 255.0
+        elif x.dtype.kind == "f":
+            scale = 1.0
+        else:
+            raise DataError(f"--data {path}: x_{split} must be uint8 or floating point, got {x.dtype}")
+        sets.append(Dataset(x, y, scale))
+    return sets[0], sets[1]
+
+
+def load_data(path: str | None, data_dir: str | None) -> tuple[Dataset, Dataset, str, str]:
+    """(train, test, name, where) for ``--data`` / ``--data-dir`` (IDX), else the Fashion-MNIST search."""
+    if path and not (Path(path).is_dir() and any(_find(Path(path), stem) for stem in FILES.values())):
+        if not Path(path).exists():
+            raise DataError(f"--data {path}: no such file or directory")
+        train, test = load_arrays(path)
+        return train, test, Path(path).name, str(path)
+    train, test, directory = load_fashion_mnist(path or data_dir)
+    if path:  # an IDX directory of the user's (the MNIST family): scaled to [0, 1], not by Fashion-MNIST's statistics
+        train.scale = test.scale = 1.0 / 255.0
+        train.shift = test.shift = 0.0
+        return train, test, Path(path).name, f"IDX files from {directory}"
+    return train, test, "fashion-mnist", f"Fashion-MNIST from {directory}"
+
+
+def validate(train: Dataset, test: Dataset, global_batch: int | None = None) -> int:
+    """Refuse what cannot train, naming the array and the problem; returns the number of classes C
+    (labels 0..C-1, inferred). Checks: non-empty, one label per sample, the same per-sample shape in
+    both sets, integer labels >= 0, finite inputs (checked in pieces: a memory-mapped set is read
+    once, never held), and at least one global batch of training samples."""
+    for what, d in (("training", train), ("test", test)):
+        if len(d) == 0 or d.images.shape[0] == 0:
+            raise DataError(f"the {what} set is empty")
+        if d.images.shape[0] != d.labels.shape[0] or d.labels.ndim != 1:
+            raise DataError(f"the {what} set has {d.images.shape[0]} inputs but labels of shape {d.labels.shape}")
+        if d.labels.dtype.kind not in "iu":
+            raise DataError(f"{what} labels must be integers, got {d.labels.dtype}")
+        if int(d.labels.min()) < 0:
+            raise DataError(f"{what} labels must be >= 0 (classes 0..C-1); the smallest is {int(d.labels.min())}")
+        if d.images.dtype.kind == "f":
+            for lo in range(0, len(d), 4096):
+                if not np.isfinite(d.images[lo:lo + 4096]).all():
+                    raise DataError(f"{what} inputs hold NaN or inf (first among samples {lo}..{lo + 4095})")
+    if train.images.shape[1:] != test.images.shape[1:]:
+        raise DataError(f"training samples are {train.images.shape[1:]}, test samples {test.images.shape[1:]}: "
+                        "they must have one shape")
+    if global_batch is not None and len(train) < global_batch:
+        raise DataError(f"the training set has {len(train)} samples, fewer than one global batch B = {global_batch}")
+    return int(max(train.labels.max(), test.labels.max())) + 1
 
 
 def identity(name: str, train: Dataset, test: Dataset) -> dict[str, Any]:
@@ -182,7 +262,8 @@ def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, se
     rng = np.random.default_rng([seed, 777, split])
     labels = rng.integers(0, n_classes, n)
     images = 0.5 + separation * (templates[labels] - 0.5) + noise * rng.standard_normal((n, 1, 28, 28))
-    return Dataset(np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.int64))
+    return Dataset(np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.int64),
+                   1.0 / (255.0 * PIXEL_STD), -PIXEL_MEAN / PIXEL_STD)  # scaled as Fashion-MNIST
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -222,7 +303,7 @@ class GlobalBatches:
 
 
 class BatchLoader:
-    """Gathers a batch of uint8 images into preallocated buffers and standardises it on the device."""
+    """Gathers a batch of inputs into preallocated buffers, in the model's dtype, scaled on the device."""
 
     def __init__(self, data: Dataset, xp: Any, dtype: str | np.dtype) -> None:
         self.xp = xp
@@ -238,14 +319,16 @@ class BatchLoader:
         return sum(held.values())
 
     def batch(self, idx: np.ndarray, slot: int = 0) -> tuple[Any, Any]:
-        """Standardised images and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
+        """Scaled inputs and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
         xp = self.xp
         n = len(idx)
         buf = self._bufs.get((n, slot))
         if buf is None:
             buf = self._bufs[(n, slot)] = xp.empty((n, *self._images.shape[1:]), dtype=self.dtype)
         idx_dev = xp.asarray(idx)
-        buf[...] = self._images[idx_dev]  # gather uint8, convert once into the float buffer
-        buf *= 1.0 / (255.0 * PIXEL_STD)
-        buf -= PIXEL_MEAN / PIXEL_STD
+        buf[...] = self._images[idx_dev]  # gather (uint8 stays 4x smaller until here), convert once
+        if self.data.scale != 1.0:
+            buf *= self.data.scale
+        if self.data.shift:
+            buf += self.data.shift
         return buf, self._labels[idx_dev]

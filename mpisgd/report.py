@@ -103,7 +103,8 @@ def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
         f"device: {device}",
         f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
         f"{describe_model(t.model)}",
-        f"data: {t.data_source} | {len(t.train_set):,} train, {len(t.test_set):,} test",
+        f"data: {t.data_source} | {len(t.train_set):,} train, {len(t.test_set):,} test | samples "
+        f"{'x'.join(map(str, t.in_shape))} {t.train_set.images.dtype}, {t.n_classes} classes",
         f"batch: b={cfg.batch_size} per rank x k={t.k} x m={cfg.accum_steps} accumulated = B={t.B} | "
         f"{t.batches.steps_per_epoch} steps/epoch, {t.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",

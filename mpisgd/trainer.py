@@ -29,10 +29,11 @@ from mpisgd.checkpoint import (
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, blas_threads, init
-from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
+from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_data, synthetic
 from mpisgd.files import check_output_dir, check_output_file, free_bytes
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
+from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError
 from mpisgd.report import peak_rss_mib
@@ -41,7 +42,6 @@ from mpisgd.signals import EXIT_PREEMPTED
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
-N_CLASSES = 10  # the stock models' outputs
 
 
 class NoSignals:
@@ -70,11 +70,14 @@ class Trainer:
             set_threads(self.threads)
         self.fail_at = _injected_failure()
         self.train_set, self.test_set, self.data_source, self.data_id = self._agreed(self._load_data)
+        self.in_shape, self.n_classes = self.train_set.images.shape[1:], self.data_id["classes"]
         self._agreed(self._verify_data)
         self.resume, resume_warnings = self._agreed(self._plan_resume)
-        self._agreed(self._check_memory)
         xp = self.ctx.xp
-        self.model = build_model(cfg.model, cfg.hidden).materialize(xp, cfg.dtype, cfg.seed)
+        self.model = self._agreed(self._build_model)
+        self._agreed(self._check_memory)
+        self.model.materialize(xp, cfg.dtype, cfg.seed)
+        self._agreed(lambda: self._check_model_output(xp))
         self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
         self.timeline = Timeline(enabled=bool(cfg.timeline), rank=self.rank)
         reducer = self._agreed(lambda: self._reducer(cfg))
@@ -167,21 +170,28 @@ class Trainer:
     def _load_data(self) -> tuple[Dataset, Dataset, str, dict[str, Any]]:
         cfg = self.cfg
         if cfg.dataset == "synthetic":
-            train, test, source = synthetic(cfg.synthetic_samples, cfg.seed), synthetic(2000, cfg.seed, split=1), \
-                "synthetic"
+            train, test, name, source = synthetic(cfg.synthetic_samples, cfg.seed), \
+                synthetic(2000, cfg.seed, split=1), "synthetic", "synthetic"
         else:
-            train, test, directory = load_fashion_mnist(cfg.data_dir)
-            source = f"Fashion-MNIST from {directory}"
-        # copies, so that the whole set is freed rather than kept alive behind a view
+            train, test, name, source = load_data(cfg.data, cfg.data_dir)
         if cfg.limit_train:
-            train = Dataset(train.images[:cfg.limit_train].copy(), train.labels[:cfg.limit_train].copy())
+            train = train.head(cfg.limit_train)
         if cfg.limit_test:
-            test = Dataset(test.images[:cfg.limit_test].copy(), test.labels[:cfg.limit_test].copy())
-        data.check_labels(train, N_CLASSES, "training")
-        data.check_labels(test, N_CLASSES, "test")
-        if cfg.model == "cnn" and train.images.shape[1:] != (1, 28, 28):
-            raise UsageError(f"--model cnn takes 1x28x28 images, the data has {train.images.shape[1:]}")
-        return train, test, source, data.identity(cfg.dataset, train, test)
+            test = test.head(cfg.limit_test)
+        classes = data.validate(train, test)
+        return train, test, source, {**data.identity(name, train, test), "classes": classes}
+
+    def _build_model(self) -> Any:
+        try:
+            return build_model(self.cfg.model, self.in_shape, self.n_classes, self.cfg.hidden)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _check_model_output(self, xp: Any) -> None:
+        try:
+            check_output(self.model, xp, self.in_shape, self.n_classes, self.cfg.dtype)
+        except ValueError as exc:
+            raise UsageError(f"--model {self.cfg.model}: {exc}") from None
 
     def _verify_data(self) -> None:
         """Every rank must train on the same data: different sets would end one rank's epoch early and
@@ -219,8 +229,7 @@ class Trainer:
         if self.ctx.backend.is_gpu:
             return
         cfg = self.cfg
-        layers = build_model(cfg.model, cfg.hidden).layers
-        n_params = sum(int(np.prod(shape)) for layer in layers for _, shape in layer.param_shapes)
+        n_params = sum(int(np.prod(shape)) for layer in self.model.layers for _, shape in layer.param_shapes)
         state = 3 * n_params * np.dtype(cfg.dtype).itemsize  # parameters, gradients, momentum
         need = state + self.train_set.images.nbytes + self.test_set.images.nbytes
         available = _available_bytes() / max(1, self.ctx.local_size)

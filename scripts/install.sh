@@ -49,7 +49,7 @@ else
   echo "[install] MPI: the mpich wheel from PyPI"
   extras="mpich"
 fi
-[ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot"
+[ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot,torch"  # torch: the baselines and examples that compare with it
 echo "[install] pip install -e .${extras:+[$extras]}"
 $PIP -e ".${extras:+[$extras]}"
 

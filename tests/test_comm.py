@@ -229,7 +229,8 @@ def test_comm_suites_at_four_ranks():
     """The in-process MPI tests of the engine and of data parallelism at k = 4 (oversubscribed:
     correctness, not speed)."""
     files = ["tests/test_comm.py", "tests/test_comm_ring.py", "tests/test_comm_shared.py",
-             "tests/test_comm_deterministic.py", "tests/test_comm_auto.py", "tests/test_parallel.py"]
+             "tests/test_comm_deterministic.py", "tests/test_comm_auto.py", "tests/test_parallel.py",
+             "tests/test_sync.py"]
     res = run_mpi(4, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--with-mpi", "--only-mpi", "-x",
                   timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

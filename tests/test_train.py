@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import ROOT, run_mpi
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1536", "--dtype", "float64",
@@ -101,7 +101,7 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
 @pytest.mark.parametrize("argv,needle", [
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--model", "vgg"], "invalid choice: 'vgg'"),
+    (["--model", "vgg"], "--model must be mlp, cnn or package.module:function"),
     (["--device", "gpu"], "--device gpu but"),
     (["--data-dir", "/nonexistent/fmnist"], "Fashion-MNIST not found; searched /nonexistent/fmnist"),
     (["--dataset", "synthetic", "--synthetic-samples", "8", "--batch-size", "8"], "fewer than one global batch"),
@@ -129,3 +129,117 @@ def test_progress_on_shows_a_bar_under_mpiexec_and_threads_follow_omp_num_thread
     assert "BLAS threads per rank: 1 (OMP_NUM_THREADS)" in r.stdout
     quiet = run_mpi(2, *SYNTH, "--max-steps", "4", "--threads", "1")  # SYNTH has --progress off
     assert "it/s" not in quiet.stderr and "BLAS threads per rank: 1 (--threads)" in quiet.stdout
+
+
+# -- your data and your model (docs/data.md) ----------------------------------------------------------
+def image_set(path: Path, n: int = 2400, shape=(3, 12, 12), classes: int = 4, dtype: str = "float32",
+              layout: str = "npz", seed: int = 0) -> Path:
+    """A learnable C x H x W set: one random template per class plus noise (uint8: scaled to 0..255)."""
+    rng = np.random.default_rng(seed)
+    templates = rng.normal(size=(classes, *shape))
+    arrays = {}
+    for split, m in (("train", n), ("test", n // 4)):
+        y = rng.integers(0, classes, m)
+        x = templates[y] + 0.8 * rng.normal(size=(m, *shape))
+        x = np.clip(x * 40 + 128, 0, 255).astype(np.uint8) if dtype == "uint8" else x.astype(dtype)
+        arrays[f"x_{split}"], arrays[f"y_{split}"] = x, y
+    if layout == "npz":
+        np.savez(path, **arrays)
+    else:
+        path.mkdir()
+        for name, a in arrays.items():
+            np.save(path / f"{name}.npy", a)
+    return path
+
+
+DATA = ["-m", "mpisgd.train", "--dtype", "float64", "--progress", "off", "--lr", "0.05", "--base-batch", "48",
+        "--max-steps", "8"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "examples.model_factory:small_convnet"])
+def test_your_data_and_model_train_k_invariantly(tmp_path, model):
+    """k ranks with b = one rank with k*b, on an .npz of 3x12x12 images, for each built-in model and a
+    model factory of one's own (loaded from examples/, run from the repository root)."""
+    data = image_set(tmp_path / "set.npz")
+    runs = {}
+    for k in (1, 2, 3):
+        out = tmp_path / f"k{k}.npz"
+        r = run_mpi(k, *DATA, "--data", str(data), "--model", model, "--batch-size", str(48 // k), "--hidden", "32",
+                    "--save-model", str(out), cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "samples 3x12x12 float32, 4 classes" in r.stdout, r.stdout
+        runs[k] = np.load(out)["flat"]
+    np.testing.assert_allclose(runs[2], runs[1], rtol=1e-6, atol=1e-10)
+    np.testing.assert_allclose(runs[3], runs[1], rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout,dtype", [("npz", "uint8"), ("dir", "float32")])
+def test_your_data_learns_to_the_accuracy_it_allows(tmp_path, layout, dtype):
+    data = image_set(tmp_path / ("set.npz" if layout == "npz" else "set"), layout=layout, dtype=dtype)
+    r = run_mpi(2, "-m", "mpisgd.train", "--data", str(data), "--hidden", "64", "--epochs", "3", "--batch-size", "32",
+                "--progress", "off", "--lr", "0.05")
+    assert r.returncode == 0, r.stderr[-3000:]
+    acc = float(r.stdout.split("final test accuracy ")[1].split()[0])
+    assert acc > 0.9, r.stdout  # well-separated classes
+
+
+def bad_set(tmp_path: Path, case: str) -> Path:
+    rng = np.random.default_rng(0)
+    a = {"x_train": rng.normal(size=(64, 5)).astype("float32"), "y_train": rng.integers(0, 3, 64),
+         "x_test": rng.normal(size=(16, 5)).astype("float32"), "y_test": rng.integers(0, 3, 16)}
+    if case == "missing":
+        del a["y_test"]
+    elif case == "shapes":
+        a["x_test"] = rng.normal(size=(16, 6)).astype("float32")
+    elif case == "float labels":
+        a["y_train"] = a["y_train"].astype("float32")
+    elif case == "negative":
+        a["y_train"][3] = -1
+    elif case == "nan":
+        a["x_train"][10, 2] = np.nan
+    elif case == "empty":
+        a["x_test"], a["y_test"] = a["x_test"][:0], a["y_test"][:0]
+    elif case == "int inputs":
+        a["x_train"] = a["x_train"].astype("int32")
+    path = tmp_path / f"{case.replace(' ', '_')}.npz"
+    np.savez(path, **a)
+    return path
+
+
+@pytest.mark.parametrize("case,says", [
+    ("missing", "missing y_test"), ("shapes", "they must have one shape"), ("float labels", "must be integers"),
+    ("negative", "labels must be >= 0"), ("nan", "hold NaN or inf"), ("empty", "the test set is empty"),
+    ("int inputs", "must be uint8 or floating point"), ("small", "fewer than one global batch"),
+])
+def test_bad_data_is_one_line_and_exit_2(tmp_path, case, says):
+    data = bad_set(tmp_path, "ok" if case == "small" else case)
+    r = run_mpi(2, "-m", "mpisgd.train", "--data", str(data), "--hidden", "8", "--progress", "off",
+                "--batch-size", "64" if case == "small" else "8", timeout=120)
+    assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr and "epoch" not in r.stdout, r.stderr
+
+
+BAD_MODELS = """
+from mpisgd.nn import Flatten, Linear, Sequential
+def raises(input_shape, n_classes):
+    raise RuntimeError("this model is broken")
+def three_outputs(input_shape, n_classes):
+    return Sequential(Flatten(), Linear(5, 3 + 1))
+def not_a_model(input_shape, n_classes):
+    return 42
+"""
+
+
+@pytest.mark.parametrize("model,says", [
+    ("nosuchmodule:f", "cannot import nosuchmodule"), ("badmodels:nope", "badmodels has no nope"),
+    ("badmodels:raises", "raised RuntimeError: this model is broken"),
+    ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
+    ("badmodels:not_a_model", "must return an mpisgd.nn.Sequential, got int"),
+    ("cnn", "--model cnn takes C x H x W samples"), ("vgg", "--model must be mlp, cnn or package.module:function"),
+])
+def test_bad_models_are_one_line_and_exit_2(tmp_path, model, says):
+    (tmp_path / "badmodels.py").write_text(BAD_MODELS)
+    r = run_mpi(2, "-m", "mpisgd.train", "--data", str(bad_set(tmp_path, "ok")), "--model", model, "--progress",
+                "off", "--batch-size", "8", cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,6 +1,15 @@
-"""The models the CLI offers. Built on the host; ``materialize`` puts them on a device."""
+"""The models the CLI offers, and your own: ``--model package.module:function``.
+
+Built on the host; ``materialize`` puts them on a device. A model factory takes the input shape (one
+sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`Sequential` whose output
+is one score per class.
+"""
 
 from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
 
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU
 from mpisgd.nn.sequential import Sequential
@@ -18,21 +27,68 @@ def mlp(hidden: tuple[int, ...] = (1024, 1024), n_in: int = 784, n_classes: int 
     return Sequential(*layers)
 
 
-def cnn(n_classes: int = 10, in_channels: int = 1) -> Sequential:
-    """LeNet-5 for 28x28 inputs: conv(6,5x5,pad 2)-pool-conv(16,5x5)-pool-120-84-classes."""
+def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequential:
+    """LeNet-5: conv(6,5x5,pad 2)-pool-conv(16,5x5)-pool-120-84-classes, for C x H x W inputs of any
+    channels and size from 12 x 12 (28 x 28 for Fashion-MNIST)."""
+    if len(in_shape) != 3:
+        raise ValueError(f"--model cnn takes C x H x W samples (images); the data's are {in_shape}: use --model mlp")
+    c, h, w = in_shape
+    h4, w4 = (h // 2 - 4) // 2, (w // 2 - 4) // 2  # after pool, the unpadded 5x5 conv, pool
+    if h4 < 1 or w4 < 1:
+        raise ValueError(f"--model cnn needs images of at least 12 x 12; the data's are {h} x {w}")
     return Sequential(
-        Conv2d(in_channels, 6, 5, padding=2), ReLU(inplace=True), MaxPool2d(2),
+        Conv2d(c, 6, 5, padding=2), ReLU(inplace=True), MaxPool2d(2),
         Conv2d(6, 16, 5), ReLU(inplace=True), MaxPool2d(2),
         Flatten(),
-        Linear(16 * 5 * 5, 120), ReLU(inplace=True),
+        Linear(16 * h4 * w4, 120), ReLU(inplace=True),
         Linear(120, 84), ReLU(inplace=True),
         Linear(84, n_classes),
     )
 
 
-def build_model(name: str, hidden: tuple[int, ...] = (1024, 1024)) -> Sequential:
+def factory(name: str) -> Callable[..., Sequential]:
+    """``mlp``, ``cnn``, or ``package.module:function`` (importable from the working directory or
+    PYTHONPATH). Raises ValueError saying what is wrong."""
     if name == "mlp":
-        return mlp(hidden)
+        return lambda in_shape, n_classes, hidden=(1024, 1024): mlp(hidden, math.prod(in_shape), n_classes)
     if name == "cnn":
-        return cnn()
-    raise ValueError(f"unknown model {name!r}: use mlp or cnn")
+        return lambda in_shape, n_classes, hidden=(): cnn(n_classes, in_shape)
+    module, _, fn = name.partition(":")
+    if not module or not fn:
+        raise ValueError(f"--model {name}: use mlp, cnn, or package.module:function for a model of your own")
+    try:
+        found = getattr(importlib.import_module(module), fn)
+    except ImportError as exc:
+        raise ValueError(f"--model {name}: cannot import {module} ({exc})") from None
+    except AttributeError:
+        raise ValueError(f"--model {name}: {module} has no {fn}") from None
+    return lambda in_shape, n_classes, hidden=(): found(tuple(in_shape), n_classes)
+
+
+def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
+                hidden: tuple[int, ...] = (1024, 1024)) -> Sequential:
+    """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
+    name, a factory that raises or does not return a Sequential)."""
+    make = factory(name)
+    if name in ("mlp", "cnn"):
+        model = make(in_shape, n_classes, hidden)
+    else:
+        try:
+            model = make(in_shape, n_classes)
+        except Exception as exc:  # the user's code: say whose error it is, in one line
+            raise ValueError(f"--model {name} raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, Sequential):
+        raise ValueError(f"--model {name} must return an mpisgd.nn.Sequential, got {type(model).__name__}")
+    return model
+
+
+def check_output(model: Sequential, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str) -> None:
+    """One sample through the materialised model: it must give one score per class (ValueError)."""
+    try:
+        out = model.forward(xp.zeros((1, *in_shape), dtype=dtype))  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise ValueError(f"the model cannot take samples of shape {tuple(in_shape)} "
+                         f"({type(exc).__name__}: {exc})") from None
+    if tuple(out.shape) != (1, n_classes):
+        raise ValueError(f"the model gives {tuple(out.shape[1:])} outputs per sample; the data have {n_classes} "
+                         "classes (labels 0..C-1), so it must give one score per class")
