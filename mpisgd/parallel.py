@@ -68,7 +68,8 @@ class Bucket:
 
 @dataclass
 class StepTimes:
-    """Seconds spent, summed over steps since the last reset."""
+    """Seconds spent, summed over steps since the last reset; and when this rank reached each step's
+    synchronisation points (perf_counter), for the straggler report (mpisgd.straggler)."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -77,6 +78,8 @@ class StepTimes:
     optimizer: float = 0.0
     steps: int = 0
     bytes_reduced: int = 0
+    arrived_check_in: list[float] = field(default_factory=list)  # entering the step check-in
+    arrived_gradients: list[float] = field(default_factory=list)  # backward done, waiting for the gradients
 
 
 def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
@@ -137,6 +140,8 @@ class NullTimeline:
 
     def span(self, name: str, cat: str = "compute") -> contextlib.nullcontext:
         return contextlib.nullcontext()
+
+    def instant(self, name: str) -> None: ...
 
 
 class DataParallel:
@@ -310,6 +315,8 @@ class DataParallel:
         mine = np.array([CHECK_IN, self.step_count, self.flat.size, self.flat.dtype.itemsize, len(self.buckets),
                          int(stop)], dtype=np.int64)
         every = np.zeros((self.k, mine.size), dtype=np.int64)
+        self.times.arrived_check_in.append(time.perf_counter())
+        self.timeline.instant("arrive: step check-in")
         # watched like every blocking collective: a rank stopped between steps waits here
         self.watchdog.enter(f"step check-in of step {self.step_count}")
         try:
@@ -361,6 +368,8 @@ class DataParallel:
         if self.k == 1:
             return
         t0 = time.perf_counter()
+        self.times.arrived_gradients.append(t0)
+        self.timeline.instant("arrive: gradients")
         what = "reduce-scatter" if self.sharded else "all-reduce"
         self.watchdog.enter(f"gradient {what} of step {self.step_count}")
         with self.timeline.span("wait comm", cat="comm"):

@@ -35,6 +35,12 @@ class Timeline:
             self.events.append({"name": name, "cat": cat, "ph": "X", "ts": start, "dur": self._now_us() - start,
                                 "pid": self.rank, "tid": 1 if cat == "comm" else 0, "args": args})
 
+    def instant(self, name: str, cat: str = "sync") -> None:
+        """A moment, e.g. this rank reaching a synchronisation point (shown on the communication row)."""
+        if self.enabled:
+            self.events.append({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": self._now_us(),
+                                "pid": self.rank, "tid": 1})
+
     @contextmanager
     def span(self, name: str, cat: str = "compute") -> Iterator[None]:
         if not self.enabled:

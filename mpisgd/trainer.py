@@ -39,6 +39,8 @@ from mpisgd.parallel import DataParallel, ReplicaError
 from mpisgd.report import peak_rss_mib
 from mpisgd.schedule import Schedule, effective_batch
 from mpisgd.signals import EXIT_PREEMPTED
+from mpisgd.straggler import REPORT_SHARE, Clock, analyse
+from mpisgd.straggler import describe as describe_straggler
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
@@ -68,7 +70,7 @@ class Trainer:
         self.threads, self.threads_from = blas_threads(cfg.threads, self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
             set_threads(self.threads)
-        self.fail_at = _injected_failure()
+        self.fail_at, self.delay = _injected_failure(), _injected_delay()
         self.train_set, self.test_set, self.data_source, self.data_id = self._agreed(self._load_data)
         self.in_shape, self.n_classes = self.train_set.images.shape[1:], self.data_id["classes"]
         self._agreed(self._verify_data)
@@ -96,6 +98,8 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.metrics_file, enabled=self.is_root)
         self.start_epoch, self.start_step, self.global_step = 0, 0, 0
         self.saved_at = -1  # the step of the newest checkpoint this run wrote
+        self.places = world.allgather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id))
+        self.clock = Clock(world) if self.k > 1 else None  # a common time base for the straggler report
         self.history: list[dict[str, Any]] = []
         for w in resume_warnings:
             self.log(f"warning: {w}")
@@ -298,8 +302,7 @@ class Trainer:
     def fit(self) -> int:
         """Train; returns 0, or EXIT_PREEMPTED when a SIGTERM stopped every rank at a step (checkpointed)."""
         cfg, dp = self.cfg, self.dp
-        places = self.world.gather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id), root=0)
-        for line in report.banner(self, places or []):
+        for line in report.banner(self, self.places):
             self.log(line)
         if self.global_step >= self.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {self.total_steps}); nothing to train")
@@ -323,6 +326,8 @@ class Trainer:
                     stopped = (epoch, step)
                     break
                 self._maybe_fail()
+                if self.delay and self.delay[0] == self.rank:
+                    time.sleep(self.delay[1])  # the straggler experiment's slow rank (benchmarks/straggler.py)
                 lr = self.schedule(self.global_step)
                 micro = [self.train_loader.batch(self.batches.indices(perm, step, i), slot=i)
                          for i in range(cfg.accum_steps)]
@@ -395,8 +400,9 @@ class Trainer:
         mem = np.array([peak_rss_mib(), self.rss_start_mib, self._state_mib()])
         self.world.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
         peak_mib, start_mib, state_mib = (float(v) for v in mem)
-        self.dp.watchdog.exit()
         step_time = train_time / max(1, steps)
+        straggler = self._straggler(1e3 * step_time)
+        self.dp.watchdog.exit()
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
         algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
         record = {
@@ -412,11 +418,24 @@ class Trainer:
             "world_size": self.k, "effective_batch": self.B,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (self.k - 1) / self.k,
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
-            "allreduce": self.dp.describe(),
+            "allreduce": self.dp.describe(), **straggler,
         }
         self.history.append(record)
         self.metrics.write(record)
-        self.log(report.format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
+        line = report.format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch))
+        if straggler and straggler["slowest_share"] >= REPORT_SHARE:
+            line += "  " + describe_straggler(straggler, self.places)
+        self.log(line)
+
+    def _straggler(self, step_ms: float) -> dict[str, Any]:
+        """Rank 0's straggler report for this epoch (collective; {} at k = 1 or on other ranks)."""
+        if self.clock is None:
+            return {}
+        self.clock.sync()
+        t = self.dp.times
+        mine = self.clock.common(np.stack([t.arrived_check_in, t.arrived_gradients], axis=1))
+        every = self.world.gather(mine, root=0)
+        return analyse(np.stack(every), step_ms) if self.is_root and every[0].size else {}
 
     def _state_mib(self) -> float:
         """What training needs in memory, in MiB (the speed issue's bound counts these): parameters,
@@ -438,6 +457,8 @@ class Trainer:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
         machinery, which every rank must do together (the watchdog waits for every rank's close)."""
         self.metrics.close()
+        if self.clock is not None and collective:
+            self.clock.close()
         if self.run_dir is not None:
             self.run_dir.close()
         if collective:
@@ -465,3 +486,13 @@ def _available_bytes() -> float:
     except OSError:
         pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _injected_delay() -> tuple[int, float] | None:
+    """(rank, seconds) from $MPISGD_DELAY_RANK ("RANK:MS"): that rank sleeps before each step's compute,
+    the straggler experiment's slow worker (benchmarks/straggler.py). Not a user option."""
+    text = os.environ.get("MPISGD_DELAY_RANK", "")
+    if not text:
+        return None
+    rank, _, ms = text.partition(":")
+    return int(rank), float(ms) / 1e3

@@ -237,3 +237,15 @@ def test_allreduce_bw_exits_non_zero_on_a_wrong_result(tmp_path):
     res = run_mpi(2, str(script), timeout=300)
     assert res.returncode != 0
     assert "ERROR" in res.stdout
+
+
+def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/straggler.py", "--ks", "2", "--delays-ms", "0,10",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "straggler.json").read_text())["rows"]
+    slow = next(x for x in rows if x["delay_ms"] == 10)
+    fast = next(x for x in rows if x["delay_ms"] == 0)
+    assert slow["slowest_rank"] == 1 and slow["wait_caused_ms"][1] > 7
+    assert min(slow["rank_step_ms"]) > min(fast["rank_step_ms"]) + 5  # every rank's step grew
+    assert is_png(tmp_path / "straggler.png") and "| one host | 2 | 10 |" in (tmp_path / "straggler.md").read_text()

@@ -243,3 +243,18 @@ def test_bad_models_are_one_line_and_exit_2(tmp_path, model, says):
                 "off", "--batch-size", "8", cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
     assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("k,slow", [(2, 1), (3, 2), (3, 0)])
+def test_straggler_report_names_the_injected_slow_rank(tmp_path, k, slow):
+    """A rank made 8 ms slower per step ($MPISGD_DELAY_RANK, the experiment's test-only switch) is named in
+    the epoch line, and the metrics give every rank's share of the waiting."""
+    metrics = tmp_path / "m.jsonl"
+    r = run_mpi(k, *SYNTH, "--batch-size", "16", "--max-steps", "30", "--metrics-file", str(metrics),
+                env={"MPISGD_DELAY_RANK": f"{slow}:8"})
+    assert r.returncode == 0, r.stderr
+    epoch = [json.loads(x) for x in metrics.read_text().splitlines() if '"kind":"epoch"' in x][-1]
+    assert epoch["slowest_rank"] == slow and len(epoch["wait_caused_ms"]) == k == len(epoch["lag_ms"])
+    others = epoch["wait_caused_ms"][:slow] + epoch["wait_caused_ms"][slow + 1:]
+    assert epoch["wait_caused_ms"][slow] > 5 and max(others) < 3, epoch["wait_caused_ms"]
+    assert f"slowest: rank {slow} (" in r.stdout and "ms/step for it" in r.stdout, r.stdout
