@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="how --trials are combined: median, or min (latency on a machine shared with others)")
     p.add_argument("--json", type=Path, help="write one JSON record per row here (rank 0)")
     p.add_argument("--plot", type=Path, help="write a PNG of busbw against size here (rank 0)")
-    p.add_argument("--summarize", type=Path, help="print a Markdown comparison of a --json file and exit (no MPI)")
+    p.add_argument("--summarize", type=Path, nargs="+",
+                   help="print a Markdown comparison of --json files and exit (no MPI); several files: auto's "
+                        "ratio to the better of mpi and ring in each run, side by side, and the worst")
     args = p.parse_args(argv)
     if args.summarize:
-        print(summarize([json.loads(line) for line in args.summarize.read_text().splitlines() if line.strip()]))
+        runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in args.summarize]
+        print(summarize(runs[0]) if len(runs) == 1 else summarize_auto(runs))
         return 0
     if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.step_factor < 2 or args.trials < 1:
         p.error("need 1 <= --min-bytes <= --max-bytes, --step-factor >= 2 and --trials >= 1")
@@ -189,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in reducers:
             out(f"  {name:>13} {nbytes:11d} {nbytes // dtype.itemsize:10d} {dtype.name:>8}   "
                 + "   ".join(cells[name]), flush=True)
-    for red in reducers.values():
+    for name, red in reducers.items():
+        if name == "auto":
+            out(f"#   {red.describe()}")  # what auto chose, now that it has seen every size
         red.close()
     out(f"# out of bounds values: {total_wrong} {'ERROR' if total_wrong else 'OK'}")
     if rank == 0 and args.json:
@@ -201,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
-    """Markdown: busbw per backend and size, then speed ratios (time of the reference / time of the backend):
-    ring/mpi, ring-p2p/mpi, auto/best(mpi, ring), deterministic/ring and deterministic/auto (> 1: faster)."""
+    """Markdown: busbw per backend and size, then speed ratios (time of the reference / time of the backend,
+    > 1: faster): ring/mpi, auto/best(mpi, ring), shared/mpi and deterministic/mpi."""
     rows = [r for r in records if r["inplace"] == inplace]
     by = {(r["backend"], r["size_bytes"]): r for r in rows}
     names = list(dict.fromkeys(r["backend"] for r in rows))
-    ratios = [("ring/mpi", "ring", ("mpi",)), ("p2p/mpi", "ring-p2p", ("mpi",)), ("auto/best", "auto", ("mpi", "ring")),
-              ("det/ring", "deterministic", ("ring",)), ("det/auto", "deterministic", ("auto",))]
+    ratios = [("ring/mpi", "ring", ("mpi",)), ("auto/best", "auto", ("mpi", "ring")),
+              ("shared/mpi", "shared", ("mpi",)), ("det/mpi", "deterministic", ("mpi",))]
     ratios = [x for x in ratios if x[1] in names and all(b in names for b in x[2])]
     head = ["size", *[f"{n} busbw" for n in names], "mpi time_us" if "mpi" in names else None,
             *[x[0] for x in ratios]]
@@ -222,6 +227,21 @@ def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
             t_best = min(by[(d, size)]["time_us"] for d in dens)
             cells.append(f"{t_best / by[(num, size)]['time_us']:.2f}")
         out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def summarize_auto(runs: list[list[dict[str, Any]]], inplace: bool = True) -> str:
+    """Markdown: per size, auto's speed against the better of mpi and ring in each run, and the worst run."""
+    tables = [{(r["backend"], r["size_bytes"]): r["time_us"] for r in run if r["inplace"] == inplace} for run in runs]
+    sizes = sorted({size for t in tables for _, size in t})
+    head = ["size", *[f"run {i + 1}: mpi / ring / auto (us)" for i in range(len(runs))],
+            *[f"run {i + 1} auto/best" for i in range(len(runs))], "worst"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for size in sizes:
+        times = [[t.get((b, size), float("nan")) for b in ("mpi", "ring", "auto")] for t in tables]
+        ratios = [min(m, r) / a for m, r, a in times]
+        out.append("| " + " | ".join([_human(size), *[" / ".join(f"{v:.1f}" for v in t) for t in times],
+                                      *[f"{x:.2f}" for x in ratios], f"**{min(ratios):.2f}**"]) + " |")
     return "\n".join(out)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 TAG = 7_350
-REPORT_SHARE = 0.05  # the epoch line names the slowest rank when the others waited this share of a step for it
+REPORT_SHARE = 0.10  # the epoch's report names the slowest rank when the others waited this share of a step for it
 
 
 class Clock:
@@ -87,5 +87,5 @@ def describe(stats: dict[str, Any], places: list[tuple[str, int, Any]]) -> str:
     """'slowest: rank 3 (node b, local 1), others waited 2.4 ms/step for it, 11 % of the step'."""
     r = stats["slowest_rank"]
     host, local = places[r][0], places[r][1]
-    return (f"slowest: rank {r} ({host}, local {local}), others waited {stats['slowest_wait_ms']:.1f} ms/step "
+    return (f"  slowest: rank {r} ({host}, local {local}), others waited {stats['slowest_wait_ms']:.1f} ms/step "
             f"for it, {100 * stats['slowest_share']:.0f} % of the step")

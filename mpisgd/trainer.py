@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mpisgd import data, report
+from mpisgd import data, preflight, report
 from mpisgd.backend import set_threads, to_numpy
 from mpisgd.checkpoint import (
     CheckpointError,
@@ -30,7 +30,7 @@ from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_data, synthetic
-from mpisgd.files import check_output_dir, check_output_file, free_bytes
+from mpisgd.files import free_bytes
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.nn.models import check_output
@@ -63,9 +63,9 @@ class Trainer:
         self.rss_start_mib = peak_rss_mib()  # the interpreter, NumPy, MPI, mpisgd and the backend: no data yet
         self.k, self.rank = self.ctx.size, self.ctx.rank
         self.is_root = self.rank == 0
-        self._agreed(self._verify_config)
-        self._agreed(self._verify_device_options)
-        self._agreed(self._check_outputs)  # before any work: a path that cannot be written fails now
+        self._agreed(lambda: preflight.same_options(cfg, world))
+        self._agreed(lambda: preflight.device_options(cfg, self.ctx.backend.is_gpu))
+        self._agreed(lambda: preflight.outputs(cfg, self.rank))  # a path that cannot be written fails now
         self.run_dir = self._agreed(self._own_checkpoint_dir)
         self.threads, self.threads_from = blas_threads(cfg.threads, self.ctx.local_size)
         if self.ctx.backend.device == "cpu":
@@ -73,11 +73,13 @@ class Trainer:
         self.fail_at, self.delay = _injected_failure(), _injected_delay()
         self.train_set, self.test_set, self.data_source, self.data_id = self._agreed(self._load_data)
         self.in_shape, self.n_classes = self.train_set.images.shape[1:], self.data_id["classes"]
-        self._agreed(self._verify_data)
+        self._agreed(lambda: preflight.same_data(self.data_id, world))
         self.resume, resume_warnings = self._agreed(self._plan_resume)
         xp = self.ctx.xp
         self.model = self._agreed(self._build_model)
-        self._agreed(self._check_memory)
+        if not self.ctx.backend.is_gpu:
+            self._agreed(lambda: preflight.memory(self.model, cfg.dtype, self.train_set.images.nbytes +
+                                                  self.test_set.images.nbytes, self.ctx.local_size))
         self.model.materialize(xp, cfg.dtype, cfg.seed)
         self._agreed(lambda: self._check_model_output(xp))
         self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
@@ -131,39 +133,6 @@ class Trainer:
         agree(self.world, error)
         return result
 
-    def _verify_config(self) -> None:
-        """Every rank must run the same options; name the options and ranks that differ."""
-        digests = self.world.allgather(self.cfg.digest())
-        if len(set(digests)) == 1:
-            return
-        configs = self.world.allgather(self.cfg.to_dict())
-        diffs = []
-        for key in configs[0]:
-            values = [c.get(key) for c in configs]
-            if any(v != values[0] for v in values):
-                odd = [r for r, v in enumerate(values) if v != values[0]]
-                diffs.append(f"--{key.replace('_', '-')} is {values[0]!r} on rank 0 but "
-                             + ", ".join(f"{values[r]!r} on rank {r}" for r in odd))
-        raise UsageError("ranks were started with different options: " + "; ".join(diffs))
-
-    def _verify_device_options(self) -> None:
-        if self.cfg.shard_optimizer and self.ctx.backend.is_gpu:
-            raise UsageError("--shard-optimizer runs on the CPU only (its all-gather takes host buffers); "
-                             "drop it or pass --device cpu")
-
-    def _check_outputs(self) -> None:
-        """Every file this rank will write can be written: found now, not after the training."""
-        cfg = self.cfg
-        if cfg.timeline:
-            check_output_file(f"{cfg.timeline}.rank{self.rank}.json", "--timeline")
-        if not self.is_root:
-            return
-        if cfg.checkpoint_dir:
-            check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
-        for path, what in ((cfg.save_model, "--save-model"), (cfg.metrics_file, "--metrics-file")):
-            if path:
-                check_output_file(path, what)
-
     def _own_checkpoint_dir(self) -> RunDirectory | None:
         """Rank 0 locks the checkpoint directory for this run, and refuses another run's checkpoints there."""
         cfg = self.cfg
@@ -197,15 +166,6 @@ class Trainer:
         except ValueError as exc:
             raise UsageError(f"--model {self.cfg.model}: {exc}") from None
 
-    def _verify_data(self) -> None:
-        """Every rank must train on the same data: different sets would end one rank's epoch early and
-        leave the others waiting in a collective."""
-        every = self.world.allgather(self.data_id)
-        odd = [r for r, d in enumerate(every) if d != every[0]]
-        if odd:
-            raise UsageError(f"ranks {odd} loaded other data than rank 0 (rank 0: {every[0]}; rank {odd[0]}: "
-                             f"{every[odd[0]]}): give every rank the same data set")
-
     def _plan_resume(self) -> tuple[ResumePlan | None, list[str]]:
         """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue
         it and works out b and m; every rank takes the plan. The state itself is loaded in _restore."""
@@ -227,21 +187,6 @@ class Trainer:
         elif cfg.resume != "no":
             warnings.append(f"resume: no usable checkpoint in {cfg.checkpoint_dir}; starting from step 0")
         return plan, warnings
-
-    def _check_memory(self) -> None:
-        """A model that cannot fit is refused with an estimate, not a MemoryError on every rank."""
-        if self.ctx.backend.is_gpu:
-            return
-        cfg = self.cfg
-        n_params = sum(int(np.prod(shape)) for layer in self.model.layers for _, shape in layer.param_shapes)
-        state = 3 * n_params * np.dtype(cfg.dtype).itemsize  # parameters, gradients, momentum
-        need = state + self.train_set.images.nbytes + self.test_set.images.nbytes
-        available = _available_bytes() / max(1, self.ctx.local_size)
-        if need > 0.9 * available:
-            raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
-                             f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations), "
-                             f"but this node has {available / 2**30:.1f} GiB available per rank "
-                             f"({self.ctx.local_size} rank(s) here); use a smaller model or fewer ranks per node")
 
     def log(self, msg: str) -> None:
         if self.is_root:
@@ -422,10 +367,9 @@ class Trainer:
         }
         self.history.append(record)
         self.metrics.write(record)
-        line = report.format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch))
+        self.log(report.format_epoch(record, -(-self.total_steps // self.batches.steps_per_epoch)))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
-            line += "  " + describe_straggler(straggler, self.places)
-        self.log(line)
+            self.log(describe_straggler(straggler, self.places))
 
     def _straggler(self, step_ms: float) -> dict[str, Any]:
         """Rank 0's straggler report for this epoch (collective; {} at k = 1 or on other ranks)."""
@@ -465,7 +409,6 @@ class Trainer:
             self.dp.close()
 
 
-
 def _injected_failure() -> tuple[int, int] | None:
     """(step, rank) from $MPISGD_FAIL_AT_STEP ("STEP" or "STEP:RANK", rank 0 by default): the failure tests
     raise an error there, on that rank only, to check that the whole job ends."""
@@ -475,17 +418,6 @@ def _injected_failure() -> tuple[int, int] | None:
     step, _, rank = text.partition(":")
     return int(step), int(rank or 0)
 
-
-def _available_bytes() -> float:
-    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _injected_delay() -> tuple[int, float] | None:

@@ -97,7 +97,7 @@ def test_exception_on_one_rank_ends_the_job(k: int, failing: int, tag: str) -> N
 @pytest.mark.parametrize(("args", "says"), [
     (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
     (("--lr", "-1"), "--lr must be > 0"),
-    (("--model", "foo"), "invalid choice: 'foo'"),
+    (("--model", "foo"), "--model must be mlp, cnn or package.module:function, got 'foo'"),
     (("--epochs", "x"), "invalid int value: 'x'"),
     (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
     (("--dataset", "fashion-mnist", "--data-dir", "/nonexistent"), "/nonexistent"),

@@ -36,15 +36,15 @@ PLAN_FILE = "~/.cache/mpisgd/allreduce-plans.json"
 
 
 def trials_for(nbytes: int) -> int:
-    """Timed runs of each candidate for a new class: more where calls are cheap and noisy. A function of
-    the size only, so that every rank makes the same number of calls."""
-    return 9 if nbytes <= 64 << 10 else 5 if nbytes <= 4 << 20 else 3
+    """Timed calls of each candidate for a new class: more where calls are cheap and noisy, and where the
+    two are closest (1-16 MiB). A function of the size only, so that every rank makes the same calls."""
+    return 9 if nbytes <= 64 << 10 else 7 if nbytes <= 16 << 20 else 3
 
 
 def _human(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return f"{n / (1 << shift):.3g} {unit}"
+            return f"{n / (1 << shift):g} {unit}"
     return f"{n} B"
 
 
@@ -56,7 +56,7 @@ class AutoReducer(Reducer):
         super().__init__(comm)
         self.mpi, self.ring = MpiReducer(self.comm), RingReducer(self.comm)
         self.shared = SharedReducer(self.comm) if self.size > 1 and on_one_node(self.comm) else None
-        self.routes: dict[int, Reducer] = {}  # dtype.num << 8 | size class -> mpi or ring
+        self.routes: dict[tuple[Any, int], Reducer] = {}  # (dtype, nbytes) -> mpi or ring, as its class decided
         self.plan: dict[str, str] = {}  # "dtype:class" -> "mpi" | "ring": this run's choices
         path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
         self.plan_file = None if path in ("", "off") else Path(path).expanduser()
@@ -86,11 +86,11 @@ class AutoReducer(Reducer):
             pass  # a plan that cannot be kept is measured again next time
 
     def _route(self, src: Array, dst: Array) -> Reducer:
-        """mpi or ring for dst's class: as decided before, else decided now (on this call's data)."""
-        key = dst.dtype.num << 8 | dst.nbytes.bit_length()
-        red = self.routes.get(key)
-        if red is None:
-            name = f"{dst.dtype}:{dst.nbytes.bit_length()}"
+        """mpi or ring for dst's class (decided now, on this call's data, when the class is new); the exact
+        size is remembered too, so that the next call of it costs one dictionary look-up."""
+        name = f"{dst.dtype}:{dst.nbytes.bit_length()}"
+        choice = self.plan.get(name)
+        if choice is None:
             if self.size == 1 or mpi_sum_type(dst.dtype) is None:  # nothing to choose; a dtype MPI cannot sum
                 choice = "mpi" if self.size == 1 else "ring"
             else:
@@ -98,31 +98,31 @@ class AutoReducer(Reducer):
             self.plan[name] = choice
             if name not in self.known:
                 self._save()
-            red = self.routes[key] = self.mpi if choice == "mpi" else self.ring
+        red = self.mpi if choice == "mpi" else self.ring
+        if len(self.routes) < 4096:
+            self.routes[(dst.dtype, dst.nbytes)] = red
         return red
 
     def _measure(self, src: Array, dst: Array) -> str:
-        """Run mpi and ring alternately on this data; the faster at the slowest rank (collective)."""
-        keep = dst.copy() if src is dst else None
+        """Time mpi and ring alternately on this data, call after call as a run of them goes; the faster
+        at the slowest rank wins (collective). The data are put back before the call is made for real."""
+        keep = dst.copy()
         best = np.full(2, np.inf)
-        for trial in range(trials_for(dst.nbytes)):
-            for i in (0, 1) if trial % 2 == 0 else (1, 0):
-                red = (self.mpi, self.ring)[i]
-                t0 = time.perf_counter()
-                if keep is None:
-                    red.allreduce(src, dst)
-                else:
-                    dst[...] = keep
-                    red.allreduce_(dst)
-                sync(dst)
-                best[i] = min(best[i], time.perf_counter() - t0)
-        if keep is not None:
-            dst[...] = keep
+        with np.errstate(over="ignore", invalid="ignore"):  # in place, values double at each call
+            for trial in range(trials_for(dst.nbytes)):
+                for i in (0, 1) if trial % 2 == 0 else (1, 0):
+                    red = (self.mpi, self.ring)[i]
+                    t0 = time.perf_counter()
+                    red.allreduce_(dst) if src is dst else red.allreduce(src, dst)
+                    sync(dst)
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        dst[...] = keep
         self.comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
         return "ring" if best[1] < best[0] else "mpi"
 
     def plan_summary(self) -> str:
-        """The plan in words: per dtype, the byte ranges each strategy serves."""
+        """The plan in words: per dtype, the byte ranges each strategy serves ("mpi 4 B-1 MiB": from 4 B
+        up to, not including, 1 MiB)."""
         out = []
         for dtype in sorted({name.split(":")[0] for name in self.plan}):
             runs: list[list[Any]] = []  # [first class, last class, choice], neighbours with one choice merged
@@ -132,22 +132,24 @@ class AutoReducer(Reducer):
                     runs[-1][1] = c
                 else:
                     runs.append([c, c, choice])
-            out.append(f"{dtype} " + ", ".join(f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human((1 << b) - 1)}"
+            out.append(f"{dtype} " + ", ".join(f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human(1 << b)}"
                                                for a, b, v in runs))
         return "; ".join(out)
 
     # -- the Reducer interface -------------------------------------------------------------
     def allreduce_(self, buf: Array) -> None:
-        self._route(buf, buf).allreduce_(buf)
+        (self.routes.get((buf.dtype, buf.nbytes)) or self._route(buf, buf)).allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
-        self._route(src, dst).allreduce(src, dst)
+        (self.routes.get((dst.dtype, dst.nbytes)) or self._route(src, dst)).allreduce(src, dst)
 
     def _in_window(self, buf: Array) -> bool:
         return self.shared is not None and self.shared.offset_of(buf) is not None
 
     def start(self, buf: Array) -> Handle:
-        return self.shared.start(buf) if self._in_window(buf) else self._route(buf, buf).start(buf)  # type: ignore
+        if self._in_window(buf):
+            return self.shared.start(buf)  # type: ignore[union-attr]
+        return (self.routes.get((buf.dtype, buf.nbytes)) or self._route(buf, buf)).start(buf)
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         if self._in_window(buf):

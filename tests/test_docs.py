@@ -1,0 +1,109 @@
+"""The docs' commands run, and print what the docs say they print.
+
+Every ```sh block in README.md and docs/*.md carries a marker on the line before it:
+
+    <!-- test: run -->                 its commands run as written
+    <!-- test: run with: ARGS -->      ... with ARGS appended to each python command (a short variant of
+                                       a run that takes minutes)
+    <!-- test: skip: REASON -->        not run here (it installs packages, needs Slurm or a GPU, or
+                                       takes far too long: REASON says which, and which test covers it)
+
+In a block, a line starting with "$ " is a command and the lines after it, up to the next command, are
+what its output must contain (each line a substring); other lines that start with python, mpiexec or
+bash are commands whose output is not checked. Lines starting with # are comments; a command ending in
+"# exit N" must exit with N (0 otherwise). A block without a marker fails the test, so no command can go
+untested silently.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"<!--\s*test:\s*(run with:\s*(?P<args>.*?)|run|skip:\s*(?P<why>.*?))\s*-->")
+COMMAND = re.compile(r"^(python3?|mpiexec|bash)\b")
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+
+
+def blocks() -> list[tuple[str, str | None, str]]:
+    """(where, marker line or None, block text) for every ```sh block."""
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == "```sh":
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+                marker = lines[i - 1] if i and MARK.search(lines[i - 1]) else None
+                found.append((f"{doc.relative_to(ROOT)}:{i + 1}", marker, "\n".join(lines[i + 1:end])))
+    return found
+
+
+def commands(text: str) -> list[tuple[str, list[str]]]:
+    """(command, expected output lines) in a block. After a "$ " command, the lines up to the next one
+    are its expected output; elsewhere a line starting with python, mpiexec or bash is a command."""
+    out: list[tuple[str, list[str]]] = []
+    expecting = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+            expecting = True
+        elif expecting:
+            out[-1][1].append(line)
+        elif COMMAND.match(line):
+            out.append((line, []))
+    return out
+
+
+def runnable(cmd: str, extra: str) -> list[str]:
+    """The command with this interpreter for python, this launcher for mpiexec, and ``extra`` appended
+    to a python command."""
+    words = shlex.split(cmd.split(" #", maxsplit=1)[0])
+    if words[0] == "mpiexec":
+        n = int(words[words.index("-n") + 1])
+        rest = words[words.index("-n") + 2:]
+        words = mpiexec_cmd(n, *rest[1:]) if rest[0].startswith("python") else [*mpiexec_cmd(n)[:-1], *rest]
+    elif words[0].startswith("python"):
+        words = [sys.executable, *words[1:]]
+    return words + (shlex.split(extra) if extra and sys.executable in words else [])
+
+
+ALL = blocks()
+
+
+def test_every_command_block_says_how_it_is_tested():
+    unmarked = [where for where, marker, _ in ALL if marker is None]
+    assert not unmarked, f"```sh blocks with no <!-- test: ... --> marker: {unmarked}"
+
+
+@pytest.mark.parametrize("where,marker,text", [b for b in ALL if b[1] and "skip:" not in b[1]],
+                         ids=[b[0] for b in ALL if b[1] and "skip:" not in b[1]])
+def test_doc_commands_run_and_print_what_the_doc_shows(where, marker, text, tmp_path):
+    m = MARK.search(marker)
+    extra = (m.group("args") or "") if m else ""
+    env = {**os.environ, **ONE_THREAD, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PYTHONPATH": str(ROOT)}
+    for cmd, expected in commands(text):
+        code = re.search(r"#\s*exit (\d+)", cmd)  # a command the doc shows failing: "... # exit 1"
+        r = subprocess.run(runnable(cmd, extra), capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        shown = r.stdout + r.stderr
+        want = int(code.group(1)) if code else 0
+        assert r.returncode == want, f"{where}: {cmd!r} exit {r.returncode}, not {want}\n{shown[-3000:]}"
+        missing = [line for line in expected if line not in shown]
+        assert not missing, f"{where}: {cmd!r} did not print {missing}\n{shown[-3000:]}"
+
+
+def test_skipped_blocks_say_why():
+    vague = [where for where, marker, _ in ALL if marker and "skip:" in marker and len(MARK.search(marker)
+                                                                                         .group("why")) < 15]
+    assert not vague, f"skipped blocks need a reason (and the test that covers them): {vague}"
