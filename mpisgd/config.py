@@ -90,6 +90,7 @@ class Config:
     stall_timeout: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
                                       "reached it (0: no watchdog)")
     stall_abort: bool = opt(False, "abort the job when the stall check fires")
+    straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
     # files and output
     metrics_file: str | None = opt(None, "append JSON lines to this file, one per step and one per epoch (rank 0)")
     timeline: str | None = opt(None, "write a Chrome-trace JSON timeline, one file per rank (PATH.rankN.json)")

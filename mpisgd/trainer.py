@@ -101,7 +101,7 @@ class Trainer:
         self.start_epoch, self.start_step, self.global_step = 0, 0, 0
         self.saved_at = -1  # the step of the newest checkpoint this run wrote
         self.places = world.allgather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id))
-        self.clock = Clock(world) if self.k > 1 else None  # a common time base for the straggler report
+        self.clock = Clock(world) if self.k > 1 and cfg.straggler_report else None  # the report's time base
         self.history: list[dict[str, Any]] = []
         for w in resume_warnings:
             self.log(f"warning: {w}")
