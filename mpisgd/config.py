@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,9 @@ class Config:
     nesterov: bool = opt(False, "Nesterov momentum")
     momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1)")
     weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
+    optimizer: str = opt("sgd", "update rule: sgd, or lars (SGD with a layer-wise trust ratio, You et al. 2017; "
+                                "docs/large_batch.md)", ("sgd", "lars"))
+    trust_coef: float = opt(0.001, "LARS trust coefficient c: a layer steps about c*lr*||w|| (the paper's value)")
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
@@ -109,6 +113,8 @@ class Config:
             raise UsageError("--nesterov needs --momentum > 0")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
+            raise UsageError(f"--trust-coef must be finite and > 0, got {self.trust_coef}")
         if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise UsageError("warmup length must be >= 0")
         if self.warmup_steps is None and self.warmup_epochs > self.epochs:

@@ -19,6 +19,7 @@ from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
+from mpisgd.lars import LARS
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.optim import SGD
@@ -47,7 +48,11 @@ class Trainer:
         self.train_set, self.test_set, self.data_source = self._agreed(self._load_data)
         xp = self.ctx.xp
         self.model = build_model(cfg.model, cfg.hidden).materialize(xp, cfg.dtype, cfg.seed)
-        self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+        if cfg.optimizer == "lars":
+            self.optimizer: SGD = LARS(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay,
+                                       cfg.momentum_correction, cfg.trust_coef)
+        else:
+            self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
         self.timeline = Timeline(enabled=bool(cfg.timeline), rank=self.rank)
         reducer = self._agreed(lambda: self._reducer(cfg))
         self.dp = DataParallel(self.model, self.optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_mb,
