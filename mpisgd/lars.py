@@ -40,11 +40,12 @@ class LARS(SGD):
 
     The interface is SGD's (``step``, ``step_shards``, ``state``, ``load_state``, ``velocity``,
     ``prev_lr``): the optimizer state is the same momentum buffer, so checkpoints do not change.
-    SGD's own weight decay is left at 0: LARS adds ``wd * w`` itself, inside the ratio.
+    SGD's own weight decay is left at 0: LARS adds ``wd * w`` itself, inside the ratio. The default
+    ``trust_coef`` is the CLI's (mpisgd.config, which says why it is not the paper's 0.001).
     """
 
     def __init__(self, flat: FlatBuffer, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, momentum_correction: bool = False, trust_coef: float = 0.001,
+                 weight_decay: float = 0.0, momentum_correction: bool = False, trust_coef: float = 0.1,
                  level1: bool = True) -> None:
         if weight_decay < 0:
             raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
