@@ -1,17 +1,21 @@
-"""Test error against effective batch size for three learning-rate recipes (Goyal et al. 2017, Fig. 1).
+"""Test error against effective batch size for learning-rate recipes (Goyal et al. 2017, Fig. 1) and LARS.
 
 Every point is one real training run, ``mpiexec -n K python -m mpisgd.train ...
 --metrics-file``, run sequentially. For each effective batch B = k*b*m
 (k ranks, per-rank micro-batch b <= --max-micro, m accumulation steps):
 
-  none           eta = eta0 for every B (no scaling), no warmup
-  linear         eta = (B/B0)*eta0, no warmup
-  linear+warmup  eta = (B/B0)*eta0, reached by per-iteration linear warmup from eta0
+  none           SGD, eta = eta0 for every B (no scaling), no warmup
+  linear         SGD, eta = (B/B0)*eta0, no warmup
+  linear+warmup  SGD, eta = (B/B0)*eta0, reached by per-iteration linear warmup from eta0
                  over --warmup-epochs (the same number of epochs for every B)
+  lars+warmup    LARS (--optimizer lars, --trust-coef), its own base rate --lars-lr scaled by
+                 --lars-scaling, with the same warmup
 
 Everything else is the same for every point (model, epochs, momentum, weight
 decay, cosine decay, seed): nothing is tuned per point. A run that stops on a
 non-finite gradient is recorded as diverged, its error counted at chance (90 %).
+Runs that vary a setting at one B (LARS's rate or trust coefficient, the warmup
+length) go to their own --out directory, so that each table has one setting per recipe.
 
 Output in --out: large_batch.json (every run: command, per-epoch test accuracy,
 wall time), large_batch.md and large_batch.csv (the table) and large_batch.png
@@ -44,8 +48,11 @@ RECIPES = {  # name -> train flags; the only thing that differs between the line
     "none": ["--lr-scaling", "none"],
     "linear": ["--lr-scaling", "linear"],
     "linear+warmup": ["--lr-scaling", "linear"],  # + --warmup-epochs, added in point_command
+    "lars+warmup": ["--optimizer", "lars"],  # + its scaling, trust coefficient and rate, from the --lars-* flags
 }
 CHANCE_ERROR = 0.9  # 10 classes
+# the LARS recipe, chosen by the grid at one large B in docs/large_batch.md ("LARS"), then fixed for every B
+LARS_LR, LARS_SCALING, TRUST_COEF = 0.014142, "sqrt", 0.1
 
 
 def split_batch(batch: int, ranks: int, max_micro: int) -> tuple[int, int]:
@@ -62,9 +69,12 @@ def split_batch(batch: int, ranks: int, max_micro: int) -> tuple[int, int]:
 def point_command(batch: int, recipe: str, args: argparse.Namespace, metrics: str) -> list[str]:
     """The train flags of one point (without the mpiexec prefix)."""
     b, m = split_batch(batch, args.ranks, args.max_micro)
-    warmup = args.warmup_epochs if recipe == "linear+warmup" else 0
-    return ["-m", "mpisgd.train", *args.train_args, *RECIPES[recipe],
-            "--lr", str(args.lr), "--base-batch", str(args.base_batch),
+    warmup = args.warmup_epochs if recipe.endswith("+warmup") else 0
+    lars = recipe.startswith("lars")
+    flags = RECIPES[recipe] + (["--lr-scaling", args.lars_scaling, "--trust-coef", str(args.trust_coef)]
+                               if lars else [])
+    return ["-m", "mpisgd.train", *args.train_args, *flags,
+            "--lr", str(args.lars_lr if lars else args.lr), "--base-batch", str(args.base_batch),
             "--batch-size", str(b), "--accum-steps", str(m), "--epochs", str(args.epochs),
             "--warmup-epochs", str(warmup), "--progress", "off", "--metrics-file", metrics]
 
@@ -109,6 +119,18 @@ def run_point(batch: int, recipe: str, args: argparse.Namespace) -> dict[str, An
     }
 
 
+def settings(rec: dict[str, Any]) -> dict[str, str]:
+    """The recipe's settings, read back from the run's command: scaling, eta0, trust coefficient, warmup, seed."""
+    words = rec["command"].split()
+
+    def flag(name: str, default: str) -> str:
+        return words[len(words) - 1 - words[::-1].index(name) + 1] if name in words else default
+
+    return {"scaling": flag("--lr-scaling", "linear"), "eta0": flag("--lr", "0.1"),
+            "c": flag("--trust-coef", "-") if "lars" in words else "-", "warmup_ep": flag("--warmup-epochs", "0"),
+            "seed": flag("--seed", "0")}
+
+
 def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     """Final and best test error of a run (chance for a diverged run or one with no epoch)."""
     errors = [1.0 - a for a in rec["test_acc"]]
@@ -126,7 +148,8 @@ def write_report(records: list[dict[str, Any]], out: Path, title: str) -> None:
     for r in records:
         s = summarize(r)
         status = f"diverged at step {r['diverged_at_step']}" if r["diverged"] else "ok"
-        rows.append({"B": r["batch"], "recipe": r["recipe"], "k x b x m": f"{r['ranks']}x{r['micro_batch']}x"
+        rows.append({"B": r["batch"], "recipe": r["recipe"], **settings(r),
+                     "k x b x m": f"{r['ranks']}x{r['micro_batch']}x"
                      f"{r['accum_steps']}", "final_error_pct": round(100 * s["final_error"], 2),
                      "best_error_pct": round(100 * s["best_error"], 2),
                      "epochs": f"{r['epochs_done']}/{r['epochs_budget']}",
@@ -142,11 +165,19 @@ def write_report(records: list[dict[str, Any]], out: Path, title: str) -> None:
     lines = [f"<!-- {title} -->", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(row[h]) for h in head) + " |" for row in rows]
     (out / "large_batch.md").write_text("\n".join(lines) + "\n")
+    if len({r["batch"] for r in records}) < 2:  # a grid at one B: nothing to draw against B
+        return
     from mpisgd.plot import plot_error_vs_batch
 
+    seen: dict[str, dict[str, set[str]]] = {}  # recipe -> setting -> its values: one line per variant
+    for r in records:
+        for key, value in settings(r).items():
+            seen.setdefault(r["recipe"], {}).setdefault(key, set()).add(value)
     series: dict[str, list[tuple[int, float, bool]]] = {}
     for r in records:
-        series.setdefault(r["recipe"], []).append((r["batch"], summarize(r)["final_error"], r["diverged"]))
+        varied = [f"{k}={v}" for k, v in settings(r).items() if len(seen[r["recipe"]][k]) > 1]
+        series.setdefault(" ".join([r["recipe"], *varied]), []).append(
+            (r["batch"], summarize(r)["final_error"], r["diverged"]))
     plot_error_vs_batch(series, str(out / "large_batch.png"), title=title)
 
 
@@ -167,8 +198,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="effective batch sizes B, comma-separated (default 64,...,16384; --quick: 64,256,1024)")
     p.add_argument("--recipes", default=",".join(RECIPES), help="subset of " + ", ".join(RECIPES))
     p.add_argument("--epochs", type=int, default=5, help="epoch budget of every run")
-    p.add_argument("--warmup-epochs", type=float, default=1.0, help="warmup of the linear+warmup recipe")
-    p.add_argument("--lr", type=float, default=0.1, help="eta0")
+    p.add_argument("--warmup-epochs", type=float, default=1.0, help="warmup of the +warmup recipes")
+    p.add_argument("--lr", type=float, default=0.1, help="eta0 of the SGD recipes")
+    p.add_argument("--lars-lr", type=float, default=LARS_LR, help="eta0 of the LARS recipe (docs/large_batch.md)")
+    p.add_argument("--lars-scaling", default=LARS_SCALING, choices=("linear", "sqrt", "none"),
+                   help="how the LARS recipe's rate follows B")
+    p.add_argument("--trust-coef", type=float, default=TRUST_COEF, help="the LARS recipe's trust coefficient")
     p.add_argument("--base-batch", type=int, default=256, help="B0 that eta0 belongs to")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks k")
     p.add_argument("--max-micro", type=int, default=512, help="largest per-rank micro-batch b")
@@ -203,10 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     path = out / "large_batch.json"
-    title = (f"Fashion-MNIST MLP, {args.epochs} epochs, eta0={args.lr} per B0={args.base_batch}, "
-             f"warmup {args.warmup_epochs:g} epoch(s), k={args.ranks}" if not args.quick else "quick smoke run")
+    # what every row shares; each row's recipe settings are columns of the table (an out directory may
+    # hold runs of several invocations)
+    title = (f"Fashion-MNIST MLP, {args.epochs} epochs, k={args.ranks}, B0={args.base_batch}" if not args.quick
+             else "quick smoke run")
     records = load_records(path)
-    meta = {"title": title, "argv": sys.argv[1:] if argv is None else argv, "host_cores": os.cpu_count()}
+    before = json.loads(path.read_text())["meta"] if path.exists() else None  # earlier invocations' argv and time
+    earlier = [] if before is None else before.pop("earlier", []) + [before]
+    meta = {"title": title, "argv": sys.argv[1:] if argv is None else argv, "host_cores": os.cpu_count(),
+            "earlier": earlier}
     if not args.report_only:
         t_sweep = time.perf_counter()
         for batch in args.batch_list:

@@ -21,7 +21,8 @@ from typing import Any
 # which importing mpi4py.MPI (through context/parallel) does.
 _LAZY = {
     "nn": ("mpisgd.nn", None), "Context": ("mpisgd.context", "Context"), "init": ("mpisgd.context", "init"),
-    "SGD": ("mpisgd.optim", "SGD"), "DataParallel": ("mpisgd.parallel", "DataParallel"),
+    "SGD": ("mpisgd.optim", "SGD"), "LARS": ("mpisgd.lars", "LARS"),
+    "DataParallel": ("mpisgd.parallel", "DataParallel"),
     "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
     "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
@@ -38,5 +39,6 @@ def __getattr__(name: str) -> Any:
     return value if attr is None else getattr(value, attr)
 
 
-__all__ = ["SGD", "Context", "DataParallel", "GradientAverager", "NonFiniteError", "ReplicaError", "Schedule",
-           "__version__", "broadcast_", "create_reducer", "effective_batch", "guard", "init", "nn", "scaled_lr"]
+__all__ = ["LARS", "SGD", "Context", "DataParallel", "GradientAverager", "NonFiniteError", "ReplicaError",
+           "Schedule", "__version__", "broadcast_", "create_reducer", "effective_batch", "guard", "init", "nn",
+           "scaled_lr"]

@@ -68,6 +68,11 @@ class Config:
     nesterov: bool = opt(False, "Nesterov momentum")
     momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1)")
     weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
+    optimizer: str = opt("sgd", "update rule: sgd, or lars (SGD with a layer-wise trust ratio, You et al. 2017; "
+                                "docs/large_batch.md)", ("sgd", "lars"))
+    trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w||; 0.1 did best "
+                                 "of 0.001-1 (docs/large_batch.md): the paper's 0.001 needs a 100x larger --lr, "
+                                 "which biases take unscaled")
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
@@ -133,6 +138,8 @@ class Config:
             raise UsageError("--nesterov needs --momentum > 0")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
+            raise UsageError(f"--trust-coef must be > 0, got {self.trust_coef}")
         if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise UsageError("warmup length must be >= 0")
         if self.warmup_steps is None and self.warmup_epochs > self.epochs:

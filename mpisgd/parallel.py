@@ -15,7 +15,8 @@ With ``shard_optimizer`` (k > 1), step 3 becomes a reduce-scatter: each rank
 receives only its chunk of every bucket's averaged gradient, updates only
 those parameters (1/k of the optimizer's work), and an all-gather of the
 parameters then gives every rank the same new replica (ZeRO stage 1's split of
-the update, with the momentum buffer kept whole so that checkpoints do not change).
+the update, with the momentum buffer kept whole so that checkpoints do not change). LARS needs
+whole-layer norms first: one small all-gather of each rank's partial squared norms (_step_shards).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mpisgd.backend import is_device_array, to_numpy
 from mpisgd.blas import all_finite
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.comm.base import chunk_counts
+from mpisgd.lars import LARS
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
 from mpisgd.optim import SGD
@@ -284,7 +286,7 @@ class DataParallel:
             # decided on the reduced gradient, so every rank takes the same branch
             finite = self.grads_finite()
             if finite and self.sharded:
-                self.optimizer.step_shards(lr, self._shards)
+                self._step_shards(lr)
             elif finite:
                 self.optimizer.step(lr)
             elif self.on_nan == "skip":
@@ -298,6 +300,21 @@ class DataParallel:
         self.times.steps += 1
         self.step_count += 1
         return loss_sum / m
+
+    def _step_shards(self, lr: float) -> None:
+        """The sharded update of this rank's chunks. LARS scales each layer by a ratio of whole-layer norms,
+        and a chunk may hold only part of a layer: every rank's partial squared norms are all-gathered
+        (one small collective, which every rank reaches) and summed in rank order, so that every rank
+        applies the same ratios, bitwise, whatever the MPI library's reduction order."""
+        if not isinstance(self.optimizer, LARS):
+            self.optimizer.step_shards(lr, self._shards)
+            return
+        mine = self.optimizer.partial_sq_norms(self._shards)
+        every = np.empty((self.k, *mine.shape), dtype=mine.dtype)
+        self.watchdog.enter(f"layer-norm all-gather of step {self.step_count}")
+        self.comm.Allgather(mine, every)
+        self.watchdog.exit()
+        self.optimizer.step_shards(lr, self._shards, every.sum(axis=0))
 
     def buffer_nbytes(self) -> int:
         """Bytes of this rank's training state: parameters, gradients, momentum and, sharded, the chunk

@@ -81,7 +81,8 @@ def describe_model(model: Any) -> str:
 
 def describe_optimizer(cfg: Any) -> str:
     """The update rule's settings, as given."""
-    parts = ["SGD"] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
+    name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
+    parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
                        else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
     return ", ".join(parts)
 

@@ -31,6 +31,7 @@ from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, agree, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, epoch_permutation, load_data, synthetic
 from mpisgd.files import free_bytes
+from mpisgd.lars import LARS
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count, build_model
 from mpisgd.nn.models import check_output
@@ -82,7 +83,11 @@ class Trainer:
                                                   self.test_set.images.nbytes, self.ctx.local_size))
         self.model.materialize(xp, cfg.dtype, cfg.seed)
         self._agreed(lambda: self._check_model_output(xp))
-        self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+        if cfg.optimizer == "lars":
+            self.optimizer: SGD = LARS(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay,
+                                       cfg.momentum_correction, cfg.trust_coef)
+        else:
+            self.optimizer = SGD(self.model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
         self.timeline = Timeline(enabled=bool(cfg.timeline), rank=self.rank)
         reducer = self._agreed(lambda: self._reducer(cfg))
         self.dp = DataParallel(self.model, self.optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_mb,

@@ -58,21 +58,29 @@ def test_large_batch_report_writer(tmp_path):
              "test_acc": [] if div else [0.8, 0.85], "steps": 10, "diverged": div,
              "diverged_at_step": 3 if div else None, "wall_s": 1.0}
             for B in (64, 2048) for r, div in (("none", False), ("linear", B == 2048))]
-    lb.write_report(recs, tmp_path, "test")
+    for rec in recs:
+        rec["command"] += " --lr-scaling none --lr 0.1" if rec["recipe"] == "none" else " --lr-scaling linear --lr 0.1"
+    lars = {**recs[0], "recipe": "lars+warmup", "test_acc": [0.8, 0.88],
+            "command": "cmd --seed 3 --optimizer lars --lr-scaling sqrt --trust-coef 0.01 --lr 2.0 --warmup-epochs 1.0"}
+    lb.write_report([*recs, lars], tmp_path, "test")
     table = (tmp_path / "large_batch.md").read_text()
-    assert "| 2048 | linear | 2x512x2 | 90.0 | 90.0 | 0/2 | 3 | 1.0 | diverged at step 3 |" in table
-    assert "| 64 | none | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
+    assert "| 2048 | linear | linear | 0.1 | - | 0 | 0 | 2x512x2 | 90.0 | 90.0 | 0/2 | 3 | 1.0 | diverged at step 3 |" \
+        in table
+    assert "| 64 | none | none | 0.1 | - | 0 | 0 | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
+    assert "| 64 | lars+warmup | sqrt | 2.0 | 0.01 | 1.0 | 3 | 2x32x1 | 12.0 | 12.0 | 2/2 |" in table
     assert is_png(tmp_path / "large_batch.png") and (tmp_path / "large_batch.csv").exists()
 
 
 def test_large_batch_quick_run(tmp_path):
     r = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64,1024",
-                        "--recipes", "none,linear+warmup", "--out", str(tmp_path)],
+                        "--recipes", "none,linear+warmup,lars+warmup", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads((tmp_path / "large_batch.json").read_text())
-    assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(64, "none"), (64, "linear+warmup"),
-                                                                  (1024, "none"), (1024, "linear+warmup")}
+    assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(b, r) for b in (64, 1024)
+                                                                  for r in ("none", "linear+warmup", "lars+warmup")}
+    assert all("--optimizer lars --lr-scaling sqrt --trust-coef 0.1 --lr 0.014142" in x["command"]
+               for x in data["runs"] if x["recipe"] == "lars+warmup")
     assert all(len(x["test_acc"]) == 2 for x in data["runs"])
     assert is_png(tmp_path / "large_batch.png")
     again = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64",

@@ -132,6 +132,20 @@ def test_sharded_run_checkpoints_whole_momentum_and_resumes_bitwise(tmp_path):
     np.testing.assert_array_equal(resumed, full)
 
 
+def test_lars_run_resumes_bitwise(tmp_path):
+    """LARS keeps SGD's state (momentum, previous rate): a sharded LARS run resumes where it stopped."""
+    k, b, lars = 2, 24, ("--optimizer", "lars", "--trust-coef", "0.02", "--lr", "2", "--shard-optimizer",
+                         "--bucket-mb", "0.002", "--momentum-correction")
+    full, _ = final(tmp_path, "full", k, "--batch-size", str(b), *lars)
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
+          *lars, expect=1, fail_at="50:1")
+    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--resume", "auto",
+                       *lars)
+    assert "at step 30" in r.stdout and "LARS, trust coefficient 0.02" in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
 def test_resume_with_other_k_and_same_effective_batch(tmp_path):
     ck = str(tmp_path / "ck")
     full, _ = final(tmp_path, "full", 1, "--batch-size", "32")

@@ -16,6 +16,8 @@ def test_defaults_are_valid():
 def test_flags_map_to_fields():
     cfg = parse_config(["--batch-size", "32", "--hidden", "64,32", "--nesterov", "--lr", "0.5"])
     assert (cfg.batch_size, cfg.hidden, cfg.nesterov, cfg.lr) == (32, (64, 32), True, 0.5)
+    cfg = parse_config(["--optimizer", "lars", "--trust-coef", "0.02"])
+    assert (cfg.optimizer, cfg.trust_coef) == ("lars", 0.02) and Config().optimizer == "sgd"
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -23,7 +25,7 @@ def test_flags_map_to_fields():
     (["--epochs", "-1"], "epochs must be >= 1"),
     (["--lr", "-0.1"], "lr must be > 0"),
     (["--momentum", "1.5"], "momentum"),
-    (["--model", "resnet"], "invalid choice"),
+    (["--model", "resnet"], "--model must be mlp, cnn or package.module:function"),
     (["--device", "tpu"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),
@@ -31,6 +33,10 @@ def test_flags_map_to_fields():
     (["--accum-steps", "0"], "accum-steps must be >= 1"),
     (["--decay", "step"], "decay-epochs"),
     (["--hidden", "64,x"], "comma-separated"),
+    (["--trust-coef", "0"], "trust-coef must be > 0"),
+    (["--trust-coef", "nan"], "trust-coef must be a finite number"),
+    (["--trust-coef", "inf"], "trust-coef must be a finite number"),
+    (["--optimizer", "adam"], "invalid choice"),
 ])
 def test_bad_values_raise_usage_error(argv, match):
     with pytest.raises(UsageError, match=match):

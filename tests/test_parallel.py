@@ -16,6 +16,7 @@ from conftest import world
 
 from mpisgd.comm import create_reducer
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
+from mpisgd.lars import LARS
 from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError, verify_same
@@ -38,15 +39,18 @@ class SummedLoss(SoftmaxCrossEntropy):
 def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
           allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, shard: bool = False,
           shared_grads: bool = True, deterministic: bool = False, dtype: str = "float64", hidden=(16, 8),
-          **opt) -> DataParallel:
+          lr: float = 0.05, **opt) -> DataParallel:
     """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
     k = comm.Get_size()
     rank = comm.Get_rank() if rank is None else rank
     data = synthetic(512, seed=0)
     model = mlp(hidden).materialize(np, dtype, seed=0)
-    optimizer = SGD(model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
-                    weight_decay=opt.get("weight_decay", 1e-3),
-                    momentum_correction=opt.get("momentum_correction", False))
+    kinds = {"sgd": SGD, "lars": LARS}
+    extra = {"trust_coef": opt["trust_coef"]} if "trust_coef" in opt else {}
+    optimizer = kinds[opt.get("optimizer", "sgd")](
+        model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
+        weight_decay=opt.get("weight_decay", 1e-3), momentum_correction=opt.get("momentum_correction", False),
+        **extra)
     dp = DataParallel(model, optimizer, comm, reducer=create_reducer(allreduce, comm, deterministic=deterministic),
                       loss=None if average else SummedLoss(k), bucket_cap_mb=bucket_mb, overlap=overlap,
                       shard_optimizer=shard, shared_grads=shared_grads)
@@ -54,7 +58,7 @@ def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | 
     batches = GlobalBatches(len(data), k * local_batch, rank, k)
     for step in range(steps):
         perm = epoch_permutation(len(data), 0, step // batches.steps_per_epoch)
-        dp.train_step([loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))], lr=0.05)
+        dp.train_step([loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))], lr=lr)
     return dp
 
 
@@ -68,7 +72,11 @@ def reference(k: int, b: int, steps: int, **opt) -> np.ndarray:
     return params
 
 
-@pytest.mark.parametrize("opt", [{}, {"nesterov": True}, {"momentum": 0.0, "weight_decay": 0.0}])
+LARS_OPT = {"optimizer": "lars", "trust_coef": 0.02, "lr": 2.0}  # a rate at which the layers move as with SGD
+
+
+@pytest.mark.parametrize("opt", [{}, {"nesterov": True}, {"momentum": 0.0, "weight_decay": 0.0}, LARS_OPT,
+                                 {**LARS_OPT, "nesterov": True, "momentum_correction": True}])
 def test_k_ranks_match_one_rank_with_k_times_the_batch(opt):
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
@@ -202,6 +210,10 @@ def test_finite_check_is_exact(dtype):
     ("ring", 0.0005, True, {"momentum": 0.0}),
     ("deterministic", 25.0, True, {}),
     ("shared", 0.0005, True, {}),
+    ("auto", 25.0, True, LARS_OPT),  # one bucket: the k chunks split layers
+    ("auto", 0.0005, True, LARS_OPT),
+    ("deterministic", 0.0005, False, {**LARS_OPT, "nesterov": True}),
+    ("ring", 0.0005, True, {**LARS_OPT, "momentum": 0.0}),
 ])
 def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, bucket_mb, overlap, opt):
     comm = world()
@@ -249,6 +261,18 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     np.testing.assert_array_equal(after_close, grads)  # private again, same values
     assert state == 3 * dp.flat.nbytes + owned * dp.flat.dtype.itemsize
     assert not off_shared  # shared_grads=False keeps them private
+
+
+def test_sharded_lars_without_the_ranks_summed_norms_differs(monkeypatch):
+    """The check above can fail: ratios from each rank's own chunks of a layer, not the whole layer's."""
+    comm = world()
+    k, b, steps = comm.Get_size(), 8, 12
+    monkeypatch.setattr(DataParallel, "_step_shards", lambda self, lr: self.optimizer.step_shards(lr, self._shards))
+    dp = train(comm, b, steps, shard=True, **LARS_OPT)
+    ours = dp.flat.params.copy()
+    dp.close()
+    monkeypatch.undo()
+    assert not np.allclose(ours, reference(k, b, steps, **LARS_OPT), rtol=1e-5, atol=1e-9)
 
 
 def test_sharded_step_without_dividing_by_k_still_differs():

@@ -61,6 +61,19 @@ def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
         assert one.returncode == 0 and "nothing to split at k=1" in one.stdout, one.stderr
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_lars_k_ranks_sharded_or_not_equal_one_rank(tmp_path, k):
+    """--optimizer lars: k ranks (replicated, or sharded with chunks that split layers) reach one rank's
+    parameters with k times the batch; the banner names it."""
+    lars = ("--optimizer", "lars", "--trust-coef", "0.02", "--lr", "2")
+    ref = train_params(tmp_path, 1, k * 16, *lars)
+    np.testing.assert_allclose(train_params(tmp_path, k, 16, *lars), ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(train_params(tmp_path, k, 16, *lars, "--shard-optimizer"), ref, rtol=1e-9, atol=1e-12)
+    assert not np.allclose(train_params(tmp_path, 1, k * 16), ref, rtol=1e-5)  # LARS is not SGD here
+    r = run_mpi(1, *SYNTH, *lars, "--max-steps", "1", timeout=60)
+    assert "optimizer: LARS, trust coefficient 0.02, momentum 0.9, weight decay 0.0001" in r.stdout, r.stdout
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_real_data_short_run_writes_metrics(tmp_path, model):
