@@ -5,6 +5,9 @@ model's flat parameter and gradient buffers. Outputs go to buffers kept per
 shape and reused, so the hot path allocates nothing; a returned array is valid
 until the layer's next call. Backward writes gradients in place (``out=``), or
 adds to them when ``accumulate`` is set (gradient accumulation).
+
+Linear, ReLU and Flatten take (N, ...) arrays; Conv2d and MaxPool2d take
+(C, H, W, N), batch last (see Conv2d for why), and Permute converts.
 """
 
 from __future__ import annotations
@@ -259,8 +262,8 @@ class Conv2d(Layer):
         """dW = sum over chunks of cols (ckk, M) @ dy^T (M, c_out), M = the chunk's positions x N (a long inner
         dimension: what BLAS likes for a reduction), with the columns made again; db = sum of dy."""
         xp = xp_of(dy)
-        c, _, ho, wo, n = self.c_in, *dy.shape
-        ckk = c * self.k * self.k
+        _, ho, wo, n = dy.shape
+        c, ckk = self.c_in, self.c_in * self.k * self.k
         windows = self._windows(self._xpad, ho, wo)
         chunks = self._row_chunks(ho, wo, n, dy.itemsize)
         dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
@@ -303,10 +306,9 @@ class MaxPool2d(Layer):
     """Non-overlapping max pooling (kernel = stride) on (C, H, W, N) arrays, as Conv2d; odd edges are dropped.
 
     Separable: the max over each k x k window is the max along W of k neighbours, then along H of k
-    of those.
-    Each pass keeps, per output, the index (0..k-1) of the first maximum (uint8), so backward routes
-    each gradient to exactly one input, the first maximum of its window in row-major order, as PyTorch
-    does: ties (flat background regions give many) get the gradient once, not once per tied input.
+    of those. Each pass keeps, per output, the index (0..k-1) of the first maximum (uint8), so backward
+    routes each gradient to exactly one input, the first maximum of its window in row-major order, as
+    PyTorch does: ties (flat background regions give many) get the gradient once, not once per tie.
     """
 
     def __init__(self, kernel: int = 2) -> None:
@@ -361,7 +363,7 @@ class MaxPool2d(Layer):
             return None
         c, h, w, n = self._xshape
         k = self.k
-        dmaxes = self._buf("drow_max", self._arg_w.shape, dy)
+        dmaxes = self._buf("row_max", self._arg_w.shape, dy)  # forward's row maxima are no longer needed
         self._route_along(dy, self._arg_h, dmaxes, 1)
         dx = self._buf("dx", self._xshape, dy, zeroed=True)  # the dropped odd edges stay zero
         self._route_along(dmaxes, self._arg_w, dx[:, :h // k * k, :w // k * k], 2)
