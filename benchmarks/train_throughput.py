@@ -31,6 +31,10 @@ with a 95 % bootstrap interval over the repeats. Memory columns (largest rank):
 peak RSS, RSS at start-up before any data ("start": interpreter, NumPy, MPI),
 and what training holds ("state": parameters, gradients, optimizer state,
 activations and data; the speed issue's bound is 1.5 times this).
+Each launch also records how many cores other processes kept busy meanwhile
+(from /proc/stat, less the launch's own CPU time); `--max-others CORES` runs a
+launch again, up to four tries, when that exceeds CORES: on a machine shared
+with other people's jobs, a disturbed launch is retried instead of kept.
 `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs there are), the
 hand-written loop on CuPy arrays ("cupy-loop", in place of the two NumPy loops)
 and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
@@ -42,12 +46,14 @@ import argparse
 import json
 import os
 import random
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +121,33 @@ def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
             **{key: max(m.get(key, float("nan")) for m in middles) for key in MEMORY}}
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has been busy since boot, all cores and steal time included
+    (/proc/stat), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def launch_measured(launch: object) -> tuple[dict | None, float]:
+    """Run ``launch()``; also return how many cores other processes kept busy meanwhile, on average (the
+    machine's busy time less this launch's own): 0 on a machine left alone, NaN where unknown."""
+    busy0, own0, t0 = busy_cpu_s(), children_cpu_s(), time.perf_counter()
+    res = launch()  # type: ignore[operator]
+    busy1, own1, wall = busy_cpu_s(), children_cpu_s(), time.perf_counter() - t0
+    if busy0 is None or busy1 is None:
+        return res, float("nan")
+    return res, max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+
+
 def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of the median: how far the median of this many repeats can be
     trusted on a noisy machine (a target is met with confidence only when the whole interval is)."""
@@ -159,6 +192,9 @@ def main() -> None:
                         help="add mpisgd at the largest k with these extra options, interleaved, and its paired "
                              "ratio to plain mpisgd (e.g. 'private=--no-shared-grads'); repeatable")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
+    parser.add_argument("--max-others", type=float, default=None, metavar="CORES",
+                        help="rerun a launch (up to 4 tries) while other processes kept more than CORES cores busy "
+                             "during it on average: for machines shared with others (default: keep every launch)")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args()
@@ -205,21 +241,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
-                if impl == "mpisgd-apart":
-                    res = run_apart(k, train_args, tmp)
-                elif impl.startswith("variant:"):
-                    res = run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
-                elif impl.startswith("mpisgd"):
-                    res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
-                else:
-                    res = run_baseline(impl, k, threads, hidden, batch, args.device, model)
+                def launch(impl: str = impl, k: int = k, threads: int = threads) -> dict | None:
+                    if impl == "mpisgd-apart":
+                        return run_apart(k, train_args, tmp)
+                    if impl.startswith("variant:"):
+                        return run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
+                    if impl.startswith("mpisgd"):
+                        return run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
+                    return run_baseline(impl, k, threads, hidden, batch, args.device, model)
+
+                for attempt in range(4 if args.max_others is not None else 1):
+                    if attempt:
+                        time.sleep(10)  # give the others a moment to finish
+                    res, others = launch_measured(launch)
+                    if res is None or args.max_others is None or not others > args.max_others:
+                        break
+                    print(f"# repeat {rep + 1}: {res['impl']}: others kept {others:.2f} cores busy: run again",
+                          flush=True)
                 if res:
-                    res["repeat"] = rep
+                    res["repeat"], res["others_cores"] = rep, others
                     runs.setdefault(res["impl"], []).append(res)
-                    print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s", flush=True)
+                    print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s (others kept "
+                          f"{others:.2f} cores busy)", flush=True)
     summary = {name: {key: statistics.median(r[key] for r in rs)
                       for key in rs[0] if key not in ("impl", "repeat", "options")}
                for name, rs in runs.items()}
+    others = [r["others_cores"] for rs in runs.values() for r in rs]
+    if others:
+        print(f"\nother processes kept {statistics.median(others):.2f} cores busy during the median launch "
+              f"(most: {max(others):.2f})")
     base = summary.get("mpisgd k=1", {}).get("samples_per_s")
     workload = WORKLOADS.get(model, f"MLP 784-{hidden.replace(',', '-')}-10")
     print(f"\nworkload: {workload} float32, b={batch} per rank, one BLAS thread per "
