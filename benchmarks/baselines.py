@@ -112,7 +112,8 @@ def numpy_loop(args: argparse.Namespace) -> dict:
 def torch_loop(args: argparse.Namespace, model: object, dev: object, rank: int, k: int, sync: object,
                barrier: object) -> tuple[float, int]:
     """Train one timed epoch (after the warm-up); rank ``rank`` of ``k`` takes its share of each global
-    batch. Returns the seconds and the steps."""
+    batch. Returns the seconds and the steps. With --profile N, N more steps run under torch.profiler
+    and rank 0 prints its per-operator table to stderr."""
     import torch
 
     x, y = load(args.limit, args.model)
@@ -138,7 +139,18 @@ def torch_loop(args: argparse.Namespace, model: object, dev: object, rank: int, 
         step(s)
     sync()
     barrier()
-    return time.perf_counter() - t0, steps
+    dt = time.perf_counter() - t0
+    if args.profile:
+        from torch.profiler import profile  # noqa: PLC0415
+
+        with profile() as prof:
+            for s in range(args.profile):
+                step(s % steps)
+        if rank == 0:
+            print(f"torch.profiler, {args.profile} steps (self times are per operator, over all steps):",
+                  file=sys.stderr)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+    return dt, steps
 
 
 def torch_single(args: argparse.Namespace) -> dict:
@@ -209,6 +221,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()
     # under mpiexec every rank gets here: only the first one speaks
     first = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0) == 0
