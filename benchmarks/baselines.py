@@ -1,15 +1,19 @@
-"""The obvious alternatives to mpisgd, on the reference workload, for side-by-side comparison.
+"""The obvious alternatives to mpisgd, on the reference workloads, for side-by-side comparison.
 
-    python benchmarks/baselines.py numpy --threads 1|2      # a plain one-process NumPy training loop
-    mpiexec -n 2 python benchmarks/baselines.py torch-ddp   # PyTorch DDP, gloo, CPU (needs torch)
+    python benchmarks/baselines.py numpy --threads 1|2      # a plain one-process NumPy training loop (MLP)
+    python benchmarks/baselines.py torch [--model cnn]      # PyTorch, one process, CPU (needs torch)
+    mpiexec -n 2 python benchmarks/baselines.py torch-ddp [--model cnn]   # PyTorch DDP, gloo, CPU
     python benchmarks/baselines.py numpy --device gpu       # the same loop on CuPy arrays
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp --device gpu   # DDP on CUDA
 
-Workload: Fashion-MNIST, MLP 784-H-H-10 (ReLU, softmax cross-entropy,
-float32), SGD momentum 0.9, batch 128 per process. Prints one JSON line:
-samples_per_s over one timed epoch after a warm-up of --warmup-steps steps.
-On a GPU, DDP uses NCCL when every rank has a GPU of its own and gloo when
-ranks share one (NCCL refuses two ranks on one device).
+Workloads: Fashion-MNIST, float32, softmax cross-entropy, SGD momentum 0.9,
+batch 128 per process; --model mlp (default): MLP 784-H-H-10, ReLU; --model
+cnn: LeNet-5 as mpisgd's (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool
+2, 120, 84, 10, ReLU), NCHW, PyTorch's own CPU kernels (oneDNN). The NumPy
+loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
+after a warm-up of --warmup-steps steps. On a GPU, DDP uses NCCL when every
+rank has a GPU of its own and gloo when ranks share one (NCCL refuses two ranks
+on one device).
 """
 
 from __future__ import annotations
@@ -22,15 +26,32 @@ import time
 
 import numpy as np
 
+TORCH_HINT = "needs PyTorch: pip install torch (the CPU build is enough)"
 
-def load(limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+
+def load(limit: int | None, model: str = "mlp") -> tuple[np.ndarray, np.ndarray]:
+    """Standardised training images, flat (MLP) or NCHW (N, 1, 28, 28) (CNN), and their labels."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from mpisgd.data import PIXEL_MEAN, PIXEL_STD, load_fashion_mnist
 
     train, _, _ = load_fashion_mnist(None)
     n = limit or len(train)
     x = ((train.images[:n].reshape(n, -1).astype(np.float32) / 255) - PIXEL_MEAN) / PIXEL_STD
-    return x, train.labels[:n]
+    return (x.reshape(n, 1, 28, 28) if model == "cnn" else x), train.labels[:n]
+
+
+def torch_model(torch: object, args: argparse.Namespace) -> object:
+    """The workload's model in PyTorch: the MLP, or LeNet-5 (conv-ReLU-pool, as usually written)."""
+    nn = torch.nn  # type: ignore[attr-defined]
+    if args.model == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+    layers: list = []
+    sizes = [784, *args.hidden, 10]
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
 
 
 def numpy_loop(args: argparse.Namespace) -> dict:
@@ -88,6 +109,66 @@ def numpy_loop(args: argparse.Namespace) -> dict:
     return {"impl": impl, "k": 1, "samples_per_s": steps * bsz / dt, "step_ms": 1e3 * dt / steps}
 
 
+def torch_loop(args: argparse.Namespace, model: object, dev: object, rank: int, k: int, sync: object,
+               barrier: object) -> tuple[float, int]:
+    """Train one timed epoch (after the warm-up); rank ``rank`` of ``k`` takes its share of each global
+    batch. Returns the seconds and the steps. With --profile N, N more steps run under torch.profiler
+    and rank 0 prints its per-operator table to stderr."""
+    import torch
+
+    x, y = load(args.limit, args.model)
+    xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    bsz = args.batch_size
+    steps = len(x) // (bsz * k)
+    perm = torch.from_numpy(np.random.default_rng(1).permutation(len(x))).to(dev)
+
+    def step(s: int) -> None:
+        idx = perm[(s * k + rank) * bsz:(s * k + rank + 1) * bsz]
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(xt[idx]), yt[idx]).backward()
+        opt.step()
+
+    for s in range(args.warmup_steps):
+        step(s % steps)
+    sync()
+    barrier()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        step(s)
+    sync()
+    barrier()
+    dt = time.perf_counter() - t0
+    if args.profile:
+        from torch.profiler import profile  # noqa: PLC0415
+
+        with profile() as prof:
+            for s in range(args.profile):
+                step(s % steps)
+        if rank == 0:
+            print(f"torch.profiler, {args.profile} steps (self times are per operator, over all steps):",
+                  file=sys.stderr)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+    return dt, steps
+
+
+def torch_single(args: argparse.Namespace) -> dict:
+    """PyTorch in one process, no DDP: what the speed issue's k=1 targets compare against."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.device == "gpu":
+        dev, sync = torch.device("cuda", 0), torch.cuda.synchronize
+    else:
+        dev, sync = torch.device("cpu"), lambda: None
+    torch.manual_seed(0)
+    model = torch_model(torch, args).to(dev)
+    dt, steps = torch_loop(args, model, dev, 0, 1, sync, lambda: None)
+    return {"impl": f"torch-{dev.type}", "k": 1, "samples_per_s": steps * args.batch_size / dt,
+            "step_ms": 1e3 * dt / steps}
+
+
 def torch_ddp(args: argparse.Namespace) -> dict:
     """PyTorch DistributedDataParallel: gloo on CPU; on a GPU, NCCL (gloo where ranks share a GPU)."""
     from mpi4py import MPI
@@ -112,53 +193,52 @@ def torch_ddp(args: argparse.Namespace) -> dict:
     else:
         dev, backend, sync = torch.device("cpu"), "gloo", lambda: None
     dist.init_process_group(backend, rank=rank, world_size=k)
-    x, y = load(args.limit)
-    xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
     torch.manual_seed(0)
-    layers: list = []
-    sizes = [784, *args.hidden, 10]
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*layers[:-1]).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    bsz = args.batch_size
-    steps = len(x) // (bsz * k)
-    perm = torch.from_numpy(np.random.default_rng(1).permutation(len(x))).to(dev)
-
-    def step(s: int) -> None:
-        idx = perm[(s * k + rank) * bsz:(s * k + rank + 1) * bsz]
-        opt.zero_grad(set_to_none=False)
-        loss_fn(model(xt[idx]), yt[idx]).backward()
-        opt.step()
-
-    for s in range(args.warmup_steps):
-        step(s % steps)
-    sync()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        step(s)
-    sync()
-    comm.Barrier()
-    dt = time.perf_counter() - t0
+        torch_model(torch, args).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
+    dt, steps = torch_loop(args, model, dev, rank, k, sync, comm.Barrier)
     dist.destroy_process_group()
-    return {"impl": f"torch-ddp-{backend}", "k": k, "samples_per_s": steps * bsz * k / dt, "step_ms": 1e3 * dt / steps,
-            "rank": rank}
+    return {"impl": f"torch-ddp-{backend}", "k": k, "samples_per_s": steps * args.batch_size * k / dt,
+            "step_ms": 1e3 * dt / steps, "rank": rank}
+
+
+def torch_missing() -> str | None:
+    """Why torch cannot be used here, or None when it imports."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install (a CUDA build without its libraries)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("impl", choices=["numpy", "torch-ddp"])
+    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp"])
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()
-    result = numpy_loop(args) if args.impl == "numpy" else torch_ddp(args)
+    # under mpiexec every rank gets here: only the first one speaks
+    first = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0) == 0
+    if args.impl == "numpy" and args.model != "mlp":
+        if first:
+            print(f"baselines.py numpy: the hand-written loop is the MLP only, not --model {args.model}",
+                  file=sys.stderr)
+        sys.exit(2)
+    if args.impl.startswith("torch"):
+        why = torch_missing()
+        if why:
+            if first:
+                print(f"baselines.py {args.impl} {TORCH_HINT} ({why})", file=sys.stderr)
+            sys.exit(2)
+    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp}[args.impl]
+    result = run(args)
     from mpisgd.report import peak_rss_mib  # noqa: PLC0415
 
     result["peak_rss_mib"] = peak_rss_mib()  # rank 0's (DDP ranks hold the same)

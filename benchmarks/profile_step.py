@@ -1,6 +1,7 @@
 """Where one training step's time goes, on one rank (no MPI), and how close its GEMMs run to the BLAS.
 
     OMP_NUM_THREADS=1 python benchmarks/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
+    OMP_NUM_THREADS=1 python benchmarks/profile_step.py --model cnn [--lines 15]
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
 finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
@@ -9,6 +10,13 @@ alone (same shapes, layouts and out=, the same BLAS), so that machine noise
 hits both alike: "GEMM efficiency" = median isolated GEMM time / median time of
 forward+backward (everything else in forward/backward counts against it), and
 the spread (sd) of each from pass to pass.
+
+`--model cnn` (LeNet-5) replaces the GEMM comparison by a per-layer table:
+the median milliseconds of each layer's forward and backward (im2col and the
+input gradient dx, where a layer has them, also shown on their own), the loss
+and the optimizer. `--lines N` (either model) adds the N costliest lines of
+mpisgd/nn/layers.py, timed with sys.settrace (whose own cost, about a
+microsecond per line, inflates lines that are cheap anyway).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from threadpoolctl import threadpool_limits
 
 from mpisgd.blas import all_finite
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, load_fashion_mnist
-from mpisgd.nn import SoftmaxCrossEntropy, mlp
+from mpisgd.nn import SoftmaxCrossEntropy, build_model
 from mpisgd.optim import SGD
 
 
@@ -47,15 +55,17 @@ def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
     args = parser.parse_args()
     threadpool_limits(args.threads)
     train, _, _ = load_fashion_mnist(None)
     b = args.batch_size
-    model = mlp(args.hidden).materialize(np, "float32", seed=0)
+    model = build_model(args.model, (1, 28, 28), 10, args.hidden).materialize(np, "float32", seed=0)
     opt = SGD(model.flat, momentum=0.9)
     loss = SoftmaxCrossEntropy()
     loader = BatchLoader(train, np, "float32")
@@ -78,19 +88,30 @@ def main() -> None:
         t.append(time.perf_counter())
         return [1e3 * (t1 - t0) for t0, t1 in zip(t, t[1:])]
 
+    # per-layer timers for the CNN's table only: the MLP's figures stay comparable with earlier runs
+    layer_ms = LayerTimes(model, loss, opt) if args.model == "cnn" else None
     phases: dict[str, list[float]] = {k: [] for k in names}
     for step in range(args.steps):
         ms = timed_step(step)
+        if layer_ms:
+            layer_ms.end_step(keep=step >= 20)
         if step >= 20:  # warm-up
             for name, v in zip(names, ms):
                 phases[name].append(v)
     med = {k: statistics.median(v) for k, v in phases.items()}
     total = sum(med.values())
-    print(f"MLP 784-{'-'.join(map(str, args.hidden))}-10, b={b}, float32, {args.threads} BLAS thread(s): "
-          f"median step {total:.2f} ms")
+    workload = "LeNet-5" if args.model == "cnn" else f"MLP 784-{'-'.join(map(str, args.hidden))}-10"
+    print(f"{workload}, b={b}, float32, {args.threads} BLAS thread(s): median step {total:.2f} ms")
     for k, v in med.items():
         print(f"  {k:<13}{v:8.2f} ms  {100 * v / total:5.1f} %")
 
+    if layer_ms:
+        layer_ms.report(total)
+        layer_ms.remove()
+    if args.lines:
+        line_profile(timed_step, args.lines)
+    if args.model != "mlp":
+        return
     flat = model.flat
     need = 3 * flat.nbytes + train.images.nbytes + train.labels.nbytes + sum(
         b * h * 4 * 2 for h in [784, *args.hidden, 10])
@@ -116,6 +137,93 @@ def main() -> None:
     sd, sd_fb = statistics.stdev(gemm_ms), statistics.stdev(fb_ms)
     print(f"spread from pass to pass (sd): GEMMs alone {sd:.2f} ms ({100 * sd / gemm:.1f} % of the median), "
           f"forward+backward {sd_fb:.2f} ms ({100 * sd_fb / fb:.1f} %)")
+
+
+class LayerTimes:
+    """Timers around each layer's forward and backward (and the methods in PARTS, where a layer has them),
+    the loss and the optimizer step: the milliseconds of each, summed per step."""
+
+    PARTS = ("_im2col", "_input_grad")  # Conv2d's own steps, shown apart too
+
+    def __init__(self, model: object, loss: object, opt: object) -> None:
+        self.names: dict[int, str] = {}
+        self.step_s: dict[tuple[int, str], float] = {}  # this step's seconds so far (im2col runs per chunk)
+        self.ms: dict[tuple[int, str], list[float]] = {}
+        self._wrapped: list[tuple[object, str]] = []
+        for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
+            self.names[i] = repr(layer)
+            for method in ("forward", "backward", *self.PARTS):
+                if hasattr(layer, method):
+                    self._wrap(layer, method, (i, method))
+        self.names[-2], self.names[-1] = "loss (softmax cross-entropy)", "optimizer (SGD step)"
+        self._wrap(loss, "forward_array", (-2, "forward"))
+        self._wrap(loss, "backward", (-2, "backward"))
+        self._wrap(opt, "step", (-1, "backward"))
+
+    def _wrap(self, obj: object, method: str, key: tuple[int, str]) -> None:
+        inner = getattr(obj, method)
+        self.step_s[key], self.ms[key] = 0.0, []
+
+        def timed(*a: object, **kw: object) -> object:
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            self.step_s[key] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, method, timed)  # an instance attribute, in front of the class's method
+        self._wrapped.append((obj, method))
+
+    def end_step(self, keep: bool) -> None:
+        for key, sec in self.step_s.items():
+            if keep:
+                self.ms[key].append(1e3 * sec)
+            self.step_s[key] = 0.0
+
+    def remove(self) -> None:
+        for obj, method in self._wrapped:
+            delattr(obj, method)
+
+    def report(self, step_ms: float) -> None:
+        med = {key: statistics.median(v) for key, v in self.ms.items() if v}
+        print("\nper layer, median ms per step (im2col, forward and backward, and dx, the input gradient, are part "
+              "of their layer's forward/backward):")
+        print(f"  {'layer':<46}{'forward':>9}{'backward':>10}{'im2col':>8}{'dx':>8}{'share':>8}")
+        for i in [*sorted(k for k in self.names if k >= 0), -2, -1]:
+            fwd, bwd = med.get((i, "forward"), 0.0), med.get((i, "backward"), 0.0)
+            parts = "".join(f"{med[(i, p)]:>8.2f}" if (i, p) in med else f"{'':>8}" for p in self.PARTS)
+            print(f"  {self.names[i]:<46}{fwd:>9.2f}{bwd:>10.2f}{parts}{100 * (fwd + bwd) / step_ms:>7.1f}%")
+
+
+def line_profile(timed_step: object, n_lines: int, steps: int = 30) -> None:
+    """The costliest lines of mpisgd/nn/layers.py over ``steps`` steps, per step."""
+    import sys  # noqa: PLC0415
+    from collections import defaultdict  # noqa: PLC0415
+
+    from mpisgd.nn import layers  # noqa: PLC0415
+
+    spent: dict[tuple[str, int], float] = defaultdict(float)
+    last: dict[int, tuple[tuple[str, int], float]] = {}
+
+    def local(frame: object, event: str, arg: object) -> object:
+        now = time.perf_counter()
+        prev = last.pop(id(frame), None)
+        if prev is not None:
+            spent[prev[0]] += now - prev[1]
+        if event == "line":
+            last[id(frame)] = ((frame.f_code.co_name, frame.f_lineno), time.perf_counter())  # type: ignore[attr-defined]
+        return local
+
+    def tracer(frame: object, event: str, arg: object) -> object:
+        return local if frame.f_code.co_filename == layers.__file__ else None  # type: ignore[attr-defined]
+
+    sys.settrace(tracer)
+    for step in range(steps):
+        timed_step(step)  # type: ignore[operator]
+    sys.settrace(None)
+    source = open(layers.__file__).read().splitlines()
+    print(f"\nthe {n_lines} costliest lines of mpisgd/nn/layers.py, ms per step (under sys.settrace):")
+    for (func, line), sec in sorted(spent.items(), key=lambda kv: -kv[1])[:n_lines]:
+        print(f"  {1e3 * sec / steps:7.3f}  {func}:{line}  {source[line - 1].strip()[:80]}")
 
 
 if __name__ == "__main__":

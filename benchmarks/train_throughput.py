@@ -1,6 +1,7 @@
 """Training throughput and weak-scaling efficiency, measured side by side.
 
-    python benchmarks/train_throughput.py [--ks 1,2] [--repeats 3] [--compare] [--json PATH] [-- TRAIN OPTIONS]
+    python benchmarks/train_throughput.py [--model mlp|cnn] [--ks 1,2] [--repeats 3] [--compare] [--json PATH]
+                                          [-- TRAIN OPTIONS]
 
 Each launch is `mpiexec -n k python -m mpisgd.train --epochs 2 ...`; its
 second epoch (the first is the warm-up) gives samples/s over the training steps
@@ -10,8 +11,11 @@ order rotated by one each repeat, so that machine noise and drift hit every
 configuration alike; the table shows medians. Efficiency = samples/s(k) /
 (k * samples/s(1)), same per-rank batch. `--compare` adds, interleaved too, the
 plain NumPy loop on 1 and 2 BLAS threads and, when torch is importable, PyTorch
-DDP (gloo) at the largest k (`--baselines` picks among them). The speed
-issue's targets are printed last as ratios within each repeat (launches
+DDP (gloo) at the largest k (`--baselines` picks among them). `--model cnn`
+runs LeNet-5 on every side (mpisgd's `--model cnn`, PyTorch's own conv kernels)
+and compares with PyTorch in one process at k=1 and DDP (gloo) at the largest
+k; the hand-written NumPy loop is the MLP only. The speed
+issues' targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
 machine drifts. `--sharded` adds, interleaved, mpisgd with `--shard-optimizer`
 at each k > 1 ("mpisgd k=2 sharded"), with its own efficiency and DDP ratios.
@@ -27,6 +31,10 @@ with a 95 % bootstrap interval over the repeats. Memory columns (largest rank):
 peak RSS, RSS at start-up before any data ("start": interpreter, NumPy, MPI),
 and what training holds ("state": parameters, gradients, optimizer state,
 activations and data; the speed issue's bound is 1.5 times this).
+Each launch also records how many cores other processes kept busy meanwhile
+(from /proc/stat, less the launch's own CPU time); `--max-others CORES` runs a
+launch again, up to four tries, when that exceeds CORES: on a machine shared
+with other people's jobs, a disturbed launch is retried instead of kept.
 `--device gpu` runs mpisgd on CuPy (ranks sharing the GPUs there are), the
 hand-written loop on CuPy arrays ("cupy-loop", in place of the two NumPy loops)
 and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
@@ -38,18 +46,22 @@ import argparse
 import json
 import os
 import random
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
-BASELINES = ("numpy-1t", "numpy-2t", "torch-ddp")
+BASELINES = ("numpy-1t", "numpy-2t", "torch", "torch-ddp")
+DEFAULT_BASELINES = {"mlp": "numpy-1t,numpy-2t,torch-ddp", "cnn": "torch,torch-ddp"}
+WORKLOADS = {"cnn": "LeNet-5 (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool 2, 120, 84, 10, ReLU)"}
 MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.report
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
@@ -109,6 +121,33 @@ def run_apart(k: int, train_args: list[str], tmp: str) -> dict:
             **{key: max(m.get(key, float("nan")) for m in middles) for key in MEMORY}}
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has been busy since boot, all cores and steal time included
+    (/proc/stat), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def launch_measured(launch: object) -> tuple[dict | None, float]:
+    """Run ``launch()``; also return how many cores other processes kept busy meanwhile, on average (the
+    machine's busy time less this launch's own): 0 on a machine left alone, NaN where unknown."""
+    busy0, own0, t0 = busy_cpu_s(), children_cpu_s(), time.perf_counter()
+    res = launch()  # type: ignore[operator]
+    busy1, own1, wall = busy_cpu_s(), children_cpu_s(), time.perf_counter() - t0
+    if busy0 is None or busy1 is None:
+        return res, float("nan")
+    return res, max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+
+
 def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of the median: how far the median of this many repeats can be
     trusted on a noisy machine (a target is met with confidence only when the whole interval is)."""
@@ -119,10 +158,11 @@ def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, s
     return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1) + 0.5)]
 
 
-def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, device: str) -> dict | None:
+def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, device: str,
+                 model: str = "mlp") -> dict | None:
     cmd = (mpiexec(k) if impl == "torch-ddp" else [sys.executable]) + [
-        str(ROOT / "benchmarks" / "baselines.py"), impl, "--threads", str(threads), "--hidden", hidden,
-        "--batch-size", batch, "--device", device]
+        str(ROOT / "benchmarks" / "baselines.py"), impl, "--model", model, "--threads", str(threads),
+        "--hidden", hidden, "--batch-size", batch, "--device", device]
     env = {**ENV, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if r.returncode:
@@ -137,11 +177,14 @@ def option(train_args: list[str], flag: str, default: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "cnn"], default=None,
+                        help="the workload of every side (default: --model among the train options, else mlp)")
     parser.add_argument("--ks", default="1,2", help="rank counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
-    parser.add_argument("--baselines", default=",".join(BASELINES),
-                        help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated)")
+    parser.add_argument("--baselines", default=None,
+                        help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated; default "
+                             f"{DEFAULT_BASELINES['mlp']} for the MLP, {DEFAULT_BASELINES['cnn']} for the CNN)")
     parser.add_argument("--sharded", action="store_true", help="add mpisgd --shard-optimizer at each k > 1")
     parser.add_argument("--apart", action="store_true",
                         help="add k single-rank trainings run together with no communication (the ceiling)")
@@ -149,10 +192,18 @@ def main() -> None:
                         help="add mpisgd at the largest k with these extra options, interleaved, and its paired "
                              "ratio to plain mpisgd (e.g. 'private=--no-shared-grads'); repeatable")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where every side computes")
+    parser.add_argument("--max-others", type=float, default=None, metavar="CORES",
+                        help="rerun a launch (up to 4 tries) while other processes kept more than CORES cores busy "
+                             "during it on average: for machines shared with others (default: keep every launch)")
     parser.add_argument("--json", help="write all launches and the summary here")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
+    model = args.model or option(train_args, "--model", "mlp")
+    if option(train_args, "--model", model) != model:
+        parser.error(f"--model {model} and the train option --model {option(train_args, '--model', '')} differ")
+    if "--model" not in train_args:
+        train_args += ["--model", model]
     if "--threads" not in train_args:  # the reference workload: one BLAS thread per rank at every k
         train_args += ["--threads", "1"]
     if "--device" not in train_args:
@@ -170,38 +221,58 @@ def main() -> None:
     if args.apart:
         jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
     if args.compare:
-        chosen = args.baselines.split(",")
+        chosen = (args.baselines or DEFAULT_BASELINES[model]).split(",")
         unknown = set(chosen) - set(BASELINES)
         if unknown:
             parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
         # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
         threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if args.device == "gpu" else 2]
+        if threads and model != "mlp":
+            print(f"# the hand-written NumPy loop is the MLP only: skipped for --model {model}")
+            threads = []
         jobs += [("numpy", 1, t) for t in threads]
-        if "torch-ddp" in chosen and have_torch:
-            jobs.append(("torch-ddp", max(ks), 1))
-        elif "torch-ddp" in chosen:
-            print("# torch not importable: PyTorch DDP skipped (pip install torch==2.13.0)")
+        torches = [("torch", 1, 1)] if "torch" in chosen else []
+        torches += [("torch-ddp", max(ks), 1)] if "torch-ddp" in chosen else []
+        if torches and have_torch:
+            jobs += torches
+        elif torches:
+            print("# torch not importable: PyTorch skipped (pip install torch; the CPU build is enough)")
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for impl, k, threads in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
-                if impl == "mpisgd-apart":
-                    res = run_apart(k, train_args, tmp)
-                elif impl.startswith("variant:"):
-                    res = run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
-                elif impl.startswith("mpisgd"):
-                    res = run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
-                else:
-                    res = run_baseline(impl, k, threads, hidden, batch, args.device)
+                def launch(impl: str = impl, k: int = k, threads: int = threads) -> dict | None:
+                    if impl == "mpisgd-apart":
+                        return run_apart(k, train_args, tmp)
+                    if impl.startswith("variant:"):
+                        return run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
+                    if impl.startswith("mpisgd"):
+                        return run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
+                    return run_baseline(impl, k, threads, hidden, batch, args.device, model)
+
+                for attempt in range(4 if args.max_others is not None else 1):
+                    if attempt:
+                        time.sleep(10)  # give the others a moment to finish
+                    res, others = launch_measured(launch)
+                    if res is None or args.max_others is None or not others > args.max_others:
+                        break
+                    print(f"# repeat {rep + 1}: {res['impl']}: others kept {others:.2f} cores busy: run again",
+                          flush=True)
                 if res:
-                    res["repeat"] = rep
+                    res["repeat"], res["others_cores"] = rep, others
                     runs.setdefault(res["impl"], []).append(res)
-                    print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s", flush=True)
+                    print(f"# repeat {rep + 1}: {res['impl']}: {res['samples_per_s']:.0f} samples/s (others kept "
+                          f"{others:.2f} cores busy)", flush=True)
     summary = {name: {key: statistics.median(r[key] for r in rs)
                       for key in rs[0] if key not in ("impl", "repeat", "options")}
                for name, rs in runs.items()}
+    others = [r["others_cores"] for rs in runs.values() for r in rs]
+    if others:
+        print(f"\nother processes kept {statistics.median(others):.2f} cores busy during the median launch "
+              f"(most: {max(others):.2f})")
     base = summary.get("mpisgd k=1", {}).get("samples_per_s")
-    print(f"\nworkload: MLP 784-{hidden.replace(',', '-')}-10 float32, b={batch} per rank, one BLAS thread per "
+    workload = WORKLOADS.get(model, f"MLP 784-{hidden.replace(',', '-')}-10")
+    print(f"\nworkload: {workload} float32, b={batch} per rank, one BLAS thread per "
           f"rank unless noted; medians of {args.repeats} interleaved launches; extra args: {' '.join(train_args)}")
     name_w = max([22, *(len(name) + 1 for name in summary)])  # --variant names can be long
     print(f"{'implementation':<{name_w}}{'samples/s':>11}{'efficiency':>11}{'fwd ms':>8}{'bwd ms':>8}"
@@ -212,7 +283,7 @@ def main() -> None:
         mem = "".join(f"{s.get(key, float('nan')):>{w}.0f}" for key, w in zip(MEMORY, (10, 7, 7)))
         print(f"{name:<{name_w}}{s['samples_per_s']:>11.0f}{eff:>11.3f}{cols}{mem}")
         s["efficiency"] = eff
-    ratios = paired_ratios(runs, max(ks))
+    ratios = paired_ratios(runs, max(ks), model)
     intervals = {label: median_ci(values) for label, values in ratios.items()}
     if ratios:
         print("\nthe speed issue's ratios, within each repeat (then their median and its 95 % bootstrap interval):")
@@ -227,17 +298,21 @@ def main() -> None:
                                                "train_args": train_args, "repeats": args.repeats}, indent=1))
 
 
-def paired_ratios(runs: dict[str, list[dict]], k: int) -> dict[str, list[float]]:
+def paired_ratios(runs: dict[str, list[dict]], k: int, model: str = "mlp") -> dict[str, list[float]]:
     """Each target's ratio per repeat, from launches of the same repeat only (a repeat missing a side is
-    left out)."""
+    left out). The targets are the speed issue's for the MLP, the CNN issue's for the CNN."""
     by_rep = {name: {r["repeat"]: r for r in rs} for name, rs in runs.items()}
     loop = "cupy-loop" if "cupy-loop" in runs else "numpy-loop-1t"
     ddp = next((name for name in runs if name.startswith("torch-ddp-")), "torch-ddp-gloo")
+    single = next((name for name in runs if name in ("torch-cpu", "torch-cuda")), "torch-cpu")
+    ddp_bound = {"mlp": 1.6, "cnn": 1.2}[model]
     targets = [  # (label, numerator, denominator, key, factor): value = factor * num[key] / den[key]
         (f"efficiency k={k} (>= 0.85)", f"mpisgd k={k}", "mpisgd k=1", "samples_per_s", 1 / k),
         (f"k=1 step / {loop} step (<= 1.05)", "mpisgd k=1", loop, "step_ms", 1.0),
         (f"k={k} / NumPy loop on 2 BLAS threads (>= 1.0)", f"mpisgd k={k}", "numpy-loop-2t", "samples_per_s", 1.0),
-        (f"k={k} / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k}", ddp, "samples_per_s", 1.0),
+        (f"k=1 / PyTorch {single[6:]} k=1" + (" (>= 0.8)" if model == "cnn" else ""), "mpisgd k=1", single,
+         "samples_per_s", 1.0),
+        (f"k={k} / PyTorch DDP {ddp[10:]} k={k} (>= {ddp_bound})", f"mpisgd k={k}", ddp, "samples_per_s", 1.0),
     ]
     if f"mpisgd k={k} sharded" in runs:
         targets += [

@@ -215,7 +215,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)})")
+        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)}"
+                                          + "".join(f"; {_show(d[f.name])} for --model {m}"
+                                                    for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
         kind = f.type if isinstance(f.type, str) else str(f.type)
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -235,17 +237,25 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+# The stock CNN's own recipe where the command line does not say (the MLP's 0.1 without weight decay
+# leaves LeNet-5 at 0.87 after 12 epochs, and can kill it; docs/benchmarks.md, results/cnn/recipe-search).
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20}}
+
+
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     """Parse and validate the command line. Raises UsageError; prints --help unless quiet.
 
     ``cfg.given`` holds the fields set on the command line (a resumed run derives the others)."""
     parser = build_parser(quiet)
     ns = parser.parse_args(argv)
-    cfg = Config(**vars(ns))
-    cfg.validate()
     quiet_parser = build_parser(quiet=True)
     quiet_parser.set_defaults(**{f.name: _UNSET for f in dataclasses.fields(Config)})
-    cfg.given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET}  # type: ignore[attr-defined]
+    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET}
+    values = vars(ns)
+    values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
+    cfg = Config(**values)
+    cfg.validate()
+    cfg.given = given  # type: ignore[attr-defined]
     return cfg
 
 

@@ -46,3 +46,11 @@ def test_bad_values_raise_usage_error(argv, match):
 def test_digest_changes_with_any_field():
     assert Config().digest() == Config().digest()
     assert Config().digest() != Config(batch_size=64).digest()
+
+
+def test_cnn_takes_its_own_recipe_where_the_command_line_is_silent():
+    cfg = parse_config(["--model", "cnn", "--lr", "0.05"], quiet=True)
+    assert (cfg.lr, cfg.weight_decay, cfg.epochs) == (0.05, 5e-4, 20)
+    assert cfg.given == {"model", "lr"}
+    mlp = parse_config([], quiet=True)
+    assert (mlp.lr, mlp.weight_decay, mlp.epochs) == (0.1, 0.0, 12)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from mpisgd.nn import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential, SoftmaxCrossEntropy, cnn, mlp
+from mpisgd.nn import layers as layers_module
+from mpisgd.nn.layers import Permute
 
 EPS = 1e-6
 
@@ -58,24 +60,163 @@ def test_flatten_grad():
     check_layer(Flatten(), np.random.default_rng(2).standard_normal((2, 3, 2, 2)))
 
 
-@pytest.mark.parametrize("stride,padding", [(1, 0), (1, 2), (2, 1)])
-def test_conv2d_grad(stride, padding):
-    check_layer(Conv2d(2, 3, 3, stride=stride, padding=padding), np.random.default_rng(3).standard_normal((2, 2, 6, 6)))
+def test_permute_grad():
+    check_layer(Permute((1, 2, 3, 0)), np.random.default_rng(2).standard_normal((2, 3, 4, 5)))
+
+
+def conv_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int, pad: int) -> np.ndarray:
+    """The textbook NCHW cross-correlation, one output element at a time."""
+    x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    n, _, h, wd = x.shape
+    c_out, _, k, _ = w.shape
+    ho, wo = (h - k) // stride + 1, (wd - k) // stride + 1
+    y = np.empty((n, c_out, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            patch = x[:, :, i * stride:i * stride + k, j * stride:j * stride + k]
+            y[:, :, i, j] = np.einsum("nckl,ockl->no", patch, w) + b
+    return y
+
+
+def maxpool_reference(x: np.ndarray, k: int) -> np.ndarray:
+    n, c, h, w = x.shape
+    x = x[:, :, :h // k * k, :w // k * k]
+    return x.reshape(n, c, h // k, k, w // k, k).max(axis=(3, 5))
+
+
+TO_CHWN, TO_NCHW = (1, 2, 3, 0), (3, 0, 1, 2)
+CONV_CASES = [(1, 0), (1, 2), (2, 1)]  # (stride, padding)
+
+
+@pytest.fixture(params=["one chunk", "one row per chunk"])
+def chunking(request, monkeypatch):
+    """Conv2d's im2col in one chunk (the default at these sizes), or one output row at a time."""
+    if request.param == "one row per chunk":
+        monkeypatch.setattr(layers_module, "CHUNK_BYTES", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("stride,padding", CONV_CASES)
+def test_conv2d_grad(stride, padding, chunking):
+    x = np.random.default_rng(3).standard_normal((2, 2, 6, 6)).transpose(TO_CHWN).copy()  # (C, H, W, N)
+    check_layer(Conv2d(2, 3, 3, stride=stride, padding=padding), x)
+
+
+@pytest.mark.parametrize("stride,padding", CONV_CASES)
+def test_conv2d_is_the_nchw_cross_correlation(stride, padding, chunking):
+    """Batch last inside, PyTorch's weight layout: the same function as the textbook NCHW convolution."""
+    conv = Conv2d(2, 3, 3, stride=stride, padding=padding)
+    Sequential(conv).materialize(np, "float64", seed=1)
+    conv.params["b"][:] = [0.5, -1.0, 2.0]
+    x = np.random.default_rng(4).standard_normal((4, 2, 7, 6))
+    y = conv.forward(x.transpose(TO_CHWN).copy()).transpose(TO_NCHW)
+    np.testing.assert_allclose(y, conv_reference(x, conv.params["W"], conv.params["b"], stride, padding),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_maxpool_grad():
     rng = np.random.default_rng(4)
-    x = rng.permutation(2 * 2 * 6 * 6).reshape(2, 2, 6, 6).astype(np.float64) / 10  # distinct: no ties
+    x = rng.permutation(2 * 2 * 6 * 6).reshape(2, 6, 6, 2).astype(np.float64) / 10  # distinct: no ties
     check_layer(MaxPool2d(2), x)
+
+
+def maxpool_grad_reference(x: np.ndarray, k: int, dy: np.ndarray) -> np.ndarray:
+    """Each output's gradient to the first maximum of its window in row-major order (PyTorch's rule)."""
+    dx = np.zeros_like(x)
+    n, c, ho, wo = dy.shape
+    for idx in np.ndindex(n, c, ho, wo):
+        a, b, i, j = idx
+        window = x[a, b, i * k:(i + 1) * k, j * k:(j + 1) * k]
+        r, s = np.unravel_index(np.argmax(window), window.shape)
+        dx[a, b, i * k + r, j * k + s] += dy[idx]
+    return dx
+
+
+@pytest.mark.parametrize("k,shape", [(2, (3, 2, 6, 4)), (2, (3, 2, 5, 7)), (3, (2, 1, 7, 9))])
+@pytest.mark.parametrize("values", ["distinct", "few levels"])
+def test_maxpool_is_the_nchw_max_pool(k, shape, values):
+    """Odd edges dropped, k = 3, many ties: the NCHW max pool and PyTorch's gradient routing."""
+    layer = MaxPool2d(k)
+    Sequential(layer).materialize(np, "float64")
+    rng = np.random.default_rng(5)
+    x = rng.permutation(np.prod(shape)).reshape(shape).astype(np.float64)
+    if values == "few levels":
+        x = np.floor(x / x.size * 3)  # three values: most windows hold ties
+    y = layer.forward(x.transpose(TO_CHWN).copy()).transpose(TO_NCHW)
+    np.testing.assert_array_equal(y, maxpool_reference(x, k))
+    dy = rng.standard_normal(y.shape)
+    dx = layer.backward(dy.transpose(TO_CHWN).copy()).transpose(TO_NCHW)
+    np.testing.assert_array_equal(dx, maxpool_grad_reference(x, k, dy))
 
 
 def test_maxpool_ties_route_gradient_once():
     layer = MaxPool2d(2)
     Sequential(layer).materialize(np, "float64")
-    x = np.ones((1, 1, 2, 2))
+    x = np.ones((1, 2, 2, 1))
     layer.forward(x)
     dx = layer.backward(np.array([[[[3.0]]]]))
-    assert dx.sum() == 3.0 and (dx != 0).sum() == 1
+    assert dx.sum() == 3.0 and dx[0, 0, 0, 0] == 3.0  # the first of the tied maxima, as in PyTorch
+
+
+def test_maxpool_needs_a_window():
+    with pytest.raises(ValueError, match="kernel >= 2"):
+        MaxPool2d(1)
+
+
+def lenet_reference(model: Sequential, x: np.ndarray) -> np.ndarray:
+    """LeNet-5 written out in NCHW, conv-ReLU-pool, from the model's own parameters."""
+    convs = [layer for layer in model.layers if isinstance(layer, Conv2d)]
+    linears = [layer for layer in model.layers if isinstance(layer, Linear)]
+    h = x
+    for conv in convs:
+        h = maxpool_reference(np.maximum(conv_reference(h, conv.params["W"], conv.params["b"], conv.stride,
+                                                        conv.pad), 0), 2)
+    h = h.reshape(len(x), -1)
+    for i, lin in enumerate(linears):
+        h = h @ lin.params["W"] + lin.params["b"]
+        h = np.maximum(h, 0) if i < len(linears) - 1 else h
+    return h
+
+
+def test_cnn_is_lenet5_in_nchw():
+    """The stock CNN (batch last inside, pooling before ReLU) computes NCHW LeNet-5 on NCHW batches."""
+    model = cnn().materialize(np, "float64", seed=2)
+    model.flat.params[:] += np.random.default_rng(9).uniform(-0.05, 0.05, model.flat.size)  # non-zero biases
+    x = np.random.default_rng(10).standard_normal((3, 1, 28, 28))
+    np.testing.assert_allclose(model.forward(x), lenet_reference(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_cnn_matches_pytorch_lenet5():
+    """Same parameters, same logits and gradients as PyTorch's NCHW LeNet-5: the flat parameter layout
+    (conv weights (c_out, c_in, k, k), then biases; Linear weights transposed) is PyTorch's."""
+    torch = pytest.importorskip("torch")
+    model = cnn().materialize(np, "float64", seed=3)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 6, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(6, 16, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(400, 120), torch.nn.ReLU(), torch.nn.Linear(120, 84), torch.nn.ReLU(),
+        torch.nn.Linear(84, 10)).double()
+    ours = [layer for layer in model.layers if layer.param_shapes]
+    theirs = [m for m in net if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    for a, b in zip(ours, theirs, strict=True):
+        with torch.no_grad():
+            b.weight.copy_(torch.from_numpy(a.params["W"].T.copy() if isinstance(a, Linear) else a.params["W"]))
+            b.bias.copy_(torch.from_numpy(np.random.default_rng(11).uniform(-0.1, 0.1, a.params["b"].shape)))
+        a.params["b"][:] = b.bias.detach().numpy()
+    rng = np.random.default_rng(12)
+    x, labels = rng.standard_normal((5, 1, 28, 28)), rng.integers(0, 10, 5)
+    loss = SoftmaxCrossEntropy()
+    logits = model.forward(x)
+    loss.forward(logits, labels)
+    model.backward(loss.backward())
+    t_logits = net(torch.from_numpy(x))
+    torch.nn.functional.cross_entropy(t_logits, torch.from_numpy(labels)).backward()
+    np.testing.assert_allclose(logits, t_logits.detach().numpy(), rtol=1e-9, atol=1e-12)
+    for a, b in zip(ours, theirs, strict=True):
+        w_grad = b.weight.grad.numpy()
+        np.testing.assert_allclose(a.grads["W"], w_grad.T if isinstance(a, Linear) else w_grad, rtol=1e-8,
+                                   atol=1e-12)
+        np.testing.assert_allclose(a.grads["b"], b.bias.grad.numpy(), rtol=1e-8, atol=1e-12)
 
 
 def test_softmax_cross_entropy_grad():

@@ -5,6 +5,9 @@ model's flat parameter and gradient buffers. Outputs go to buffers kept per
 shape and reused, so the hot path allocates nothing; a returned array is valid
 until the layer's next call. Backward writes gradients in place (``out=``), or
 adds to them when ``accumulate`` is set (gradient accumulation).
+
+Linear, ReLU and Flatten take (N, ...) arrays; Conv2d and MaxPool2d take
+(C, H, W, N), batch last (see Conv2d for why), and Permute converts.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from mpisgd.backend import xp_of
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+CHUNK_BYTES = 512 * 1024  # im2col columns per chunk: within a core's L2, so the GEMM reads them from cache
 
 
 class Layer:
@@ -36,11 +40,15 @@ class Layer:
     def bind(self, params: dict[str, Array], grads: dict[str, Array]) -> None:
         self.params, self.grads = params, grads
 
-    def _buf(self, name: str, shape: tuple[int, ...], like: Array) -> Array:
+    def _buf(self, name: str, shape: tuple[int, ...], like: Array, dtype: Any = None, zeroed: bool = False) -> Array:
+        """The layer's buffer ``name`` of this shape, on ``like``'s device, of ``like``'s dtype unless
+        ``dtype`` is given; ``zeroed`` fills it with zeros when it is made (not on later calls)."""
         key = (name, shape)
+        dtype = like.dtype if dtype is None else np.dtype(dtype)
         buf = self._bufs.get(key)
-        if buf is None or buf.dtype != like.dtype:
-            buf = xp_of(like).empty(shape, dtype=like.dtype)
+        if buf is None or buf.dtype != dtype:
+            xp = xp_of(like)
+            buf = (xp.zeros if zeroed else xp.empty)(shape, dtype=dtype)
             self._bufs[key] = buf
         return buf
 
@@ -140,14 +148,54 @@ class Flatten(Layer):
         return dy.reshape(self._shape) if need_dx else None
 
 
+class Permute(Layer):
+    """y = x.transpose(axes), copied into a contiguous buffer: changes the layout between layers."""
+
+    def __init__(self, axes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.axes = tuple(axes)
+        self._inverse = tuple(int(a) for a in np.argsort(self.axes))
+
+    def forward(self, x: Array) -> Array:
+        y = self._buf("y", tuple(x.shape[a] for a in self.axes), x)
+        y[...] = x.transpose(self.axes)
+        return y
+
+    def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
+        if not need_dx:
+            return None
+        dx = self._buf("dx", tuple(dy.shape[a] for a in self._inverse), dy)
+        dx[...] = dy.transpose(self._inverse)
+        return dx
+
+    def __repr__(self) -> str:
+        return f"Permute({self.axes})"
+
+
 class Conv2d(Layer):
-    """2-D convolution (cross-correlation) by im2col + one GEMM; NCHW, square kernel."""
+    """2-D convolution (cross-correlation), square kernel, on (C, H, W, N) arrays: batch last (CHWN).
+
+    im2col copies the k x k windows, through a strided view of the zero-padded input, into columns
+    (c_in*k*k, Ho*Wo, N); then, at every output position, ``y[:, pos] = W cols[:, pos]`` with W as
+    (c_out, c_in*k*k): one small GEMM per position, all in one batched matmul call.
+
+    Why batch last: im2col, col2im, pooling, bias and ReLU then move runs of N contiguous elements or
+    more (in NCHW they move rows of Wo, as short as 5, and numpy pays per run), and each layer's output
+    is already in the next one's layout. :func:`mpisgd.nn.models.cnn` permutes the loader's NCHW batch
+    once at the start and back before Flatten. W keeps PyTorch's (c_out, c_in, k, k) layout.
+
+    Why in chunks of output rows: the columns of the whole batch are k*k*c_in times the input (10 MiB
+    for LeNet's first layer at N=128); made a few rows at a time (CHUNK_BYTES) they are still in cache
+    when the GEMM reads them. Backward makes them again for dW rather than keeping them all, and
+    computes dx one kernel offset at a time (see :meth:`_input_grad`): no buffer of the step is larger
+    than an activation, which matters most when ranks share a cache.
+    """
 
     def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, padding: int = 0) -> None:
         super().__init__()
         self.c_in, self.c_out, self.k, self.stride, self.pad = c_in, c_out, kernel, stride, padding
         self.param_shapes = [("W", (c_out, c_in, kernel, kernel)), ("b", (c_out,))]
-        self._cols: Array = None
+        self._xpad: Array = None  # the padded input, kept for backward
         self._xshape: tuple[int, ...] = ()
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -159,98 +207,166 @@ class Conv2d(Layer):
     def _out_hw(self, h: int, w: int) -> tuple[int, int]:
         return (h + 2 * self.pad - self.k) // self.stride + 1, (w + 2 * self.pad - self.k) // self.stride + 1
 
+    def _padded(self, x: Array) -> Array:
+        if not self.pad:
+            return x
+        c, h, w, n = x.shape
+        p = self.pad
+        xpad = self._buf("xpad", (c, h + 2 * p, w + 2 * p, n), x, zeroed=True)  # the border stays zero
+        xpad[:, p:p + h, p:p + w] = x
+        return xpad
+
+    def _windows(self, a: Array, ho: int, wo: int) -> Array:
+        """View (C, k, k, Ho, Wo, N) of a padded (C, Hp, Wp, N) array: [c, i, j] is the grid of elements at
+        kernel offset (i, j) of every window. No copy: im2col copies out of it, col2im adds into it."""
+        sc, sh, sw, sn = a.strides
+        s = self.stride
+        return xp_of(a).lib.stride_tricks.as_strided(
+            a, (a.shape[0], self.k, self.k, ho, wo, a.shape[3]), (sc, sh, sw, sh * s, sw * s, sn))
+
+    def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int) -> list[tuple[int, int]]:
+        """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns within CHUNK_BYTES."""
+        per_row = self.c_in * self.k * self.k * wo * n * itemsize
+        rows = max(1, min(ho, CHUNK_BYTES // per_row))
+        return [(r0, min(ho, r0 + rows)) for r0 in range(0, ho, rows)]
+
+    def _im2col(self, windows: Array, r0: int, r1: int) -> Array:
+        """Columns (c_in*k*k, (r1-r0)*Wo, N) of output rows [r0, r1): one copy out of the window view."""
+        c, k, _, _, wo, n = windows.shape
+        cols = self._buf("cols", (c * k * k, (r1 - r0) * wo, n), windows)
+        cols.reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
+        return cols
+
     def forward(self, x: Array) -> Array:
         xp = xp_of(x)
-        n, c, h, w = x.shape
+        c, h, w, n = x.shape
         ho, wo = self._out_hw(h, w)
         self._xshape = x.shape
-        if self.pad:
-            xpad = self._buf("xpad", (n, c, h + 2 * self.pad, w + 2 * self.pad), x)
-            xpad.fill(0)
-            xpad[:, :, self.pad:self.pad + h, self.pad:self.pad + w] = x
-        else:
-            xpad = x
-        s = self.stride
-        sn, sc, sh, sw = xpad.strides
-        # windows as a strided view (N, Ho, Wo, C, k, k), then one copy into the column matrix
-        win = xp.lib.stride_tricks.as_strided(
-            xpad, (n, ho, wo, c, self.k, self.k), (sn, sh * s, sw * s, sc, sh, sw))
-        cols = self._buf("cols", (n * ho * wo, c * self.k * self.k), x)
-        cols.reshape(n, ho, wo, c, self.k, self.k)[...] = win
-        self._cols = cols
-        out = self._buf("out2d", (n * ho * wo, self.c_out), x)
-        xp.matmul(cols, self.params["W"].reshape(self.c_out, -1).T, out=out)
-        out += self.params["b"]
-        y = self._buf("y", (n, self.c_out, ho, wo), x)
-        y[...] = out.reshape(n, ho, wo, self.c_out).transpose(0, 3, 1, 2)
+        self._xpad = self._padded(x)
+        windows = self._windows(self._xpad, ho, wo)
+        W = self.params["W"].reshape(self.c_out, -1)
+        y = self._buf("y", (self.c_out, ho, wo, n), x)
+        for r0, r1 in self._row_chunks(ho, wo, n, x.itemsize):
+            cols = self._im2col(windows, r0, r1)
+            # per position: (c_out, ckk) @ (ckk, N), written straight into y's rows r0..r1
+            y_rows = y[:, r0:r1].reshape(self.c_out, (r1 - r0) * wo, n)
+            xp.matmul(W, cols.transpose(1, 0, 2), out=y_rows.transpose(1, 0, 2))
+        y += self.params["b"][:, None, None, None]
         return y
 
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
+        self._weight_grads(dy)
+        return self._input_grad(dy) if need_dx else None
+
+    def _weight_grads(self, dy: Array) -> None:
+        """dW = sum over chunks of cols (ckk, M) @ dy^T (M, c_out), M = the chunk's positions x N (a long inner
+        dimension: what BLAS likes for a reduction), with the columns made again; db = sum of dy."""
         xp = xp_of(dy)
-        n, c, h, w = self._xshape
-        ho, wo = dy.shape[2], dy.shape[3]
-        dy2 = self._buf("dy2", (n * ho * wo, self.c_out), dy)
-        dy2.reshape(n, ho, wo, self.c_out)[...] = dy.transpose(0, 2, 3, 1)
+        _, ho, wo, n = dy.shape
+        c, ckk = self.c_in, self.c_in * self.k * self.k
+        windows = self._windows(self._xpad, ho, wo)
+        chunks = self._row_chunks(ho, wo, n, dy.itemsize)
+        dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
+        for g, (r0, r1) in enumerate(chunks):
+            cols = self._im2col(windows, r0, r1)
+            xp.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
-        xp.matmul(dy2.T, self._cols, out=dW.reshape(self.c_out, -1))
+        xp.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
         db = self._grad_out("b", (self.c_out,), dy)
-        xp.sum(dy2, axis=0, out=db)
+        xp.sum(dy.reshape(self.c_out, -1), axis=1, out=db)
         self._grad_done("b", db)
-        if not need_dx:
-            return None
-        dcols = self._buf("dcols", (n * ho * wo, c * self.k * self.k), dy)
-        xp.matmul(dy2, self.params["W"].reshape(self.c_out, -1), out=dcols)
-        dcols6 = dcols.reshape(n, ho, wo, c, self.k, self.k)
-        hp, wp = h + 2 * self.pad, w + 2 * self.pad
-        dxpad = self._buf("dxpad", (n, c, hp, wp), dy)
+
+    def _input_grad(self, dy: Array) -> Array:
+        """dx: kernel offset by kernel offset, W[:, :, i, j]^T dy goes back onto the inputs that offset's
+        windows read. This is col2im with its GEMM split by offset: each product is added while still
+        in cache, and no (c_in*k*k, positions, N) buffer of column gradients is ever made."""
+        xp = xp_of(dy)
+        c, h, w, n = self._xshape
+        _, ho, wo, _ = dy.shape
+        p = self.pad
+        dxpad = self._buf("dxpad", (c, h + 2 * p, w + 2 * p, n), dy)
         dxpad.fill(0)
-        s = self.stride
-        for i in range(self.k):  # col2im: scatter-add each kernel offset
+        targets = self._windows(dxpad, ho, wo)
+        W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
+        W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
+        dy_pos = dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2)  # (positions, c_out, N)
+        back = self._buf("back", (c, ho, wo, n), dy)
+        for i in range(self.k):
             for j in range(self.k):
-                dxpad[:, :, i:i + s * ho:s, j:j + s * wo:s] += dcols6[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-        if self.pad:
-            return dxpad[:, :, self.pad:self.pad + h, self.pad:self.pad + w]
-        return dxpad
+                xp.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
+                targets[:, i, j] += back
+        return dxpad[:, p:p + h, p:p + w] if p else dxpad
 
     def __repr__(self) -> str:
         return f"Conv2d({self.c_in}, {self.c_out}, kernel={self.k}, stride={self.stride}, padding={self.pad})"
 
 
 class MaxPool2d(Layer):
-    """Non-overlapping max pooling (kernel = stride); odd edges are dropped."""
+    """Non-overlapping max pooling (kernel = stride) on (C, H, W, N) arrays, as Conv2d; odd edges are dropped.
+
+    Separable: the max over each k x k window is the max along W of k neighbours, then along H of k
+    of those. Each pass keeps, per output, the index (0..k-1) of the first maximum (uint8), so backward
+    routes each gradient to exactly one input, the first maximum of its window in row-major order, as
+    PyTorch does: ties (flat background regions give many) get the gradient once, not once per tie.
+    """
 
     def __init__(self, kernel: int = 2) -> None:
         super().__init__()
+        if kernel < 2:
+            raise ValueError(f"max pooling needs kernel >= 2, got {kernel}")
         self.k = kernel
-        self._arg: Array = None
         self._xshape: tuple[int, ...] = ()
+        self._arg_h: Array = None
+        self._arg_w: Array = None
+
+    def _group(self, a: Array, axis: int, q: int) -> Array:
+        """Elements q, q+k, q+2k, ... along ``axis``: the q-th member of every group of k."""
+        return a[(slice(None),) * axis + (slice(q, None, self.k),)]
+
+    def _max_along(self, x: Array, axis: int, name: str) -> tuple[Array, Array]:
+        """Max over groups of k neighbours along ``axis``, and the index of the first maximum in each."""
+        xp = xp_of(x)
+        first = self._group(x, axis, 0)
+        out = self._buf(name, first.shape, x)
+        arg = self._buf("arg_" + name, first.shape, x, dtype=np.uint8)
+        xp.greater(self._group(x, axis, 1), first, out=arg)  # strictly: the first of equals wins
+        xp.maximum(first, self._group(x, axis, 1), out=out)
+        if self.k > 2:
+            better = self._buf("mask", first.shape, x, dtype=np.bool_)
+            for q in range(2, self.k):
+                part = self._group(x, axis, q)
+                xp.greater(part, out, out=better)
+                arg[better] = q
+                xp.maximum(out, part, out=out)
+        return out, arg
+
+    def _route_along(self, dout: Array, arg: Array, dx: Array, axis: int) -> None:
+        """Backward of :meth:`_max_along`: each gradient of ``dout`` to the input that was the maximum."""
+        xp = xp_of(dout)
+        is_q = self._buf("mask", arg.shape, dout, dtype=np.bool_)
+        for q in range(self.k):
+            xp.equal(arg, q, out=is_q)
+            xp.multiply(dout, is_q, out=self._group(dx, axis, q))
 
     def forward(self, x: Array) -> Array:
-        xp = xp_of(x)
-        n, c, h, w = x.shape
+        c, h, w, n = x.shape
         k = self.k
-        ho, wo = h // k, w // k
         self._xshape = x.shape
-        win = x[:, :, :ho * k, :wo * k].reshape(n, c, ho, k, wo, k).transpose(0, 1, 2, 4, 3, 5)
-        win = win.reshape(n, c, ho, wo, k * k)
-        self._arg = xp.argmax(win, axis=-1)  # the first maximum gets the gradient, as in PyTorch
-        return xp.take_along_axis(win, self._arg[..., None], axis=-1)[..., 0]
+        # along W first, then H: the first maximum of the window in row-major order wins
+        maxes, self._arg_w = self._max_along(x[:, :h // k * k, :w // k * k], 2, "row_max")  # (C, H', Wo, N)
+        y, self._arg_h = self._max_along(maxes, 1, "y")  # (C, Ho, Wo, N)
+        return y
 
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
         if not need_dx:
             return None
-        xp = xp_of(dy)
-        n, c, h, w = self._xshape
+        c, h, w, n = self._xshape
         k = self.k
-        ho, wo = h // k, w // k
-        dwin = xp.zeros((n * c * ho * wo, k * k), dtype=dy.dtype)
-        # scatter each output gradient to its window's arg-max (plain fancy indexing: NumPy and CuPy alike)
-        dwin[xp.arange(dwin.shape[0]), self._arg.reshape(-1)] = dy.reshape(-1)
-        dx = self._buf("dx", self._xshape, dy)
-        dx.fill(0)
-        dx[:, :, :ho * k, :wo * k] = dwin.reshape(n, c, ho, wo, k, k).transpose(0, 1, 2, 4, 3, 5).reshape(
-            n, c, ho * k, wo * k)
+        dmaxes = self._buf("row_max", self._arg_w.shape, dy)  # forward's row maxima are no longer needed
+        self._route_along(dy, self._arg_h, dmaxes, 1)
+        dx = self._buf("dx", self._xshape, dy, zeroed=True)  # the dropped odd edges stay zero
+        self._route_along(dmaxes, self._arg_w, dx[:, :h // k * k, :w // k * k], 2)
         return dx
 
     def __repr__(self) -> str:

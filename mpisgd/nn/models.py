@@ -11,7 +11,7 @@ import importlib
 import math
 from collections.abc import Callable
 
-from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
 from mpisgd.nn.sequential import Sequential
 
 
@@ -28,8 +28,14 @@ def mlp(hidden: tuple[int, ...] = (1024, 1024), n_in: int = 784, n_classes: int 
 
 
 def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequential:
-    """LeNet-5: conv(6,5x5,pad 2)-pool-conv(16,5x5)-pool-120-84-classes, for C x H x W inputs of any
-    channels and size from 12 x 12 (28 x 28 for Fashion-MNIST)."""
+    """LeNet-5: conv(6,5x5,pad 2)-pool-conv(16,5x5)-pool-120-84-classes, ReLU, for C x H x W inputs of any
+    channels and size from 12 x 12 (28 x 28 for Fashion-MNIST).
+
+    The convolutional part runs batch last (CHWN, see Conv2d): one permutation of the NCHW input at the
+    start, one back before Flatten, so the features reach the first Linear in NCHW's (c, h, w) order.
+    Each max-pool comes before its ReLU: the two commute (both are monotone), so this is the same
+    function and gradient as conv-ReLU-pool, with the ReLU on a quarter of the elements.
+    """
     if len(in_shape) != 3:
         raise ValueError(f"--model cnn takes C x H x W samples (images); the data's are {in_shape}: use --model mlp")
     c, h, w = in_shape
@@ -37,8 +43,10 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
     if h4 < 1 or w4 < 1:
         raise ValueError(f"--model cnn needs images of at least 12 x 12; the data's are {h} x {w}")
     return Sequential(
-        Conv2d(c, 6, 5, padding=2), ReLU(inplace=True), MaxPool2d(2),
-        Conv2d(6, 16, 5), ReLU(inplace=True), MaxPool2d(2),
+        Permute((1, 2, 3, 0)),  # NCHW -> CHWN
+        Conv2d(c, 6, 5, padding=2), MaxPool2d(2), ReLU(inplace=True),
+        Conv2d(6, 16, 5), MaxPool2d(2), ReLU(inplace=True),
+        Permute((3, 0, 1, 2)),  # CHWN -> NCHW
         Flatten(),
         Linear(16 * h4 * w4, 120), ReLU(inplace=True),
         Linear(120, 84), ReLU(inplace=True),
