@@ -87,8 +87,10 @@ def measure_all(reducers: dict[str, Reducer], bufs: dict[str, Any], comm: Any, c
         dst = src if inplace else bufs["out"][:count]
         calls[name] = (src, dst)
         fill(src, rank)
-        t0 = time.perf_counter()
         with np.errstate(over="ignore"):  # in place, values double every call: inf is as fast to add
+            red.allreduce_(dst) if inplace else red.allreduce(src, dst)  # untimed: auto decides on a first call
+        t0 = time.perf_counter()
+        with np.errstate(over="ignore"):
             for _ in range(args.warmup):
                 red.allreduce_(dst) if inplace else red.allreduce(src, dst)
         sync(dst)

@@ -39,7 +39,7 @@ def main() -> None:
         epoch, pos = divmod(step, batches.steps_per_epoch)
         perm = epoch_permutation(len(train), seed=0, epoch=epoch)
         loss = dp.train_step([loader.batch(batches.indices(perm, pos, 0))], lr=schedule(step))
-        if ctx.rank == 0 and step % 50 == 0:
+        if ctx.rank == 0 and step % 50 == 0:  # loss: this rank's batch (the gradient is averaged, the loss not)
             print(f"step {step:4d}  loss {float(loss):.4f}  lr {schedule(step):.4f}")
     dp.check_replicas()  # collective: raises on every rank if any replica drifted
 
@@ -53,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with mpisgd.guard(MPI.COMM_WORLD):  # an exception on one rank ends the job instead of hanging the others
+        main()

@@ -3,9 +3,10 @@
 1. Every rank on one node: data parallelism keeps its gradients in the
    ``shared`` strategy's buffer, and their buckets are summed there.
 2. Any other buffer takes ``mpi`` or ``ring`` by its size class (2^(c-1) to
-   2^c - 1 bytes, per dtype). The first time a class is seen, both run a few
-   times on that buffer's data, the slowest rank's time decides (one small
-   all-reduce, so every rank picks alike), and the class keeps the choice.
+   2^c - 1 bytes, per dtype). The first time a class is seen, both run on
+   that buffer's data, alternating, 11 to 21 times as the size needs; the
+   slowest rank's median decides (one small all-reduce, so every rank picks
+   alike), and the class keeps the choice.
    Non-blocking buffers are decided when data parallelism calls :meth:`tune`.
 
 Why measure: the two cross at sizes that move with the caches and the MPI
@@ -36,9 +37,10 @@ PLAN_FILE = "~/.cache/mpisgd/allreduce-plans.json"
 
 
 def trials_for(nbytes: int) -> int:
-    """Timed calls of each candidate for a new class: more where calls are cheap and noisy, and where the
-    two are closest (1-16 MiB). A function of the size only, so that every rank makes the same calls."""
-    return 9 if nbytes <= 64 << 10 else 7 if nbytes <= 16 << 20 else 3
+    """Timed calls of each candidate for a new class: most from 64 KiB to 16 MiB, where the two are closest
+    and the machine's state moves them most, fewest above, where a call is long and the ring far ahead.
+    A function of the size only, so that every rank makes the same calls."""
+    return 11 if nbytes <= 64 << 10 else 21 if nbytes <= 16 << 20 else 3
 
 
 def _human(n: int) -> str:
@@ -56,7 +58,7 @@ class AutoReducer(Reducer):
         super().__init__(comm)
         self.mpi, self.ring = MpiReducer(self.comm), RingReducer(self.comm)
         self.shared = SharedReducer(self.comm) if self.size > 1 and on_one_node(self.comm) else None
-        self.routes: dict[tuple[Any, int], Reducer] = {}  # (dtype, nbytes) -> mpi or ring, as its class decided
+        self.routes: dict[int, tuple[Any, Reducer]] = {}  # nbytes -> (dtype, mpi or ring), as its class decided
         self.plan: dict[str, str] = {}  # "dtype:class" -> "mpi" | "ring": this run's choices
         path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
         self.plan_file = None if path in ("", "off") else Path(path).expanduser()
@@ -100,25 +102,33 @@ class AutoReducer(Reducer):
                 self._save()
         red = self.mpi if choice == "mpi" else self.ring
         if len(self.routes) < 4096:
-            self.routes[(dst.dtype, dst.nbytes)] = red
+            self.routes[dst.nbytes] = (dst.dtype, red)
         return red
 
+    def _known(self, buf: Array) -> Reducer | None:
+        """The route of an exact size and dtype seen before (one dictionary look-up and an identity test)."""
+        hit = self.routes.get(buf.nbytes)
+        return hit[1] if hit is not None and hit[0] is buf.dtype else None
+
     def _measure(self, src: Array, dst: Array) -> str:
-        """Time mpi and ring alternately on this data, call after call as a run of them goes; the faster
-        at the slowest rank wins (collective). The data are put back before the call is made for real."""
+        """Time mpi and ring alternately on this data, each the second of two calls in a row; the lower median
+        at the slowest rank wins (collective): the median, not the minimum, since a candidate with a few lucky
+        calls is not the faster one in a run. The data are put back before the call is made for real."""
         keep = dst.copy()
-        best = np.full(2, np.inf)
+        times = np.zeros((2, trials_for(dst.nbytes)))
         with np.errstate(over="ignore", invalid="ignore"):  # in place, values double at each call
-            for trial in range(trials_for(dst.nbytes)):
+            for trial in range(times.shape[1]):
                 for i in (0, 1) if trial % 2 == 0 else (1, 0):
                     red = (self.mpi, self.ring)[i]
-                    t0 = time.perf_counter()
-                    red.allreduce_(dst) if src is dst else red.allreduce(src, dst)
-                    sync(dst)
-                    best[i] = min(best[i], time.perf_counter() - t0)
+                    for _ in range(2):  # time the second of two calls in a row: as a run of them goes
+                        t0 = time.perf_counter()
+                        red.allreduce_(dst) if src is dst else red.allreduce(src, dst)
+                        sync(dst)
+                    times[i, trial] = time.perf_counter() - t0
         dst[...] = keep
-        self.comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
-        return "ring" if best[1] < best[0] else "mpi"
+        typical = np.median(times, axis=1)
+        self.comm.Allreduce(MPI.IN_PLACE, typical, op=MPI.MAX)
+        return "ring" if typical[1] < typical[0] else "mpi"
 
     def plan_summary(self) -> str:
         """The plan in words: per dtype, the byte ranges each strategy serves ("mpi 4 B-1 MiB": from 4 B
@@ -138,10 +148,11 @@ class AutoReducer(Reducer):
 
     # -- the Reducer interface -------------------------------------------------------------
     def allreduce_(self, buf: Array) -> None:
-        (self.routes.get((buf.dtype, buf.nbytes)) or self._route(buf, buf)).allreduce_(buf)
+        hit = self.routes.get(buf.nbytes)  # _known(), inline: this is the latency path of small all-reduces
+        (hit[1] if hit is not None and hit[0] is buf.dtype else self._route(buf, buf)).allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
-        (self.routes.get((dst.dtype, dst.nbytes)) or self._route(src, dst)).allreduce(src, dst)
+        (self._known(dst) or self._route(src, dst)).allreduce(src, dst)
 
     def _in_window(self, buf: Array) -> bool:
         return self.shared is not None and self.shared.offset_of(buf) is not None
@@ -149,7 +160,7 @@ class AutoReducer(Reducer):
     def start(self, buf: Array) -> Handle:
         if self._in_window(buf):
             return self.shared.start(buf)  # type: ignore[union-attr]
-        return (self.routes.get((buf.dtype, buf.nbytes)) or self._route(buf, buf)).start(buf)
+        return (self._known(buf) or self._route(buf, buf)).start(buf)
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         if self._in_window(buf):
