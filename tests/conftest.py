@@ -104,6 +104,18 @@ def run_mpi(n: int, *args: str, timeout: float = 300, env: dict | None = None,
                           env=full_env, cwd=cwd)
 
 
+
+def clean_env() -> dict[str, str]:
+    """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
+    a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD", "MPIR_CVAR_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)} | ONE_THREAD
+
+
+def is_png(path: Path) -> bool:
+    return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture
 def mpirun():
     return run_mpi

@@ -45,7 +45,7 @@ def test_accumulation_and_ranks_equal_one_big_batch(tmp_path, extra):
 
 def softmax_regression_step(lr: float, batch: int) -> np.ndarray:
     """W, b after one plain SGD step on the mean cross-entropy over the first global batch."""
-    model = build_model("mlp", ()).materialize(np, "float64", SEED)  # the CLI's rank-0 initialisation
+    model = build_model("mlp", (784,), 10, ()).materialize(np, "float64", SEED)  # the CLI's rank-0 initialisation
     w0 = model.flat.params.copy()
     W, b = w0[:784 * 10].reshape(784, 10), w0[784 * 10:]
     data = synthetic(SAMPLES, SEED)
@@ -65,7 +65,7 @@ SOFTMAX = ("--hidden=", "--lr", "0.5", "--lr-scaling", "none", "--momentum", "0"
 
 def test_one_step_is_eta_times_the_effective_batch_mean_gradient(tmp_path):
     ref = softmax_regression_step(0.5, 256)
-    w0 = build_model("mlp", ()).materialize(np, "float64", SEED).flat.params
+    w0 = build_model("mlp", (784,), 10, ()).materialize(np, "float64", SEED).flat.params
     for k, b, m in ((1, 256, 1), (2, 32, 4), (2, 128, 1)):
         ours = train(tmp_path, k, b, m, *SOFTMAX, steps=1)
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12, err_msg=f"k={k} b={b} m={m}")

@@ -12,26 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, run_mpi
+from conftest import ROOT, clean_env, is_png, run_mpi
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_bw  # noqa: E402
 
-PNG = b"\x89PNG\r\n\x1a\n"
 # scripts/test.sh also runs this file on every rank under mpiexec: what starts its own processes runs once
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
-
-
-def clean_env() -> dict[str, str]:
-    """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
-    a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD", "MPIR_CVAR_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)} | ONE_THREAD
-
-
-def is_png(path: Path) -> bool:
-    return path.exists() and path.read_bytes()[:8] == PNG
 
 
 def _bench():

@@ -3,29 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import ONE_THREAD, ROOT
+from conftest import ROOT, clean_env, is_png
 
 from mpisgd.plot import main, schedule_for
 
 pytest.importorskip("matplotlib")
-PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def clean_env() -> dict[str, str]:
-    """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
-    a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD", "MPIR_CVAR_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)} | ONE_THREAD
-
-
-def is_png(path: Path) -> bool:
-    return path.exists() and path.read_bytes()[:8] == PNG
 
 
 def test_lr_plot_of_a_training_command(tmp_path):
