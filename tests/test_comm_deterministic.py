@@ -78,3 +78,46 @@ def test_test_alone_completes_both_phases():
         pass
     red.close()
     assert all(comm.allgather(bool((x == k * (k + 1) / 2).all())))
+
+
+class _LoggedComm:
+    """A communicator that notes the collectives started on it, in order, and passes everything on."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.started = comm, []
+
+    def Ialltoallv(self, *args):  # noqa: N802 - mpi4py's name
+        self.started.append("exchange")
+        return self.comm.Ialltoallv(*args)
+
+    def Iallgatherv(self, *args):  # noqa: N802
+        self.started.append("gather")
+        return self.comm.Iallgatherv(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+def test_every_rank_starts_the_collectives_in_one_order_however_fast_it_is():
+    """MPI wants one order of collective starts per communicator on every rank (Open MPI raised
+    MPI_ERR_TRUNCATE when they interleaved differently). Rank 0 here lets its first operation's exchange
+    complete before starting the second; the others start both at once."""
+    comm = world()
+    red = DeterministicReducer(comm)
+    real, red.comm = red.comm, _LoggedComm(red.comm)
+    a, b = random_floats(comm.Get_rank(), 5003, "float64"), random_floats(comm.Get_rank() + 7, 3001, "float64")
+    want_a, want_b = rank_order_sum(comm, a), rank_order_sum(comm, b)
+    first = red.start(a)
+    if comm.Get_rank() == 0:
+        for _ in range(20_000):
+            first.test()
+            if first.summed:  # its exchange is in, and its gather has started
+                break
+    second = red.start(b)
+    second.wait()
+    first.wait()
+    started, red.comm = red.comm.started, real
+    red.close()
+    everyone = comm.allgather((started, np.array_equal(a, want_a), np.array_equal(b, want_b)))
+    assert all(s == ["exchange", "gather", "exchange", "gather"] for s, _, _ in everyone), everyone
+    assert all(ok_a and ok_b for _, ok_a, ok_b in everyone)

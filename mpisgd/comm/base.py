@@ -137,9 +137,10 @@ def add_in_rank_order(parts: list[Array], dst: Array, pool: ScratchPool) -> None
 
 
 class InOrder:
-    """Operations whose second step must begin in the order the operations were started, on every rank
-    (ranks must start collectives in one order, whatever order their handles are tested in). An
-    operation offers ``ready(block) -> bool`` (its first step is complete) and ``begin()``."""
+    """Operations whose collectives must start in one order on every rank (MPI's rule per communicator),
+    whatever order their handles are tested in and however fast each rank is. An operation offers
+    ``ready(block) -> bool`` (called only at the head of the queue: it may start its first step there;
+    whether that step is complete) and ``begin()`` (the next step; the operation then leaves the queue)."""
 
     def __init__(self) -> None:
         self.queue: deque[Any] = deque()

@@ -40,8 +40,13 @@ def _raw(buf: Array, counts: list[int], displs: list[int]) -> list[Any]:
 
 
 class DeterministicOp:
-    """One in-flight operation (a Handle): exchange, rank-order sum, and for an all-reduce the gather,
-    which begins in start order on every rank (``base.InOrder``)."""
+    """One in-flight operation (a Handle): exchange, rank-order sum, and for an all-reduce the gather.
+
+    MPI requires every rank to start its collectives on a communicator in one order. Were the exchange
+    started at once, a rank whose previous exchange had completed would start that one's gather first,
+    and a slower rank this exchange: a mismatch (Open MPI: MPI_ERR_TRUNCATE). So operations queue
+    (``base.InOrder``): the one at the head starts its exchange, and on its completion its gather, then
+    leaves the queue; the sequence is exchange 1, gather 1, exchange 2, ... on every rank."""
 
     def __init__(self, red: DeterministicReducer, buf: Array, counts: list[int], out: Array | None) -> None:
         k, r = red.size, red.rank
@@ -50,13 +55,19 @@ class DeterministicOp:
         self.out = buf[self.displs[r]:self.displs[r] + counts[r]] if out is None else out
         self.rows = red.scratch.take(buf.dtype, k * counts[r], xp_of(buf)).reshape(k, counts[r])
         sync(buf)
-        recv = _raw(self.rows, [counts[r]] * k, [p * counts[r] for p in range(k)])
-        self.req = red.comm.Ialltoallv(_raw(buf, counts, self.displs), recv)
+        self.req: Any = None
         self.summed = False
         red.order.queue.append(self)
+        red.order.pump()
 
     def ready(self, block: bool) -> bool:
-        """Whether the exchange is complete (waiting for it when ``block``)."""
+        """Called at the head of the queue: start the exchange the first time; whether it is complete
+        (waiting for it when ``block``)."""
+        if self.req is None:
+            r = self.red.rank
+            recv = _raw(self.rows, [self.counts[r]] * self.red.size,
+                        [p * self.counts[r] for p in range(self.red.size)])
+            self.req = self.red.comm.Ialltoallv(_raw(self.buf, self.counts, self.displs), recv)
         if block:
             self.req.Wait()
         return block or bool(self.req.Test())
