@@ -16,23 +16,19 @@ them is the usual practice) but still take weight decay, as SGD applies it to ev
 zero norm (a layer initialised to zero, or a gradient that vanished) falls back to ratio 1 instead of
 stalling the layer or dividing by zero.
 
-The squared norms are sums over pieces of each tensor, so that the sharded step, where a rank holds
-only its chunks of the averaged gradient, can add up every rank's pieces: ``partial_sq_norms`` gives
-this rank's part and ``step_shards`` takes the whole-layer sums (mpisgd.parallel gathers them). One
-piece per tensor, as in :meth:`LARS.step`, is the replicated step.
+The squared norms come from a :class:`~mpisgd.optim.TensorNorms`: in the replicated step this rank's
+whole tensors; in the sharded step, where a rank holds only its chunks of the averaged gradient, one
+that adds every rank's pieces (mpisgd.sharded), so that every rank applies the same ratios.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from mpisgd.backend import to_numpy
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim import SGD
+from mpisgd.optim import SGD, Shards, TensorNorms
 
 
 class LARS(SGD):
@@ -54,21 +50,20 @@ class LARS(SGD):
         super().__init__(flat, momentum, nesterov, 0.0, momentum_correction, level1)
         self.lars_weight_decay = weight_decay
         self.trust_coef = trust_coef
-        # the adapted tensors: element ranges [a, b) of the flat buffer, in model order
-        self.layers = [(flat.offsets[i], flat.offsets[i + 1]) for i, s in enumerate(flat.shapes) if len(s) > 1]
+        # the adapted tensors: their indices in flat.shapes and element ranges [a, b), in model order
+        self.adapted = [i for i, shape in enumerate(flat.shapes) if len(shape) > 1]
+        self.layers = [(flat.offsets[i], flat.offsets[i + 1]) for i in self.adapted]
 
     def step(self, lr: float) -> None:
         """Update every parameter from the gradient buffer (each norm over its whole tensor)."""
         self.step_shards(lr, [(0, self.flat.size, self.flat.grads)])
 
-    def step_shards(self, lr: float, shards: Sequence[tuple[int, int, Any]],
-                    sq_norms: np.ndarray | None = None) -> None:
-        """Update only the ranges ``[lo, hi)`` of ``shards`` (as SGD.step_shards). ``sq_norms`` are the
-        whole tensors' squared norms, ``partial_sq_norms`` summed over every piece of them; without it
-        they are taken from ``shards``, which is right only when the shards hold whole tensors."""
-        if sq_norms is None:
-            sq_norms = self.partial_sq_norms(shards)
-        ratios = self.trust_ratios(sq_norms)
+    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+        """Update only the ranges ``[lo, hi)`` of ``shards`` (as SGD.step_shards). ``norms`` gives the
+        whole tensors' squared norms; without it they come from ``shards`` alone, which is right only
+        when the shards hold whole tensors."""
+        norms = norms or TensorNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in shards])
+        ratios = self.trust_ratios(self.sq_norms(shards, norms))
         w, wd, b = self.flat.params, self.lars_weight_decay, self.blas
         for lo, hi, g in shards:
             if wd and b is not None:  # d = g + wd*w on all of the shard, biases included
@@ -82,23 +77,12 @@ class LARS(SGD):
                     g[x - lo:y - lo] *= ratio
         super().step_shards(lr, shards)  # momentum and the step on d, with no decay of SGD's own
 
-    def partial_sq_norms(self, shards: Sequence[tuple[int, int, Any]]) -> np.ndarray:
-        """(2, layers) float64: rows ||w||^2 and ||g||^2 of each adapted tensor, summed over the parts
-        of it inside ``shards`` (``g`` as given: before weight decay). Pieces are added in shard order."""
-        xp, w = self.flat.xp, self.flat.params
-        where, dots = [], []
-        for lo, hi, g in shards:
-            for layer, (x, y) in enumerate(self._pieces(lo, hi)):
-                if x < y:
-                    where.append(layer)
-                    dots += [xp.dot(w[x:y], w[x:y]), xp.dot(g[x - lo:y - lo], g[x - lo:y - lo])]
-        out = np.zeros((2, len(self.layers)))
-        if dots:
-            values = to_numpy(xp.stack(dots)).astype(np.float64)  # one transfer from a GPU, not one per tensor
-            for i, layer in enumerate(where):
-                out[0, layer] += values[2 * i]
-                out[1, layer] += values[2 * i + 1]
-        return out
+    def sq_norms(self, shards: Shards, norms: TensorNorms) -> np.ndarray:
+        """(2, adapted tensors) float64: rows ||w||^2 and ||g||^2 of each adapted tensor (``g`` as given:
+        before weight decay), over every piece ``norms`` adds up."""
+        w = self.flat.params
+        both = norms.squared([w[lo:hi] for lo, hi, _ in shards], [g for _, _, g in shards])
+        return both[:, self.adapted]
 
     def trust_ratios(self, sq_norms: np.ndarray) -> list[float]:
         """c * ||w|| / (||g|| + wd * ||w||) per adapted tensor; 1 where either norm is 0."""

@@ -5,8 +5,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from mpisgd.backend import to_numpy, xp_of
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
+
+Shards = Sequence[tuple[int, int, Any]]  # (lo, hi, g): flat range [lo, hi) and its gradient (hi - lo elements)
+
+
+class TensorNorms:
+    """Squared norms of each parameter tensor (in ``flat.shapes`` order) of quantities held as pieces of
+    the flat buffer: what an optimizer asks for when its step needs whole-tensor norms (LARS's trust
+    ratios). This one sums the pieces of this rank only, in piece order — right when the pieces hold
+    whole tensors (the replicated step); the sharded step passes one that adds every rank's pieces
+    (mpisgd.sharded.RankNorms). Optimizers never reduce across ranks themselves."""
+
+    def __init__(self, offsets: Sequence[int], ranges: Sequence[tuple[int, int]]) -> None:
+        self.offsets, self.ranges = list(offsets), list(ranges)
+
+    def partial(self, *quantities: Sequence[Any]) -> np.ndarray:
+        """(len(quantities), tensors) float64: each quantity's squared norm per tensor over this rank's
+        pieces. A quantity is one array per range, aligned with it (e.g. the weights' and the gradient's)."""
+        out = np.zeros((len(quantities), len(self.offsets) - 1))
+        where, dots = [], []
+        for piece, (lo, hi) in enumerate(self.ranges):
+            for t in range(len(self.offsets) - 1):
+                x, y = max(self.offsets[t], lo), min(self.offsets[t + 1], hi)
+                if x < y:
+                    where.append(t)
+                    for q in quantities:
+                        a = q[piece][x - lo:y - lo]
+                        dots.append(a.dot(a))
+        if dots:  # one transfer from a GPU, not one per tensor
+            values = to_numpy(xp_of(dots[0]).stack(dots)).astype(np.float64).reshape(len(where), len(quantities))
+            for i, t in enumerate(where):
+                out[:, t] += values[i]
+        return out
+
+    def squared(self, *quantities: Sequence[Any]) -> np.ndarray:
+        """The whole tensors' squared norms (here: this rank's pieces are the whole)."""
+        return self.partial(*quantities)
 
 
 class SGD:
@@ -60,11 +99,12 @@ class SGD:
         self._update(self.flat.params, self.flat.grads, self.velocity, self._tmp, lr)
         self.prev_lr = lr
 
-    def step_shards(self, lr: float, shards: Sequence[tuple[int, int, Any]]) -> None:
+    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
         """Update only the parameter ranges ``[lo, hi)`` of ``shards``, each from its own gradient array
-        ``g`` (hi - lo elements; the sharded step of mpisgd.parallel). Element by element the same
+        ``g`` (hi - lo elements; the sharded step of mpisgd.sharded). Element by element the same
         update as :meth:`step`, so ranks that update disjoint ranges and exchange them arrive at the
-        replicated step's parameters (up to the last bit, where a BLAS kernel's blocking differs)."""
+        replicated step's parameters (up to the last bit, where a BLAS kernel's blocking differs).
+        ``norms``: where whole-tensor norms come from, for rules that need them (SGD does not)."""
         w, v, tmp = self.flat.params, self.velocity, self._tmp
         for lo, hi, g in shards:
             self._update(w[lo:hi], g, None if v is None else v[lo:hi], None if tmp is None else tmp[lo:hi], lr)
@@ -136,6 +176,8 @@ class SGD:
         return {"velocity": self.velocity, "prev_lr": -1.0 if self.prev_lr is None else self.prev_lr}
 
     def load_state(self, velocity: Any, prev_lr: float) -> None:
-        if self.velocity is not None:
+        """Continue from :meth:`state`'s values (``velocity`` None: keep this buffer, e.g. on ranks that
+        take rank 0's by a broadcast next)."""
+        if self.velocity is not None and velocity is not None:
             self.velocity[...] = self.flat.xp.asarray(velocity)
         self.prev_lr = None if prev_lr < 0 else float(prev_lr)

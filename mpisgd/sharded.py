@@ -1,0 +1,98 @@
+"""The sharded step: each rank updates 1/k of the parameters (ZeRO stage 1's split of the update).
+
+Each bucket of the flat gradient is reduce-scattered instead of all-reduced: rank r receives chunk r
+of the bucket's sum (``chunk_counts``: near-equal, in rank order) into its shard buffer, checks it,
+updates those parameters and their momentum, and an all-gather of the parameters, bucket by bucket,
+gives every rank the same new replica. The momentum buffer stays whole-sized (each rank keeps its
+own chunks current), so checkpoints do not change; :meth:`ShardedStep.gather_state` makes it whole
+before one is written. Element by element the update is the replicated one.
+
+Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
+one small ``allreduce(LAND)`` makes it every rank's verdict), and the whole-tensor norms some update
+rules ask for (LARS): :class:`RankNorms` all-gathers each rank's partial squared norms and sums them
+in rank order, so every rank applies the same ratios, bitwise, whatever the MPI library's reduction
+order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpisgd.blas import all_finite
+from mpisgd.comm.base import Handle, Reducer, chunk_counts
+from mpisgd.flatbuf import FlatBuffer
+from mpisgd.optim import TensorNorms
+
+
+class RankNorms(TensorNorms):
+    """TensorNorms over this rank's chunks, added up over every rank in rank order (collective)."""
+
+    def __init__(self, offsets: list[int], ranges: list[tuple[int, int]], comm: Any, watchdog: Any,
+                 step: int) -> None:
+        super().__init__(offsets, ranges)
+        self.comm, self.watchdog, self.step = comm, watchdog, step
+
+    def squared(self, *quantities: Any) -> np.ndarray:
+        mine = self.partial(*quantities)
+        every = np.empty((self.comm.Get_size(), *mine.shape), dtype=mine.dtype)
+        with self.watchdog.watching(f"tensor-norm all-gather of step {self.step}"):
+            self.comm.Allgather(mine, every)
+        return every.sum(axis=0)  # rank order, the same on every rank
+
+
+class ShardedStep:
+    """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges."""
+
+    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer) -> None:
+        covered = sorted(buckets)
+        if covered[0][0] != 0 or covered[-1][1] != flat.size or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+            raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
+        self.flat, self.comm, self.reducer = flat, comm, reducer
+        self.k, self.rank = comm.Get_size(), comm.Get_rank()
+        self.counts = [chunk_counts(b - a, self.k) for a, b in buckets]  # per bucket, each rank's chunk size
+        self.own: list[tuple[int, int]] = []  # per bucket, this rank's chunk [lo, hi) of the flat buffer
+        for (a, _), counts in zip(buckets, self.counts):
+            lo = a + sum(counts[:self.rank])
+            self.own.append((lo, lo + counts[self.rank]))
+        # this rank's chunks of the averaged gradient, back to back
+        self.grads = flat.xp.empty(sum(hi - lo for lo, hi in self.own), dtype=flat.dtype)
+        self.shards: list[tuple[int, int, Any]] = []  # (lo, hi, its gradient): what step_shards takes
+        offset = 0
+        for lo, hi in self.own:
+            self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
+            offset += hi - lo
+        self.ranges = list(buckets)
+
+    def start(self, index: int, grads: Any) -> Handle:
+        """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
+        return self.reducer.start_reduce_scatter(grads, self.shards[index][2], self.counts[index])
+
+    def finite(self, watchdog: Any, step: int) -> bool:
+        """Whether the whole averaged gradient is finite: this rank's chunks, then every rank's vote."""
+        mine = all_finite(self.grads, self.flat.xp)
+        with watchdog.watching(f"finite-gradient vote of step {step}"):
+            return bool(self.comm.allreduce(mine, op=MPI.LAND))
+
+    def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
+        """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
+        norms = RankNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in self.shards], self.comm, watchdog, step)
+        optimizer.step_shards(lr, self.shards, norms)
+
+    def gather_(self, buf: Any, watchdog: Any, what: str) -> float:
+        """Every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place (collective):
+        all buckets in flight at once, then wait. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        with watchdog.watching(what):
+            handles = [self.reducer.start_allgather(buf[a:b], counts)
+                       for (a, b), counts in zip(self.ranges, self.counts)]
+            for h in handles:
+                h.wait()
+        return time.perf_counter() - t0
+
+    def nbytes(self) -> int:
+        """The shard buffer's bytes (what this rank holds beyond the replicated step's state)."""
+        return int(self.grads.nbytes)
