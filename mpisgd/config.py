@@ -70,9 +70,8 @@ class Config:
     weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
     optimizer: str = opt("sgd", "update rule: sgd, or lars (SGD with a layer-wise trust ratio, You et al. 2017; "
                                 "docs/large_batch.md)", ("sgd", "lars"))
-    trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w||; 0.1 did best "
-                                 "of 0.001-1 (docs/large_batch.md): the paper's 0.001 needs a 100x larger --lr, "
-                                 "which biases take unscaled")
+    trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w|| (why 0.1, "
+                                 "not the paper's 0.001: docs/large_batch.md, Tuning LARS)")
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
@@ -80,7 +79,7 @@ class Config:
                                     "node / ranks per node)")
     allreduce: str = opt("auto", "all-reduce strategy (docs/allreduce.md)",
                          ("auto", "mpi", "ring", "shared", "deterministic", "nccl"))
-    bucket_mb: float = opt(25.0, "gradient bucket size in MiB (first bucket: min(1, this))")
+    bucket_cap_mb: float = opt(25.0, "gradient bucket size in MiB (first bucket: min(1, this))")
     overlap: bool = opt(True, "start each bucket's all-reduce during backward")
     deterministic: bool = opt(False, "sum every gradient element in rank order: bitwise reproducible across "
                                      "bucket sizes and strategies")
@@ -92,8 +91,8 @@ class Config:
                                   "through pinned host memory (staged)", ("auto", "direct", "staged"))
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
-    stall_timeout: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
-                                      "reached it (0: no watchdog)")
+    stall_timeout_s: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
+                                        "reached it (0: no watchdog)")
     stall_abort: bool = opt(False, "abort the job when the stall check fires")
     straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
     # files and output
@@ -157,13 +156,13 @@ class Config:
             raise UsageError("--data and --dataset synthetic: choose one")
         if any(h < 1 for h in self.hidden):
             raise UsageError(f"--hidden widths must be >= 1, got {self.hidden}")
-        if self.bucket_mb <= 0:
-            raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+        if self.bucket_cap_mb <= 0:
+            raise UsageError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
         for name, value in {"check-replicas": self.check_replicas, "checkpoint-every": self.checkpoint_every}.items():
             if value < 0:
                 raise UsageError(f"--{name} must be >= 0, got {value}")
-        if self.stall_timeout < 0:
-            raise UsageError(f"--stall-timeout must be >= 0, got {self.stall_timeout}")
+        if self.stall_timeout_s < 0:
+            raise UsageError(f"--stall-timeout-s must be >= 0, got {self.stall_timeout_s}")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
         for name in self.allowed_changes():
@@ -207,28 +206,55 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
+# --help in groups, by concern; every field of Config is in exactly one (tests/test_config.py checks)
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model and data": ("model", "hidden", "dtype", "dataset", "data", "data_dir", "limit_train", "limit_test",
+                       "synthetic_samples", "seed"),
+    "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "lr", "base_batch", "lr_scaling",
+                           "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
+    "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
+                  "on_nan"),
+    "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "deterministic",
+                      "shard_optimizer", "shared_grads", "cuda_aware"),
+    "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
+                               "overwrite_checkpoints", "save_model"),
+    "output and diagnostics": ("metrics_file", "timeline", "progress", "check_replicas", "stall_timeout_s",
+                               "stall_abort", "straggler_report"),
+}
+# earlier spellings still accepted
+ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}
+
+
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m mpisgd.train",
         description="Synchronous data-parallel SGD over MPI. Launch with: mpiexec -n K python -m mpisgd.train",
         quiet=quiet, allow_abbrev=False,
     )
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)}"
-                                          + "".join(f"; {_show(d[f.name])} for --model {m}"
-                                                    for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
-        kind = f.type if isinstance(f.type, str) else str(f.type)
-        if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif kind.startswith("tuple"):
-            parser.add_argument(flag, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
-        else:
-            base = kind.split("|")[0].strip()
-            conv = {"int": int, "float": float, "str": str}[base]
-            parser.add_argument(flag, type=conv, default=f.default, choices=f.metadata["choices"],
-                                help=help_text, metavar=None if f.metadata["choices"] else base.upper())
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_option(group, fields[name])
     return parser
+
+
+def _add_option(parser: Any, f: dataclasses.Field) -> None:
+    """One field of Config as a command-line option (its help, default, type and choices)."""
+    flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
+    help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)}"
+                                      + "".join(f"; {_show(d[f.name])} for --model {m}"
+                                                for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if kind == "bool":
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+    elif kind.startswith("tuple"):
+        parser.add_argument(*flags, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
+    else:
+        base = kind.split("|")[0].strip()
+        conv = {"int": int, "float": float, "str": str}[base]
+        parser.add_argument(*flags, type=conv, default=f.default, choices=f.metadata["choices"],
+                            help=help_text, metavar=None if f.metadata["choices"] else base.upper())
 
 
 def _show(value: Any) -> str:
@@ -237,8 +263,7 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-# The stock CNN's own recipe where the command line does not say (the MLP's 0.1 without weight decay
-# leaves LeNet-5 at 0.87 after 12 epochs, and can kill it; docs/benchmarks.md, results/cnn/recipe-search).
+# The stock CNN's own recipe where the command line does not say (why: docs/benchmarks.md, LeNet-5).
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20}}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mpisgd.agreement import AgreedError, agree
 from mpisgd.backend import Backend, select_backend
 from mpisgd.comm.base import node_layout
 from mpisgd.config import UsageError
@@ -75,24 +76,5 @@ def blas_threads(requested: int | None, local_size: int) -> tuple[int, str]:
     return max(1, cores // max(1, local_size)), f"{cores} core(s) / {local_size} rank(s) on this node"
 
 
-class AgreedError(Exception):
-    """An error every rank raises together (after :func:`agree`): exit cleanly, no abort needed."""
 
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def agree(comm: Any, error: BaseException | None, exit_code: int = 2) -> None:
-    """Collective: if any rank had an error, raise AgreedError on every rank.
-
-    The message is the lowest failing rank's, prefixed with its rank when not
-    every rank failed, so that rank 0 can print what the failing rank saw.
-    """
-    errors = comm.allgather(None if error is None else str(error))
-    failed = [r for r, e in enumerate(errors) if e is not None]
-    if not failed:
-        return
-    first = failed[0]
-    prefix = "" if len(failed) == len(errors) else f"rank {first}: "
-    raise AgreedError(prefix + str(errors[first]), exit_code)
+__all__ = ["AgreedError", "Context", "agree", "blas_threads", "init"]

@@ -1,7 +1,7 @@
 """Checks before any work: what would otherwise fail after hours of training, or hang a collective.
 
-Each check raises UsageError naming the problem; the trainer runs it on every rank through
-``context.agree``, so that every rank stops together, exit 2, before the first step.
+Each check raises UsageError naming the problem; set-up (mpisgd.run) runs it on every rank through
+``agreement.agree``, so that every rank stops together, exit 2, before the first step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.agreement import name_differences
 from mpisgd.config import Config, UsageError
 from mpisgd.files import check_output_dir, check_output_file
 
@@ -19,14 +20,7 @@ def same_options(cfg: Config, comm: Any) -> None:
     """Every rank runs the same options (collective); names the options and ranks that differ."""
     if len(set(comm.allgather(cfg.digest()))) == 1:
         return
-    configs = comm.allgather(cfg.to_dict())
-    diffs = []
-    for key in configs[0]:
-        values = [c.get(key) for c in configs]
-        odd = [r for r, v in enumerate(values) if v != values[0]]
-        if odd:
-            diffs.append(f"--{key.replace('_', '-')} is {values[0]!r} on rank 0 but "
-                         + ", ".join(f"{values[r]!r} on rank {r}" for r in odd))
+    diffs = name_differences(comm.allgather(cfg.to_dict()), flag=True)
     raise UsageError("ranks were started with different options: " + "; ".join(diffs))
 
 
@@ -53,10 +47,9 @@ def same_data(identity: dict[str, Any], comm: Any) -> None:
     """Every rank trains on the same data (collective): different sets would end one rank's epoch
     early and leave the others waiting in a collective."""
     every = comm.allgather(identity)
-    odd = [r for r, d in enumerate(every) if d != every[0]]
-    if odd:
-        raise UsageError(f"ranks {odd} loaded other data than rank 0 (rank 0: {every[0]}; rank {odd[0]}: "
-                         f"{every[odd[0]]}): give every rank the same data set")
+    diffs = name_differences(every)
+    if diffs:
+        raise UsageError("ranks loaded different data (" + "; ".join(diffs) + "): give every rank the same data set")
 
 
 def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:

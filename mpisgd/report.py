@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # report reads the run; set-up (mpisgd.run) imports report for peak_rss_mib only
+    from mpisgd.config import Config
+    from mpisgd.run import Run
 
 MAX_WIDTH = 120  # a banner line longer than this is cut, ending in "..."
 
@@ -79,7 +83,7 @@ def describe_model(model: Any) -> str:
     return ", ".join(parts)
 
 
-def describe_optimizer(cfg: Any) -> str:
+def describe_optimizer(cfg: Config) -> str:
     """The update rule's settings, as given."""
     name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
     parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
@@ -87,48 +91,49 @@ def describe_optimizer(cfg: Any) -> str:
     return ", ".join(parts)
 
 
-def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
-    """The run in one short line per concern (rank 0; ``t`` is the Trainer)."""
+def banner(run: Run) -> list[str]:
+    """The run in one short line per concern (rank 0)."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    cfg, ctx, s, flat = t.cfg, t.ctx, t.schedule, t.model.flat
+    cfg, ctx, s, flat, dp, places = run.cfg, run.ctx, run.schedule, run.model.flat, run.dp, run.places
     library = " ".join(MPI.Get_library_version().splitlines()[0].replace("\x00", "").replace("Version:", "").split())
     device = "cpu, NumPy" if not ctx.backend.is_gpu else ctx.backend.describe()
     if ctx.backend_note:
         device += f" ({ctx.backend_note})"
     if not ctx.backend.is_gpu:
-        device += f" | BLAS threads per rank: {t.threads} ({t.threads_from})"
+        device += f" | BLAS threads per rank: {run.threads} ({run.threads_from})"
     scaled = f"{cfg.lr_scaling} scaling -> {s.peak_lr:.4g}" if s.peak_lr != cfg.lr else f"{cfg.lr_scaling} scaling"
+    train, test = run.data.train, run.data.test
     lines = [
-        f"mpisgd | {library} | k={t.k} rank(s) on {ctx.n_nodes} node(s) | {rank_map(places)}",
+        f"mpisgd | {library} | k={run.k} rank(s) on {ctx.n_nodes} node(s) | {rank_map(places)}",
         f"device: {device}",
         f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
-        f"{describe_model(t.model)}",
-        f"data: {t.data_source} | {len(t.train_set):,} train, {len(t.test_set):,} test | samples "
-        f"{'x'.join(map(str, t.in_shape))} {t.train_set.images.dtype}, {t.n_classes} classes",
-        f"batch: b={cfg.batch_size} per rank x k={t.k} x m={cfg.accum_steps} accumulated = B={t.B} | "
-        f"{t.batches.steps_per_epoch} steps/epoch, {t.total_steps} steps",
+        f"{describe_model(run.model)}",
+        f"data: {run.data.source} | {len(train):,} train, {len(test):,} test | samples "
+        f"{'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, {run.data.n_classes} classes",
+        f"batch: b={cfg.batch_size} per rank x k={run.k} x m={cfg.accum_steps} accumulated = B={run.B} | "
+        f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
         f"optimizer: {describe_optimizer(cfg)} | " + (
-            f"step sharded: each rank updates 1/{t.k} of the parameters, then all-gather" if t.dp.sharded else
+            f"step sharded: each rank updates 1/{run.k} of the parameters, then all-gather" if dp.sharded else
             "step not sharded (--shard-optimizer has nothing to split at k=1)" if cfg.shard_optimizer else
             "the same step on every rank"),
-        f"all-reduce: {t.dp.describe()}",
+        f"all-reduce: {dp.describe()}",
     ]
-    if getattr(t.dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
-        lines.append(f"cuda-aware MPI: {t.dp.reducer.why}")
+    if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
+        lines.append(f"cuda-aware MPI: {dp.reducer.why}")
     lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
-    plan = t.resume
+    plan = run.resume
     if plan is not None:  # not cut: a path is shown whole
         lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "
-                     f"{plan.step_in_epoch} of {t.batches.steps_per_epoch})")
-        if plan.world_size != t.k or plan.derived:
-            lines.append(fit(f"resume: written by k={plan.world_size} ranks, now k={t.k} with the same B={t.B}"
+                     f"{plan.step_in_epoch} of {run.batches.steps_per_epoch})")
+        if plan.world_size != run.k or plan.derived:
+            lines.append(fit(f"resume: written by k={plan.world_size} ranks, now k={run.k} with the same B={run.B}"
                              + (f"; {plan.derived}" if plan.derived else "")))
         for change in plan.changes:
             lines.append(fit(f"resume: changed {change} on purpose (--resume-allow): the trajectory differs from "
                              "the original run's"))
-    if t.dp.sharded and not t.dp.reducer.native_reduce_scatter:
+    if dp.sharded and not dp.reducer.native_reduce_scatter:
         lines.append(fit(f"warning: --allreduce {cfg.allreduce} has no reduce-scatter, so the sharded step runs a "
                          "full all-reduce, then the all-gather"))
     gpus = [(h, g) for h, _, g in places if g is not None]
@@ -139,21 +144,21 @@ def banner(t: Any, places: list[tuple[str, int, int | None]]) -> list[str]:
         per_host[host] = per_host.get(host, 0) + 1
     cores = os.cpu_count() or 1  # the node's cores (a bound rank's affinity shows only its own)
     worst = max(per_host.values(), default=1)
-    if not ctx.backend.is_gpu and worst * t.threads > cores:
-        lines.append(fit(f"warning: {worst} rank(s) x {t.threads} thread(s) on a node with {cores} core(s): "
+    if not ctx.backend.is_gpu and worst * run.threads > cores:
+        lines.append(fit(f"warning: {worst} rank(s) x {run.threads} thread(s) on a node with {cores} core(s): "
                          "oversubscribed, expect slow steps"))
     return lines
 
 
-def final_lines(t: Any, wall_s: float) -> list[str]:
+def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float) -> list[str]:
     """The closing lines (rank 0): the bucket bandwidth achieved, accuracy, time, memory in parts."""
-    last = t.history[-1] if t.history else {}
+    last = history[-1] if history else {}
     lines = []
-    if t.k > 1 and last.get("bucket_busbw_gbps"):
+    if run.k > 1 and last.get("bucket_busbw_gbps"):
         lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
                      f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
     acc = f"{last['test_acc']:.4f}" if last else "n/a (no epoch finished)"
-    lines.append(f"final test accuracy {acc} after {t.global_step} steps | wall time {wall_s:.1f} s")
-    if last and not t.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
+    lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
+    if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
         lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))
     return lines

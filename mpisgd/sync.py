@@ -23,15 +23,14 @@ averaging the wrong data.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 
+from mpisgd.agreement import bcast_, layout_digest, verify_same
 from mpisgd.backend import is_device_array, to_numpy, xp_of
 from mpisgd.comm import Reducer, create_reducer
 from mpisgd.comm.base import Handle
-from mpisgd.parallel import verify_same
 
 IN_PLACE_BYTES = 1 << 20  # a contiguous writable array this large is reduced where it lies, not packed
 
@@ -51,8 +50,7 @@ def as_array(a: Any) -> Any:
 
 
 def _signature(views: list[Any]) -> str:
-    text = repr([(v.shape, v.dtype.str) for v in views])
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return layout_digest([(v.shape, v.dtype.str) for v in views])
 
 
 def broadcast_(arrays: list[Any], comm: Any, root: int = 0) -> list[Any]:
@@ -61,13 +59,13 @@ def broadcast_(arrays: list[Any], comm: Any, root: int = 0) -> list[Any]:
     verify_same(comm, _signature(views), "the arrays to broadcast (their number, shapes or dtypes)")
     out = []
     for v in views:
-        host = v if isinstance(v, np.ndarray) and v.flags.writeable and v.flags.c_contiguous else \
-            np.array(to_numpy(v), order="C")  # a device array, or one MPI may not write: a host copy
-        comm.Bcast(host.reshape(-1).view(np.uint8), root=root)
-        if is_device_array(v):
-            v.set(host)
+        if is_device_array(v) or (v.flags.writeable and v.flags.c_contiguous):
+            bcast_(comm, v, root)  # in place (a device array through a host copy)
             out.append(v)
-        elif host is not v and v.flags.writeable:
+            continue
+        host = np.array(to_numpy(v), order="C")  # one MPI may not write into: a host copy
+        bcast_(comm, host, root)
+        if v.flags.writeable:
             v[...] = host
             out.append(v)
         else:

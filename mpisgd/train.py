@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             error = exc
         except SystemExit as exc:  # --help: printed by rank 0, every rank leaves
             return int(exc.code or 0)
-        from mpisgd.context import agree  # noqa: PLC0415
+        from mpisgd.agreement import agree  # noqa: PLC0415
 
         agree(world, error)
         assert cfg is not None
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(exc: BaseException, world: Any) -> int:
     """Agreed errors: rank 0 prints one line, every rank returns. Others: print with rank, abort all."""
-    from mpisgd.context import AgreedError  # noqa: PLC0415
+    from mpisgd.agreement import AgreedError  # noqa: PLC0415
 
     rank, size = world.Get_rank(), world.Get_size()
     if isinstance(exc, _errors_every_rank_raises()):
@@ -63,16 +63,25 @@ def _report(exc: BaseException, world: Any) -> int:
 
 def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
     """Errors raised by every rank together (decided collectively): no abort, a collective shutdown."""
-    from mpisgd.context import AgreedError  # noqa: PLC0415
-    from mpisgd.parallel import NonFiniteError, ReplicaError  # noqa: PLC0415
+    from mpisgd.agreement import AgreedError, ReplicaError  # noqa: PLC0415
+    from mpisgd.parallel import NonFiniteError  # noqa: PLC0415
 
     return AgreedError, ReplicaError, NonFiniteError
 
 
 def run(cfg: Config, world: Any, signals: Any = None) -> int:
-    from mpisgd.trainer import Trainer  # noqa: PLC0415 - heavy imports after argument checks
+    """Set up, train, shut down (collective). The stall watchdog watches set-up and training alike."""
+    from mpisgd.inject import Injected  # noqa: PLC0415 - heavy imports after argument checks
+    from mpisgd.run import build_run  # noqa: PLC0415
+    from mpisgd.trainer import Trainer  # noqa: PLC0415
 
-    trainer = Trainer(cfg, world, signals)
+    watchdog = _watchdog(cfg, world)
+    try:
+        setup = build_run(cfg, world, watchdog)
+    except _errors_every_rank_raises():
+        watchdog.close()  # every rank failed set-up together: a collective shutdown is safe
+        raise
+    trainer = Trainer(setup, signals, hooks=Injected.from_environ())
     try:
         status = trainer.fit()
     except _errors_every_rank_raises():
@@ -85,6 +94,14 @@ def run(cfg: Config, world: Any, signals: Any = None) -> int:
         raise
     trainer.close()
     return status
+
+
+def _watchdog(cfg: Config, world: Any) -> Any:
+    from mpisgd.watchdog import NullWatchdog, Watchdog  # noqa: PLC0415 - starts a thread: only when asked
+
+    if not cfg.stall_timeout_s or world.Get_size() == 1:
+        return NullWatchdog()
+    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """A stall watchdog for collectives, like Horovod's stall check.
 
-``Watchdog(comm, timeout_s, abort)`` wraps each blocking collective of the
+``Watchdog(comm, timeout_s, abort)`` watches each blocking collective of the
 training loop::
 
-    watchdog.enter("gradient all-reduce of step 12")
-    ...wait for the all-reduce...
-    watchdog.exit()
+    with watchdog.watching("gradient all-reduce of step 12"):
+        ...wait for the all-reduce...
 
 Each rank numbers its collectives (1, 2, 3, ...); since all ranks run the same
 collectives in the same order, equal numbers mean the same collective. On
@@ -22,8 +21,9 @@ A rank that waits twice as long without hearing from rank 0 (rank 0 may itself
 be stuck holding the GIL) reports its own wait and, with ``abort``, aborts the
 job itself.
 
-``enter``/``exit`` never block and never start collectives: one ``isend`` on
-ranks > 0, a few attribute writes on rank 0. The thread needs
+``watching`` (``enter``, then ``exit`` also when the block raises) never
+blocks and never starts collectives: one ``isend`` on ranks > 0, a few
+attribute writes on rank 0. The thread needs
 ``MPI_THREAD_MULTIPLE`` (what mpi4py asks for by default); with less, only the
 local part (each rank timing its own wait) runs, and the report names no ranks.
 """
@@ -33,6 +33,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mpisgd.abort import abort_job
@@ -77,6 +79,15 @@ class Watchdog:
             self._thread.start()
 
     # -- called by the training loop (main thread) ----------------------------------------
+    @contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Watch the collective(s) inside the block, described by ``what``."""
+        self.enter(what)
+        try:
+            yield
+        finally:
+            self.exit()
+
     def enter(self, what: str) -> None:
         """This rank starts waiting in a collective described by ``what``."""
         now = time.monotonic()
@@ -104,16 +115,15 @@ class Watchdog:
         if self._thread is not None:
             # rank 0 waits here for every rank's "close": watched like a collective, so a rank that
             # stops after the last collective is still named (and aborted) instead of hanging rank 0
-            self.enter("shutdown (every rank closing the watchdog)")
-            if self.rank != 0 and self.threaded:
-                self._pending.append(self.comm.isend(("close",), 0, TAG))
-                self._MPI.Request.waitall(self._pending)
-                self._pending.clear()
-            self._stop.set()
-            while self._thread.is_alive():  # rank 0's thread leaves once every rank said close
-                self._thread.join(1.0)
-            self._settle_notices()
-            self.exit()
+            with self.watching("shutdown (every rank closing the watchdog)"):
+                if self.rank != 0 and self.threaded:
+                    self._pending.append(self.comm.isend(("close",), 0, TAG))
+                    self._MPI.Request.waitall(self._pending)
+                    self._pending.clear()
+                self._stop.set()
+                while self._thread.is_alive():  # rank 0's thread leaves once every rank said close
+                    self._thread.join(1.0)
+                self._settle_notices()
         self.comm.Free()
 
     def _settle_notices(self) -> None:
@@ -203,6 +213,16 @@ class Watchdog:
     def _abort(self) -> None:
         _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
         abort_job(self.abort_comm, 1)
+
+
+class NullWatchdog:
+    """The watchdog's interface, watching nothing (a library user who turned it off, k = 1)."""
+
+    @contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        yield
+
+    def close(self) -> None: ...
 
 
 def _say(msg: str) -> None:

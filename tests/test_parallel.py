@@ -20,6 +20,7 @@ from mpisgd.lars import LARS
 from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel, ReplicaError, verify_same
+from mpisgd.sharded import RankNorms
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STRATEGIES = ("mpi", "ring", "auto", "shared", "deterministic")
@@ -176,7 +177,7 @@ def test_a_rank_out_of_step_fails_fast_on_every_rank():
     comm = world()
     dp = train(comm, 8, 2)
     if comm.Get_rank() == comm.Get_size() - 1:
-        dp.step_count += 1
+        dp.restore(dp.step_count + 1, dp.skipped_steps)  # as a rank resumed from another checkpoint would
     data = synthetic(64, seed=3)
     x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
     before = dp.flat.params.copy()
@@ -221,7 +222,7 @@ def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, b
     dp = train(comm, b, steps, allreduce=allreduce, bucket_mb=bucket_mb, overlap=overlap, shard=True, **opt)
     sums = dp.replica_checksums()
     ours = dp.flat.params.copy()
-    owned = sum(hi - lo for lo, hi, _ in (bk.own for bk in dp.buckets))
+    owned = sum(hi - lo for lo, hi in dp.update.own)
     sharded, n = dp.sharded, dp.flat.size
     dp.close()
     total = comm.allreduce(owned)
@@ -246,7 +247,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
                                for layer in dp.model.layers for g in layer.grads.values())
     sums, n_buckets = dp.replica_checksums(), len(dp.buckets)
     ours, grads = dp.flat.params.copy(), dp.flat.grads.copy()
-    owned = sum(hi - lo for lo, hi, _ in (bk.own for bk in dp.buckets)) if shard else 0
+    owned = sum(hi - lo for lo, hi in dp.update.own) if shard else 0
     state = dp.buffer_nbytes()  # parameters, gradients, momentum and, sharded, this rank's gradient chunks
     dp.close()
     after_close = dp.flat.grads
@@ -267,7 +268,7 @@ def test_sharded_lars_without_the_ranks_summed_norms_differs(monkeypatch):
     """The check above can fail: ratios from each rank's own chunks of a layer, not the whole layer's."""
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
-    monkeypatch.setattr(DataParallel, "_step_shards", lambda self, lr: self.optimizer.step_shards(lr, self._shards))
+    monkeypatch.setattr(RankNorms, "squared", RankNorms.partial)  # this rank's pieces only
     dp = train(comm, b, steps, shard=True, **LARS_OPT)
     ours = dp.flat.params.copy()
     dp.close()
@@ -312,7 +313,7 @@ def test_sharded_finite_vote_reaches_every_rank():
     last = comm.Get_rank() == comm.Get_size() - 1
     before_nan = dp.grads_finite()  # collective: asserted at the end, once every rank has been through all
     if last:
-        dp._shard_grads[-1] = np.nan
+        dp.update.grads[-1] = np.nan
     votes = dp.grads_finite()
     data = synthetic(64, seed=2)
     x, y = BatchLoader(data, np, "float64").batch(np.arange(8))

@@ -1,0 +1,253 @@
+"""Set-up of a training run: every stage on every rank, in order, agreed before the next.
+
+``build_run(cfg, comm) -> Run`` checks the options across ranks, the outputs, the checkpoint
+directory, the data, the model, the resume plan and the memory, then builds the model, the
+optimizer, the data-parallel step, the batches and the schedule. A stage that can fail on some ranks
+only runs through :func:`agreed`: if it fails anywhere, every rank raises the same AgreedError, so
+rank 0 prints one line and every rank exits 2 before any training. The result is one typed
+description of the run, which the loop (mpisgd.trainer) drives and the banner (mpisgd.report) reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from mpisgd import data, preflight
+from mpisgd.agreement import ReplicaError, agree
+from mpisgd.backend import set_threads
+from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
+from mpisgd.comm import create_reducer
+from mpisgd.config import Config, UsageError
+from mpisgd.context import Context, blas_threads, init
+from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
+from mpisgd.lars import LARS
+from mpisgd.nn import Sequential, build_model
+from mpisgd.nn.models import check_output
+from mpisgd.optim import SGD
+from mpisgd.parallel import DataParallel
+from mpisgd.report import peak_rss_mib
+from mpisgd.schedule import Schedule, effective_batch
+from mpisgd.timeline import Timeline
+
+T = TypeVar("T")
+
+
+@dataclass
+class RunData:
+    train: Dataset
+    test: Dataset
+    source: str  # where it came from, for the banner
+    identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.images.shape[1:])
+
+    @property
+    def n_classes(self) -> int:
+        return int(self.identity["classes"])
+
+
+@dataclass
+class Run:
+    """What set-up decided, on this rank."""
+
+    cfg: Config
+    ctx: Context
+    places: list[tuple[str, int, int | None]]  # every rank's (host, local rank, GPU id)
+    threads: int  # BLAS threads per rank, and where that number came from
+    threads_from: str
+    data: RunData
+    model: Sequential
+    optimizer: SGD
+    dp: DataParallel
+    batches: GlobalBatches
+    schedule: Schedule
+    total_steps: int
+    train_loader: BatchLoader
+    test_loader: BatchLoader
+    timeline: Timeline
+    run_dir: RunDirectory | None  # rank 0's lock on the checkpoint directory
+    resume: ResumePlan | None  # where the run continues from, if it does
+    rss_start_mib: float  # this rank's memory before any data: the runtime's own
+    t_launch: float
+    warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
+
+    @property
+    def k(self) -> int:
+        return self.ctx.size
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx.rank == 0
+
+    @property
+    def B(self) -> int:  # noqa: N802 - the effective batch's name everywhere in the docs
+        return self.batches.global_batch
+
+
+def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective: bool = False) -> T:
+    """Run set-up stage ``what`` on every rank; if it fails anywhere, every rank fails together. The
+    agreement is watched, so a rank stuck in the stage (a blocking model factory, a slow disk) is named;
+    a ``collective`` stage (one that communicates itself) is watched whole."""
+    error: BaseException | None = None
+    result: Any = None
+    with watchdog.watching(f"set-up: {what}") if collective else contextlib.nullcontext():
+        try:
+            result = fn()
+        except (UsageError, ReplicaError) as exc:
+            error = exc
+        with contextlib.nullcontext() if collective else watchdog.watching(f"set-up: {what}"):
+            agree(comm, error)
+    return result
+
+
+def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
+    """Every set-up stage, in order (collective). ``watchdog`` watches their agreements, then the
+    training's collectives (DataParallel closes it)."""
+    t_launch = time.perf_counter()
+    wd = watchdog
+
+    def stage(what: str, fn: Callable[[], T], collective: bool = False) -> T:
+        return agreed(world, fn, wd, what, collective)
+
+    with wd.watching("set-up: finding the nodes and the device"):
+        ctx = init(world, cfg.device)  # every rank ends on one kind of device, or all raise
+    rss_start_mib = peak_rss_mib()  # the interpreter, NumPy, MPI, mpisgd and the backend: no data yet
+    is_root = ctx.rank == 0
+    stage("the options", lambda: preflight.same_options(cfg, world), collective=True)
+    stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
+    stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank))  # a path that cannot be written fails now
+    run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
+                                                                     cfg.overwrite_checkpoints)
+                    if cfg.checkpoint_dir and is_root else None)
+    threads, threads_from = blas_threads(cfg.threads, ctx.local_size)
+    if ctx.backend.device == "cpu":
+        set_threads(threads)
+    run_data = stage("loading the data", lambda: _load_data(cfg))
+    stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
+    with wd.watching("set-up: the checkpoint to resume"):
+        resume, state, warnings = _plan_resume(cfg, world, run_data.identity)
+    model = stage("building the model", lambda: _build_model(cfg, run_data))
+    if not ctx.backend.is_gpu:
+        stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
+                                                     run_data.test.images.nbytes, ctx.local_size))
+    xp = ctx.xp
+    model.materialize(xp, cfg.dtype, cfg.seed)
+    stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
+    optimizer = _optimizer(cfg, model)
+    timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
+    reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
+    with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
+        dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
+                          overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
+                          shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          check_in=False)  # the loop checks in itself, with its stop flag
+    B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
+    batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
+                                                         cfg.accum_steps))
+    spe = batches.steps_per_epoch
+    total_steps = cfg.epochs * spe if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * spe)
+    schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, total_steps))
+    with wd.watching("set-up: the rank map"):
+        places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
+    run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
+              total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
+              timeline, run_dir, resume, rss_start_mib, t_launch, warnings)
+    if resume is not None:
+        with wd.watching("set-up: restoring the checkpoint"):
+            _restore(run, state)
+    return run
+
+
+def _load_data(cfg: Config) -> RunData:
+    if cfg.dataset == "synthetic":
+        train, test, name, source = synthetic(cfg.synthetic_samples, cfg.seed), \
+            synthetic(2000, cfg.seed, split=1), "synthetic", "synthetic"
+    else:
+        train, test, name, source = load_data(cfg.data, cfg.data_dir)
+    if cfg.limit_train:
+        train = train.head(cfg.limit_train)
+    if cfg.limit_test:
+        test = test.head(cfg.limit_test)
+    classes = data.validate(train, test)
+    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes})
+
+
+def _build_model(cfg: Config, run_data: RunData) -> Sequential:
+    try:
+        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunData) -> None:
+    try:
+        check_output(model, xp, run_data.in_shape, run_data.n_classes, cfg.dtype)
+    except ValueError as exc:
+        raise UsageError(f"--model {cfg.model}: {exc}") from None
+
+
+def _optimizer(cfg: Config, model: Sequential) -> SGD:
+    if cfg.optimizer == "lars":
+        return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
+                    cfg.trust_coef)
+    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+
+
+def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
+    try:
+        return create_reducer(cfg.allreduce, world, deterministic=cfg.deterministic, device=ctx.backend.is_gpu,
+                              cuda_aware=cfg.cuda_aware)
+    except ValueError as exc:  # a strategy that cannot run here: every rank finds it alike
+        raise UsageError(str(exc)) from None
+
+
+def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None,
+                                                                          list[str]]:
+    """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
+    and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
+    itself (rank 0's) is loaded into the model once it exists (_restore)."""
+    plan, state, warnings, error = None, None, [], None
+    if world.Get_rank() == 0 and cfg.resume != "no":
+        try:
+            state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+            if state is not None:
+                plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
+                                   world.Get_size(), identity)
+        except CheckpointError as exc:
+            error = exc
+    agree(world, error)
+    plan = world.bcast(plan, root=0)
+    if plan is not None:
+        cfg.batch_size, cfg.accum_steps = plan.batch_size, plan.accum_steps
+    elif cfg.resume != "no":
+        warnings.append(f"resume: no usable checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+    return plan, state, [f"warning: {w}" for w in warnings]
+
+
+def _restore(run: Run, state: TrainState | None) -> None:
+    """Continue from the planned checkpoint: rank 0 loads it, every rank takes rank 0's copy."""
+    plan, model, optimizer = run.resume, run.model, run.optimizer
+    assert plan is not None
+    error = None
+    if run.is_root:
+        assert state is not None
+        if state.params.size != model.flat.size:
+            error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has "
+                                    f"{model.flat.size}")
+        else:
+            model.flat.params[...] = run.ctx.xp.asarray(state.params)
+    agree(run.ctx.comm, error)
+    # rank 0's momentum (the others' is broadcast next), every rank's rate of the last step
+    optimizer.load_state(state.velocity if state is not None else None, plan.prev_lr)
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
+    run.dp.restore(plan.global_step, plan.skipped_steps)
