@@ -1,7 +1,10 @@
 """Where one training step's time goes, on one rank (no MPI), and how close its GEMMs run to the BLAS.
 
-    OMP_NUM_THREADS=1 python benchmarks/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
-    OMP_NUM_THREADS=1 python benchmarks/profile_step.py --model cnn [--lines 15]
+The experiment behind docs/benchmarks.md ("Where a step's time goes (one rank)"); its runs are in
+results/throughput/profile-*.txt and results/cnn/profile-*.txt.
+
+    OMP_NUM_THREADS=1 python experiments/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
+    OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15]
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
 finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
