@@ -18,7 +18,7 @@ from conftest import ROOT, clean_env, run_mpi
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_bw  # noqa: E402
 
-# scripts/test.sh also runs this file on every rank under mpiexec: what starts its own processes runs once
+# under mpiexec without -m mpi every rank would collect these: what starts its own processes runs once
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 
