@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 # MPICH 5's hydra can tear down a rank's stdio forwarding as soon as it hears of MPI_Abort, dropping
-# the lines the rank wrote just before (seen about 1 in 12 aborts on a loaded 2-core machine). A short
-# pause lets the launcher forward them first; it costs nothing on the normal path.
+# the lines the rank wrote just before (docs/failures.md, "A rank that raises, disappears or stalls").
+# A short pause lets the launcher forward them first; it costs nothing on the normal path.
 GRACE_S = 1.0
 # The last resort: a rank whose MPI_Abort has not ended it by then kills itself. The launcher
 # (hydra, Open MPI's prterun, srun) sees a rank die by a signal and ends the others, so a stuck

@@ -1,13 +1,12 @@
 """BLAS level 1 for the optimizer's whole-buffer updates, from the BLAS that NumPy itself loaded.
 
 NumPy has no axpy: ``w -= lr * v`` is two passes over the buffer (the product into a temporary, then
-the subtraction), and ``v = mu * v + g`` two more. BLAS does each in one pass: on the reference
-model's 7.1 MiB buffers the momentum step takes about half the time, and ``asum`` checks a gradient
-for NaN and Inf in a quarter of ``sum``'s (docs/benchmarks.md). No new dependency: the routines are
-looked up in the library NumPy already mapped (the wheel's scipy-openblas, or a system OpenBLAS, MKL
-or reference BLAS), checked once on a small case, and NumPy's ufuncs are used whenever something is
-missing or disagrees, and for every array that is not a contiguous float32/float64 NumPy array
-(CuPy arrays included).
+the subtraction), and ``v = mu * v + g`` two more. BLAS does each in one pass, and ``asum`` checks a
+gradient for NaN and Inf faster than ``sum`` (what that saves: docs/benchmarks.md, "Where a step's
+time goes"). No new dependency: the routines are looked up in the library NumPy already mapped (the
+wheel's scipy-openblas, or a system OpenBLAS, MKL or reference BLAS), checked once on a small case,
+and NumPy's ufuncs are used whenever something is missing or disagrees, and for every array that is
+not a contiguous float32/float64 NumPy array (CuPy arrays included).
 
 Results may differ from the ufuncs in the last bit (BLAS fuses the multiply-add); every rank runs
 the same library, so replicas stay identical.
@@ -113,8 +112,8 @@ def _agrees(l1: Level1, dtype: np.dtype) -> bool:
 
 def all_finite(x: Any, xp: Any = np) -> bool:
     """Whether x (an array of module ``xp``) holds no NaN and no Inf: one cheap pass (BLAS asum where
-    it can, a quarter of ``sum``'s time), and the exact test only when that pass is not finite, since
-    huge finite values overflow it too."""
+    it can, else ``sum``), and the exact test only when that pass is not finite, since huge finite
+    values overflow it too."""
     b = level1_for(x)
     total = b.asum(x) if b is not None else float(x.sum())
     return bool(np.isfinite(total)) or bool(xp.isfinite(x).all())

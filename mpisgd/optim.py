@@ -64,8 +64,8 @@ class SGD:
     Corner case: if eta_{t-1} was 0 then V = 0 and the old velocity is lost in that form.
 
     The step allocates nothing. On contiguous NumPy float buffers each line above is one
-    BLAS axpy/axpby pass (mpisgd.blas; about half the time of the ufuncs, last-bit
-    differences only); otherwise the ufuncs run, with one preallocated temporary for
+    BLAS axpy/axpby pass (mpisgd.blas; last-bit differences from the ufuncs only);
+    otherwise the ufuncs run, with one preallocated temporary for
     eta*v (or eta*d). ``level1=False`` forces the ufuncs. Weight decay is added into the
     gradient buffer in place (the next backward overwrites it), so after ``step`` the
     grads hold d, not g.

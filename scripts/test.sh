@@ -25,6 +25,6 @@ for n in 2 3; do
   run "mpi$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
       -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
 done
-run lint ruff check mpisgd tests benchmarks scripts examples
+run lint ruff check mpisgd tests benchmarks experiments scripts examples
 "$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml || status=1
 exit $status

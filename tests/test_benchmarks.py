@@ -1,5 +1,6 @@
-"""The benchmark scripts: each one's helpers, and a quick real run that checks what it prints and writes
-(the large-batch sweep, training throughput, all-reduce bandwidth, the step profile)."""
+"""The benchmarks users run (benchmarks/): each one's helpers, and a quick real run that checks what it
+prints and writes (training throughput with its baselines, all-reduce bandwidth). The experiments behind
+the docs are tested in test_experiments.py."""
 
 from __future__ import annotations
 
@@ -12,69 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, is_png, run_mpi
+from conftest import ROOT, clean_env, run_mpi
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_bw  # noqa: E402
 
-# scripts/test.sh also runs this file on every rank under mpiexec: what starts its own processes runs once
+# under mpiexec without -m mpi every rank would collect these: what starts its own processes runs once
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import large_batch
-    finally:
-        sys.path.pop(0)
-    return large_batch
-
-
-def test_large_batch_split_keeps_micro_batch_bounded():
-    lb = _bench()
-    assert lb.split_batch(64, 2, 512) == (32, 1)
-    assert lb.split_batch(8192, 2, 512) == (512, 8)
-    with pytest.raises(ValueError):
-        lb.split_batch(63, 2, 512)
-
-
-def test_large_batch_report_writer(tmp_path):
-    lb = _bench()
-    recs = [{"batch": B, "recipe": r, "ranks": 2, "micro_batch": min(B // 2, 512), "accum_steps": max(1, B // 1024),
-             "command": f"cmd {B} {r}", "epochs_budget": 2, "epochs_done": 0 if div else 2,
-             "test_acc": [] if div else [0.8, 0.85], "steps": 10, "diverged": div,
-             "diverged_at_step": 3 if div else None, "wall_s": 1.0}
-            for B in (64, 2048) for r, div in (("none", False), ("linear", B == 2048))]
-    for rec in recs:
-        rec["command"] += " --lr-scaling none --lr 0.1" if rec["recipe"] == "none" else " --lr-scaling linear --lr 0.1"
-    lars = {**recs[0], "recipe": "lars+warmup", "test_acc": [0.8, 0.88],
-            "command": "cmd --seed 3 --optimizer lars --lr-scaling sqrt --trust-coef 0.01 --lr 2.0 --warmup-epochs 1.0"}
-    lb.write_report([*recs, lars], tmp_path, "test")
-    table = (tmp_path / "large_batch.md").read_text()
-    assert "| 2048 | linear | linear | 0.1 | - | 0 | 0 | 2x512x2 | 90.0 | 90.0 | 0/2 | 3 | 1.0 | diverged at step 3 |" \
-        in table
-    assert "| 64 | none | none | 0.1 | - | 0 | 0 | 2x32x1 | 15.0 | 15.0 | 2/2 |" in table
-    assert "| 64 | lars+warmup | sqrt | 2.0 | 0.01 | 1.0 | 3 | 2x32x1 | 12.0 | 12.0 | 2/2 |" in table
-    assert is_png(tmp_path / "large_batch.png") and (tmp_path / "large_batch.csv").exists()
-
-
-def test_large_batch_quick_run(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64,1024",
-                        "--recipes", "none,linear+warmup,lars+warmup", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
-    assert r.returncode == 0, r.stderr + r.stdout
-    data = json.loads((tmp_path / "large_batch.json").read_text())
-    assert {(x["batch"], x["recipe"]) for x in data["runs"]} == {(b, r) for b in (64, 1024)
-                                                                  for r in ("none", "linear+warmup", "lars+warmup")}
-    assert all("--optimizer lars --lr-scaling sqrt --trust-coef 0.1 --lr 0.014142" in x["command"]
-               for x in data["runs"] if x["recipe"] == "lars+warmup")
-    assert all(len(x["test_acc"]) == 2 for x in data["runs"])
-    assert is_png(tmp_path / "large_batch.png")
-    again = subprocess.run([sys.executable, "benchmarks/large_batch.py", "--quick", "--batches", "64",
-                            "--recipes", "none", "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
-    assert "skipped" in again.stdout  # finished points are not rerun
 
 
 def test_throughput_ratios_are_paired_within_a_repeat():
@@ -167,19 +113,6 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
 
 
-@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
-def test_profile_step_reports_phases_gemm_efficiency_and_spread():
-    r = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--hidden", "64", "--steps", "40"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
-    assert r.returncode == 0, r.stderr
-    phases = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")}
-    assert {"data", "forward", "backward", "optimizer"} <= phases
-    eff = float(r.stdout.split("GEMM efficiency ")[1].split()[0])
-    assert 0 < eff < 2
-    spread = r.stdout.split("spread from pass to pass (sd): GEMMs alone ")[1]
-    assert float(spread.split(" ms")[0]) > 0 and "forward+backward" in spread
-
-
 @pytest.mark.parametrize("text,nbytes", [("4", 4), ("64K", 65536), ("256M", 256 << 20), ("1GiB", 1 << 30),
                                          ("2kb", 2048)])
 def test_allreduce_bw_sizes_parse(text, nbytes):
@@ -235,13 +168,3 @@ def test_allreduce_bw_exits_non_zero_on_a_wrong_result(tmp_path):
     assert "ERROR" in res.stdout
 
 
-def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/straggler.py", "--ks", "2", "--delays-ms", "0,10",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    rows = json.loads((tmp_path / "straggler.json").read_text())["rows"]
-    slow = next(x for x in rows if x["delay_ms"] == 10)
-    fast = next(x for x in rows if x["delay_ms"] == 0)
-    assert slow["slowest_rank"] == 1 and slow["wait_caused_ms"][1] > 7
-    assert min(slow["rank_step_ms"]) > min(fast["rank_step_ms"]) + 5  # every rank's step grew
-    assert is_png(tmp_path / "straggler.png") and "| one host | 2 | 10 |" in (tmp_path / "straggler.md").read_text()

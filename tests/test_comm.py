@@ -20,8 +20,8 @@ from mpisgd.comm import STRATEGIES, create_reducer
 from mpisgd.comm.base import InOrder, ScratchPool, add_in_rank_order, chunk_bounds, chunk_counts, flat_view
 from mpisgd.comm.mpi import mpi_sum_type
 
-# scripts/test.sh also runs this file on every rank under mpiexec (pytest-mpi's --with-mpi keeps unmarked
-# tests): the tests that start their own processes run once, in the serial pass.
+# Under mpiexec with --with-mpi but without -m mpi, pytest-mpi runs the unmarked tests on every rank too:
+# the tests that start their own processes run once, in the serial pass.
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 own_processes = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 CPU_STRATEGIES = [s for s in STRATEGIES if s != "nccl"]
@@ -102,7 +102,8 @@ def test_one_rank_is_a_no_op_for_every_cpu_strategy(name, deterministic):
     out = np.zeros_like(x)
     red.allreduce(x, out)
     h = red.start(x)
-    assert h.test() or h.wait() is None
+    h.wait()
+    assert h.test()  # complete once waited for
     red.close()
     assert np.array_equal(x, np.arange(10, dtype="float32") * 0.5)
     assert np.array_equal(out, x)

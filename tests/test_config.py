@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+from typing import Any
+
 import pytest
 
 from mpisgd.config import Config, UsageError, parse_config
@@ -43,9 +47,32 @@ def test_bad_values_raise_usage_error(argv, match):
         parse_config(argv, quiet=True)
 
 
-def test_digest_changes_with_any_field():
+def changed(f: dataclasses.Field) -> Any:
+    """A value of field f's type other than its default."""
+    default, choices = f.default, f.metadata.get("choices")
+    if choices:
+        return next(c for c in choices if c != default)
+    if default is None:  # an optional field: a value of its other type
+        return {"int | None": 1, "str | None": "changed"}[f.type]
+    for kind, change in ((bool, operator.not_), (int, lambda v: v + 1), (float, lambda v: v + 0.5),
+                         (str, lambda v: v + "-changed"), (tuple, lambda v: (*v, 7))):
+        if isinstance(default, kind):
+            return change(default)
+    raise AssertionError(f"no changed value for {f.name}: {f.type}")
+
+
+def test_digest_is_a_function_of_the_values():
     assert Config().digest() == Config().digest()
-    assert Config().digest() != Config(batch_size=64).digest()
+    assert Config(batch_size=64).digest() == parse_config(["--batch-size", "64"], quiet=True).digest()
+
+
+@pytest.mark.parametrize("f", dataclasses.fields(Config), ids=lambda f: f.name)
+def test_digest_changes_with_any_field(f):
+    value = changed(f)
+    assert type(value).__name__ in f.type and value != f.default  # a value of the field's type
+    other = dataclasses.replace(Config(), **{f.name: value})
+    assert other.digest() != Config().digest()
+    assert other.digest(exclude=(f.name,)) == Config().digest(exclude=(f.name,))  # through that field only
 
 
 def test_cnn_takes_its_own_recipe_where_the_command_line_is_silent():

@@ -10,9 +10,10 @@ Every ```sh block in README.md and docs/*.md carries a marker on the line before
 
 In a block, a line starting with "$ " is a command and the lines after it, up to the next command, are
 what its output must contain (each line a substring); other lines that start with python, mpiexec or
-bash are commands whose output is not checked. Lines starting with # are comments; a command ending in
-"# exit N" must exit with N (0 otherwise). A block without a marker fails the test, so no command can go
-untested silently.
+bash (after any VAR=value words, which set its environment) are commands whose output is not checked.
+Lines starting with # are comments; a command ending in "# exit N" must exit with N (0 otherwise). A
+block without a marker fails the test, and so does a block marked to run in which no command is found,
+so no command can go untested silently.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from conftest import ONE_THREAD, ROOT, mpiexec_cmd
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"<!--\s*test:\s*(run with:\s*(?P<args>.*?)|run|skip:\s*(?P<why>.*?))\s*-->")
-COMMAND = re.compile(r"^(python3?|mpiexec|bash)\b")
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(python3?|mpiexec|bash)\b")  # after VAR=value words
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 
@@ -65,17 +67,21 @@ def commands(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def runnable(cmd: str, extra: str) -> list[str]:
-    """The command with this interpreter for python, this launcher for mpiexec, and ``extra`` appended
-    to a python command."""
+def runnable(cmd: str, extra: str) -> tuple[dict[str, str], list[str]]:
+    """The environment its leading VAR=value words set, and the command with this interpreter for python,
+    this launcher for mpiexec, and ``extra`` appended to a python command."""
     words = shlex.split(cmd.split(" #", maxsplit=1)[0])
+    env = {}
+    while ENV_ASSIGNMENT.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
     if words[0] == "mpiexec":
         n = int(words[words.index("-n") + 1])
         rest = words[words.index("-n") + 2:]
         words = mpiexec_cmd(n, *rest[1:]) if rest[0].startswith("python") else [*mpiexec_cmd(n)[:-1], *rest]
     elif words[0].startswith("python"):
         words = [sys.executable, *words[1:]]
-    return words + (shlex.split(extra) if extra and sys.executable in words else [])
+    return env, words + (shlex.split(extra) if extra and sys.executable in words else [])
 
 
 ALL = blocks()
@@ -93,9 +99,12 @@ def test_doc_commands_run_and_print_what_the_doc_shows(where, marker, text, tmp_
     extra = (m.group("args") or "") if m else ""
     env = {**os.environ, **ONE_THREAD, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PYTHONPATH": str(ROOT)}
-    for cmd, expected in commands(text):
+    found = commands(text)
+    assert found, f"{where}: a block marked to run holds no command this test recognises"
+    for cmd, expected in found:
         code = re.search(r"#\s*exit (\d+)", cmd)  # a command the doc shows failing: "... # exit 1"
-        r = subprocess.run(runnable(cmd, extra), capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        own_env, argv = runnable(cmd, extra)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**env, **own_env})
         shown = r.stdout + r.stderr
         want = int(code.group(1)) if code else 0
         assert r.returncode == want, f"{where}: {cmd!r} exit {r.returncode}, not {want}\n{shown[-3000:]}"
@@ -107,3 +116,36 @@ def test_skipped_blocks_say_why():
     vague = [where for where, marker, _ in ALL if marker and "skip:" in marker and len(MARK.search(marker)
                                                                                          .group("why")) < 15]
     assert not vague, f"skipped blocks need a reason (and the test that covers them): {vague}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+PAGES = [*DOCS, *sorted((ROOT / "results").rglob("*.md"))]
+
+
+def anchors(page) -> set[str]:
+    """The #fragments of a page's headings, as GitHub makes them (lower case, punctuation dropped,
+    spaces to hyphens)."""
+    found, in_code = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            found.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_links_between_pages_resolve():
+    """Every relative link in README.md, docs/ and results/ names a file that exists, and a #fragment
+    into a page names one of its headings (files move: docs must follow)."""
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)

@@ -27,7 +27,8 @@ def numeric_grad(f, x: np.ndarray) -> np.ndarray:
 
 
 def check_layer(layer, x: np.ndarray, seed: int = 0) -> None:
-    """Compare analytic d(sum(y * r))/dx and /dparams with finite differences."""
+    """Compare analytic d(sum(y * r))/dx and /dparams with finite differences; the parameters and
+    gradients are views of the model's flat buffers."""
     model = Sequential(layer).materialize(np, "float64", seed)
     y = layer.forward(x)
     r = np.random.default_rng(seed + 1).standard_normal(y.shape)
@@ -43,7 +44,11 @@ def check_layer(layer, x: np.ndarray, seed: int = 0) -> None:
     for name, p in layer.params.items():
         np.testing.assert_allclose(grads[name], numeric_grad(objective, p), rtol=1e-5, atol=1e-7,
                                    err_msg=f"gradient of {name}")
-    assert model.flat is not None
+    # what DataParallel reduces: backward wrote these gradients into the model's flat buffer, in order
+    names = [name for name, _ in layer.param_shapes]
+    in_order = [grads[name].reshape(-1) for name in names]
+    np.testing.assert_array_equal(model.flat.grads, np.concatenate(in_order) if names else np.zeros(0))
+    assert all(np.shares_memory(layer.params[name], model.flat.params) for name in names)
 
 
 def test_linear_grad():

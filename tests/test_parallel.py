@@ -149,8 +149,12 @@ def test_different_models_are_refused_on_every_rank():
         DataParallel(model, SGD(model.flat), comm)
 
 
-def test_verify_same_passes_on_equal_values():
-    verify_same(world(), "same", "a value")
+def test_verify_same_passes_on_equal_values_and_names_the_odd_rank():
+    comm = world()
+    odd = comm.Get_size() - 1
+    verify_same(comm, "same", "a value")  # equal everywhere: returns on every rank
+    with pytest.raises(ReplicaError, match=rf"a value differs on rank\(s\) \[{odd}\]"):
+        verify_same(comm, "odd" if comm.Get_rank() == odd else "same", "a value")  # raised on every rank
 
 
 def test_nonfinite_gradient_stops_every_rank_together():
@@ -258,7 +262,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     assert arena.win is None and not dp.shared_grads
     assert in_arena and layer_grads_in_arena  # the layers write their gradients there, not a stale copy
     assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
-    assert n_buckets > 1 or bucket_mb > 1
+    assert (n_buckets > 1) == (bucket_mb < 1)  # this model fits in one 25 MiB bucket, not in 0.5 KiB ones
     np.testing.assert_array_equal(after_close, grads)  # private again, same values
     assert state == 3 * dp.flat.nbytes + owned * dp.flat.dtype.itemsize
     assert not off_shared  # shared_grads=False keeps them private

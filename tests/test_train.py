@@ -15,6 +15,13 @@ SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", 
          "--hidden", "32,16", "--progress", "off", "--lr", "0.05", "--base-batch", "48", "--weight-decay", "1e-4"]
 
 
+def mpi_library_name() -> str:
+    """The MPI library's name as mpi4py reports it: "MPICH", "Open MPI", ..."""
+    from mpi4py import MPI
+
+    return MPI.get_vendor()[0]
+
+
 def train_params(tmp_path: Path, k: int, b: int, *extra: str, steps: int = 10) -> np.ndarray:
     out = tmp_path / f"k{k}_b{b}_{abs(hash(extra))}.npz"
     r = run_mpi(k, *SYNTH, "--batch-size", str(b), "--max-steps", str(steps), "--save-model", str(out), *extra)
@@ -83,7 +90,7 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     lr = "lr: 0.1 for B0=256" if model == "mlp" else "lr: 0.02 for B0=256"  # the CNN's own default recipe
-    for needle in ("MPICH", "k=2 rank(s) on 1 node(s)", "device: cpu, NumPy", "B=128 |", lr,
+    for needle in (mpi_library_name(), "k=2 rank(s) on 1 node(s)", "device: cpu, NumPy", "B=128 |", lr,
                    ": ranks 0-1", "all-reduce: node-shared buffer on this node", "final test accuracy", "wall time"):
         assert needle in out, f"{needle!r} missing from:\n{out}"
     assert out.count("final test accuracy") == 1  # rank 0 only

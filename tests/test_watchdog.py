@@ -1,8 +1,8 @@
 """The stall watchdog: it names the ranks that have not reached a collective, and aborts when asked.
 
 Serial tests launch a small MPI script where one rank sleeps before an
-all-reduce; MPI tests check the quiet path (no report, cheap enter/exit, the
-duplicate communicator freed).
+all-reduce; MPI tests check the quiet path (no report, the duplicate
+communicator freed).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_timeout_must_be_positive() -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_no_report_without_stall_and_cheap_enter_exit(capfd: pytest.CaptureFixture[str]) -> None:
+def test_no_report_without_stall_and_the_duplicate_freed(capfd: pytest.CaptureFixture[str]) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -167,18 +167,14 @@ def test_no_report_without_stall_and_cheap_enter_exit(capfd: pytest.CaptureFixtu
     comm = MPI.COMM_WORLD
     wd = Watchdog(comm, timeout_s=30.0)
     assert wd.comm != comm  # a duplicate
-    buf = np.ones(10)
-    overhead = 0.0
-    n = 200
-    for i in range(n):
-        t0 = time.perf_counter()
+    summed = 0.0
+    for i in range(200):
+        buf = np.ones(10)
         wd.enter(f"all-reduce {i}")
-        overhead += time.perf_counter() - t0
         comm.Allreduce(MPI.IN_PLACE, buf)
-        t0 = time.perf_counter()
         wd.exit()
-        overhead += time.perf_counter() - t0
+        summed += buf.sum()
     wd.close()
     assert wd.comm == MPI.COMM_NULL  # freed
     assert "stall" not in capfd.readouterr().err
-    assert overhead / n < 200e-6, f"enter+exit cost {1e6 * overhead / n:.0f} us"
+    assert summed == 200 * 10 * comm.Get_size()  # every all-reduce completed

@@ -222,7 +222,8 @@ class Reducer(ABC):
 
     def start_allgather(self, buf: Array, counts: list[int]) -> Handle:
         """In place: every rank's chunk (``counts`` elements each, rank order) of ``buf`` to every rank:
-        ``MPI_Iallgatherv`` on bytes (any dtype; in MPICH faster than the blocking call, even waited at once)."""
+        ``MPI_Iallgatherv`` on bytes (any dtype), non-blocking even when waited for at once (why: docs/concepts.md,
+        "The sharded optimizer step")."""
         if self.size == 1:
             return Done()
         nbytes = [c * buf.itemsize for c in counts]

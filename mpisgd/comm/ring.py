@@ -27,7 +27,8 @@ from mpi4py import MPI
 from mpisgd.backend import sync, xp_of
 from mpisgd.comm.base import Array, Done, Handle, Reducer, ScratchPool, chunk_bounds, flat_view
 
-SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise ~10 us of Python per message
+# The ring's slices (why these sizes: docs/allreduce.md, "How the ring works")
+SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise Python's cost per message
 MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that they still pipeline
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment

@@ -1,6 +1,9 @@
 """Every synchronous step waits for the slowest worker: a delay injected into one rank's compute.
 
-    python benchmarks/straggler.py [--ks 2,3] [--delays-ms 0,2,5,10,20] [--cluster] [--out results/straggler]
+The experiment behind docs/concepts.md ("Every synchronous step waits for the slowest rank"); its runs
+are in results/straggler/.
+
+    python experiments/straggler.py [--ks 2,3] [--delays-ms 0,2,5,10,20] [--cluster] [--out results/straggler]
 
 For each k and delay, one rank (the last) sleeps that long before every step's compute
 ($MPISGD_DELAY_RANK, a switch for this experiment only) in `mpiexec -n k python -m mpisgd.train` on
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cluster:
             for d in delays:
                 rows.append(row("2 emulated hosts", 2, d, run_cluster(d, Path(tmp))))
-    write(rows, args.out, "python benchmarks/straggler.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    write(rows, args.out, "python experiments/straggler.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     wrong = [r for r in rows if r["delay_ms"] >= 5 and r["slowest_rank"] != r["slowed_rank"]]
     return 1 if wrong else 0
 

@@ -1,7 +1,10 @@
 """Where one training step's time goes, on one rank (no MPI), and how close its GEMMs run to the BLAS.
 
-    OMP_NUM_THREADS=1 python benchmarks/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
-    OMP_NUM_THREADS=1 python benchmarks/profile_step.py --model cnn [--lines 15]
+The experiment behind docs/benchmarks.md ("Where a step's time goes (one rank)"); its runs are in
+results/throughput/profile-*.txt and results/cnn/profile-*.txt.
+
+    OMP_NUM_THREADS=1 python experiments/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
+    OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15]
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
 finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
@@ -34,6 +37,8 @@ from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, load_fash
 from mpisgd.nn import SoftmaxCrossEntropy, build_model
 from mpisgd.optim import SGD
 
+WARMUP_STEPS = 20  # untimed steps before the medians
+
 
 def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]:
     """The step's GEMMs as (a, b, out) operands, and their FLOPs: forward y = x W, backward
@@ -62,6 +67,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be > {WARMUP_STEPS} (the warm-up steps, not timed), got {args.steps}")
     threadpool_limits(args.threads)
     train, _, _ = load_fashion_mnist(None)
     b = args.batch_size
@@ -94,8 +101,8 @@ def main() -> None:
     for step in range(args.steps):
         ms = timed_step(step)
         if layer_ms:
-            layer_ms.end_step(keep=step >= 20)
-        if step >= 20:  # warm-up
+            layer_ms.end_step(keep=step >= WARMUP_STEPS)
+        if step >= WARMUP_STEPS:
             for name, v in zip(names, ms):
                 phases[name].append(v)
     med = {k: statistics.median(v) for k, v in phases.items()}

@@ -1,5 +1,7 @@
 """Test error against effective batch size for learning-rate recipes (Goyal et al. 2017, Fig. 1) and LARS.
 
+The experiment behind docs/large_batch.md; its runs are in results/large_batch/.
+
 Every point is one real training run, ``mpiexec -n K python -m mpisgd.train ...
 --metrics-file``, run sequentially. For each effective batch B = k*b*m
 (k ranks, per-rank micro-batch b <= --max-micro, m accumulation steps):
@@ -22,9 +24,9 @@ wall time), large_batch.md and large_batch.csv (the table) and large_batch.png
 (test error against B, log2 axis, one line per recipe). Points already in the
 JSON with the same command are not rerun (delete the file or pass --force).
 
-    python benchmarks/large_batch.py                       # the full sweep (~30-45 min on 2 cores)
-    python benchmarks/large_batch.py --quick               # smoke run: synthetic data, tiny budget
-    python benchmarks/large_batch.py --report-only         # rewrite table and plot from the JSON
+    python experiments/large_batch.py                       # the full sweep (~30-45 min on 2 cores)
+    python experiments/large_batch.py --quick               # smoke run: synthetic data, tiny budget
+    python experiments/large_batch.py --report-only         # rewrite table and plot from the JSON
 """
 
 from __future__ import annotations

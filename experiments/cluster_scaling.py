@@ -1,6 +1,8 @@
 """Scaling over an emulated cluster (2 hosts in network namespaces, scripts/cluster/netcluster.py).
 
-    python benchmarks/cluster_scaling.py [--quick] [--repeats 2] [--out results/cluster]   (as root)
+The experiment behind docs/cluster.md ("Scaling over the emulated cluster"); its runs are in results/cluster/.
+
+    python experiments/cluster_scaling.py [--quick] [--repeats 2] [--out results/cluster]   (as root)
 
 What it measures, on 2 emulated hosts whose links are unlimited, 10 Gbit/s or 1 Gbit/s (tbf):
   * training throughput of the MLP (hidden W,W; W = 256, 1024, 4096; float32, b = 64 per rank)
@@ -259,7 +261,7 @@ def experiment(quick: bool, out: Path, repeats: int) -> dict:
                               f"of {r['step_ms']:.1f} ms", flush=True)
     result = {
         "machine": f"{os.cpu_count()} CPU core(s), shared; emulated hosts are namespaces of one kernel",
-        "command": "python benchmarks/cluster_scaling.py" + (" --quick" if quick else "") + f" --repeats {repeats}",
+        "command": "python experiments/cluster_scaling.py" + (" --quick" if quick else "") + f" --repeats {repeats}",
         "repeats": repeats, "batch_per_rank": BATCH, "dtype": "float32", "steps_measured": STEPS_PER_EPOCH,
         "rows": rows, "probes": probes, "wall_s": time.monotonic() - t_start,
     }
