@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import is_device_array, to_numpy
+from mpisgd.comm.base import byte_spec
 
 
 class AgreedError(Exception):
@@ -93,7 +94,7 @@ def bcast_(comm: Any, arr: Any, root: int = 0) -> None:
     a host copy, so no CUDA-aware MPI is needed (start-up and resume only)."""
     if is_device_array(arr):
         host = np.ascontiguousarray(to_numpy(arr))  # a copy after the kernels that wrote arr
-        comm.Bcast(host.reshape(-1).view(np.uint8), root=root)
+        comm.Bcast(byte_spec(host), root=root)
         arr.set(host)
     else:
-        comm.Bcast(arr.reshape(-1).view(np.uint8), root=root)
+        comm.Bcast(byte_spec(arr), root=root)

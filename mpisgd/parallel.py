@@ -257,8 +257,8 @@ class DataParallel:
     def check_in_step(self, stop: bool = False) -> bool:
         """Collective, once per step before any bucket: every rank must be at the same step with the same
         buffers, and at a check-in (not in another collective). A rank out of step is named on every rank
-        instead of reducing the wrong data or hanging in a mismatched bucket (one 48-byte Allgather: a few
-        microseconds). Returns whether any rank passed ``stop`` (a SIGTERM to stop at this step)."""
+        instead of reducing the wrong data or hanging in a mismatched bucket (one 48-byte Allgather).
+        Returns whether any rank passed ``stop`` (a SIGTERM to stop at this step)."""
         if self.k == 1:
             return stop
         mine = np.array([CHECK_IN, self.step_count, self.flat.size, self.flat.dtype.itemsize, len(self.buckets),

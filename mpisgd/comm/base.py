@@ -45,6 +45,18 @@ class RequestHandle:
         self.req.Wait()
 
 
+def byte_spec(buf: Array, counts: list[int] | None = None, displs: list[int] | None = None) -> list[Any]:
+    """A contiguous array as raw bytes for the MPI calls that move data without reducing it (any dtype,
+    NumPy or CuPy): ``[bytes, MPI.BYTE]``, or with ``counts`` and ``displs`` given in elements of ``buf``,
+    ``[bytes, byte counts, byte displacements, MPI.BYTE]`` (the v-collectives)."""
+    raw = buf.reshape(-1).view(np.uint8)
+    if counts is None:
+        return [raw, MPI.BYTE]
+    size = buf.itemsize
+    displs = displs if displs is not None else [sum(counts[:c]) for c in range(len(counts))]
+    return [raw, [c * size for c in counts], [d * size for d in displs], MPI.BYTE]
+
+
 def flat_view(buf: Array, what: str = "buffer") -> Array:
     """``buf`` as a 1-D view (never a copy: a reduction into a copy would be lost)."""
     if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
@@ -226,10 +238,7 @@ class Reducer(ABC):
         "The sharded optimizer step")."""
         if self.size == 1:
             return Done()
-        nbytes = [c * buf.itemsize for c in counts]
-        displs = [sum(nbytes[:c]) for c in range(len(nbytes))]
-        raw = buf.reshape(-1).view(np.uint8)
-        return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, [raw, nbytes, displs, MPI.BYTE]))
+        return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, byte_spec(buf, counts)))
 
     def shared_buffer(self, n: int, dtype: Any) -> Array | None:
         """A buffer of n elements that this reducer reduces faster than private memory (node-shared

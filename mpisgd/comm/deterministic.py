@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpisgd.backend import sync, xp_of
@@ -27,16 +26,11 @@ from mpisgd.comm.base import (
     Reducer,
     ScratchPool,
     add_in_rank_order,
+    byte_spec,
     check_chunks,
     chunk_counts,
     flat_view,
 )
-
-
-def _raw(buf: Array, counts: list[int], displs: list[int]) -> list[Any]:
-    """A byte-typed buffer spec with counts and displacements given in elements of ``buf``."""
-    size = buf.itemsize
-    return [buf.reshape(-1).view(np.uint8), [c * size for c in counts], [d * size for d in displs], MPI.BYTE]
 
 
 class DeterministicOp:
@@ -65,9 +59,9 @@ class DeterministicOp:
         (waiting for it when ``block``)."""
         if self.req is None:
             r = self.red.rank
-            recv = _raw(self.rows, [self.counts[r]] * self.red.size,
+            recv = byte_spec(self.rows, [self.counts[r]] * self.red.size,
                         [p * self.counts[r] for p in range(self.red.size)])
-            self.req = self.red.comm.Ialltoallv(_raw(self.buf, self.counts, self.displs), recv)
+            self.req = self.red.comm.Ialltoallv(byte_spec(self.buf, self.counts, self.displs), recv)
         if block:
             self.req.Wait()
         return block or bool(self.req.Test())
@@ -79,7 +73,7 @@ class DeterministicOp:
         self.summed = True
         if self.gather:
             sync(self.out)
-            self.req = self.red.comm.Iallgatherv(MPI.IN_PLACE, _raw(self.buf, self.counts, self.displs))
+            self.req = self.red.comm.Iallgatherv(MPI.IN_PLACE, byte_spec(self.buf, self.counts, self.displs))
 
     def test(self) -> bool:
         self.red.order.pump()

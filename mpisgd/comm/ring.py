@@ -21,11 +21,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpisgd.backend import sync, xp_of
-from mpisgd.comm.base import Array, Done, Handle, Reducer, ScratchPool, chunk_bounds, flat_view
+from mpisgd.comm.base import Array, Done, Handle, Reducer, ScratchPool, byte_spec, chunk_bounds, flat_view
 
 # The ring's slices (why these sizes: docs/allreduce.md, "How the ring works")
 SEGMENT_BYTES = 4 << 20  # most bytes per chunk per slice: large, to amortise Python's cost per message
@@ -33,11 +32,6 @@ MIN_SEGMENT_BYTES = 1 << 20  # ... but smaller for mid-size buffers, so that the
 PIPELINE_SLICES = 4  # ... aiming at this many slices per buffer between the two bounds
 WINDOW = 8  # slices in their reduce-scatter phase at once; scratch = window * segment
 SCRATCH_CAP_BYTES = 64 << 20  # fewer slices in flight rather than more scratch
-
-
-def _bytes(a: Array) -> list[Any]:
-    """A contiguous array as raw bytes for point-to-point: the ring moves any dtype, MPI reduces none."""
-    return [a.view(np.uint8), MPI.BYTE]  # CuPy's view accepts NumPy dtypes too
 
 
 class _Tags:
@@ -100,12 +94,12 @@ class RingOp:
         return self.scratch[s * self.max_chunk:(s + 1) * self.max_chunk]
 
     def _isend(self, a: Array, dest: int, i: int, step: int) -> Any:
-        req = self.red.comm.Isend(_bytes(a), dest, self.red.tags.tag(self.base, i, step))
+        req = self.red.comm.Isend(byte_spec(a), dest, self.red.tags.tag(self.base, i, step))
         self.sends.append(req)
         return req
 
     def _irecv(self, a: Array, source: int, i: int, step: int) -> Any:
-        return self.red.comm.Irecv(_bytes(a), source, self.red.tags.tag(self.base, i, step))
+        return self.red.comm.Irecv(byte_spec(a), source, self.red.tags.tag(self.base, i, step))
 
     # -- schedule ------------------------------------------------------------------------
     def _admit(self) -> None:
