@@ -18,5 +18,5 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5"],
         "torch": ["torch"],  # only for the comparison benchmark
     },
-    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main"]},
+    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-plan=mpisgd.plan:main"]},
 )
