@@ -95,3 +95,69 @@ def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
     assert slow["slowest_rank"] == 1 and slow["wait_caused_ms"][1] > 7
     assert min(slow["rank_step_ms"]) > min(fast["rank_step_ms"]) + 5  # every rank's step grew
     assert is_png(tmp_path / "straggler.png") and "| one host | 2 | 10 |" in (tmp_path / "straggler.md").read_text()
+
+
+def _experiment(name):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_critical_batch_fit_recovers_the_tradeoff():
+    cb = _experiment("critical_batch")
+    batches = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    steps = [200 * (1 + 700 / b) for b in batches]  # S_min = 200, B_crit = 700
+    fit = cb.fit_tradeoff(batches, steps)
+    assert fit["B_crit"] == pytest.approx(700, rel=0.01) and fit["S_min"] == pytest.approx(200, rel=0.01)
+    assert fit["E_min"] == pytest.approx(140_000, rel=0.02) and fit["rms_log_residual"] < 0.01
+    # (S/S_min - 1)(E/E_min - 1) = 1 at every point of the fitted curve
+    for b, s in zip(batches, steps, strict=True):
+        assert (s / fit["S_min"] - 1) * (s * b / fit["E_min"] - 1) == pytest.approx(1, rel=0.03)
+
+
+def test_critical_batch_crossing_and_noise_scale_interpolate():
+    cb = _experiment("critical_batch")
+    evals = [[0, 0, 2.0, 0, 0], [10, 640, 1.0, 1.0, 100.0], [20, 1280, 0.25, 1.0, 300.0]]
+    steps, i = cb.crossing(evals, 0.5)
+    assert i == 2 and steps == pytest.approx(15)  # halfway in log loss from 1.0 to 0.25
+    assert cb.noise_at(evals, steps, i) == pytest.approx(200)
+    assert cb.crossing(evals, 0.1) is None and cb.crossing(evals, 3.0) == (0.0, 0)
+    assert cb.split_batch(64, 512) == (32, 2) and cb.split_batch(8192, 512) == (512, 16)
+    with pytest.raises(ValueError):
+        cb.split_batch(96, 512)
+
+
+def test_critical_batch_quick_run_resumes(tmp_path):
+    cmd = [sys.executable, "experiments/critical_batch.py", "--quick", "--batches", "64,256", "--mults", "1,2",
+           "--extend", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr + r.stdout
+    runs = sorted(p.name for p in (tmp_path / "runs").glob("*.json"))
+    assert "B00064-sgd-x1.json" in runs and "B00256-sgd-x2.json" in runs
+    rec = json.loads((tmp_path / "runs" / "B00064-sgd-x1.json").read_text())
+    assert rec["command"].startswith("python -m mpisgd.train ") and "--decay none" in rec["command"]
+    assert rec["evals"][0][0] == 0 and rec["status"] in ("reached", "pruned", "budget", "diverged")
+    summary = json.loads((tmp_path / "critical_batch.json").read_text())
+    assert set(summary["targets"]) == {"0.8", "0.6"}
+    assert is_png(tmp_path / "critical_batch.png") and "B_crit" in (tmp_path / "critical_batch.md").read_text()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert again.returncode == 0 and again.stdout.count("skipped") >= len(runs)  # nothing is run twice
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.json")) == runs
+
+
+def test_plan_validation_quick_run(tmp_path):
+    r = subprocess.run([sys.executable, "experiments/plan_validation.py", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    (stamp,) = tmp_path.iterdir()
+    result = json.loads((stamp / "validation.json").read_text())
+    (series,) = result["series"]
+    pair = series["pairs"][0]
+    assert pair["predicted_samples_per_s"] > 0 and pair["measured_samples_per_s"] > 0
+    plan = json.loads((stamp / "plans" / "local-mlp-r1.json").read_text())
+    assert plan["command"].startswith(sys.executable) and [row["k"] for row in plan["rows"]] == [1, 2]
+    run = json.loads((stamp / "runs" / "local-mlp-k2-r1.json").read_text())
+    assert "mpisgd.train" in run["command"] and run["epochs"][-1]["world_size"] == 2
+    assert "| this machine, 1 node | mlp |" in (stamp / "validation.md").read_text()
