@@ -406,6 +406,8 @@ def plan(p: Profile, net: Network, ranks: Sequence[int], accum: Sequence[int] | 
                 "goodput": sps * eff, "samples_to_target": samples, "steps_to_target": samples / B,
                 "time_to_target_s": samples / sps,
             })
+    for r in rows:  # against the first row (the fewest ranks): what the extra ranks buy
+        r["speedup"] = rows[0]["time_to_target_s"] / r["time_to_target_s"]
     return rows
 
 
@@ -438,7 +440,7 @@ def table(p: Profile, net: Network, rows: Sequence[dict], rec: dict, rules: Rule
     e0 = rules.target_samples or p.samples
     nodes_col = any(r["nodes"] > 1 for r in rows)
     head = ["k", *(["nodes"] if nodes_col else []), "b", "m", "B", "lr", "step ms", "(compute", "exposed)",
-            "samples/s", "stat eff", "goodput", "steps", "time to target"]
+            "samples/s", "stat eff", "goodput", "steps", "to target", "speedup"]
     out = [
         f"profile: {p.path} epoch {p.epoch}: k={p.k} x b={p.b} x m={p.m} = B0={p.B}, {p.step_ms:.2f} ms/step "
         f"({p.samples_per_s:.0f} samples/s), gradient {_size(p.grad_nbytes)} in {len(p.buckets)} bucket(s) "
@@ -456,7 +458,7 @@ def table(p: Profile, net: Network, rows: Sequence[dict], rec: dict, rules: Rule
         cells = [str(r["k"]), *([str(r["nodes"])] if nodes_col else []), str(r["b"]), str(r["m"]), str(r["B"]),
                  f"{r['lr']:.4g}", f"{r['step_ms']:.2f}", f"{r['compute_ms']:.2f}", f"{r['exposed_comm_ms']:.2f}",
                  f"{r['samples_per_s']:.0f}", f"{r['statistical_efficiency']:.3f}", f"{r['goodput']:.0f}",
-                 f"{r['steps_to_target']:.0f}", _duration(r["time_to_target_s"])]
+                 f"{r['steps_to_target']:.0f}", _duration(r["time_to_target_s"]), f"{r['speedup']:.2f}x"]
         mark = "  <- recommended" if r["k"] == rec["k"] and r["m"] == rec["m"] else ""
         out.append("  ".join(f"{c:>9}" for c in cells) + mark)
     out += ["", f"recommended: k={rec['k']}" + (f" ({rec['nodes']} nodes x {rec['ranks_per_node']})" if rec["nodes"] > 1
@@ -544,7 +546,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=0.1, help="the run's --lr (eta0)")
     g.add_argument("--base-batch", type=int, default=256, help="the run's --base-batch (B0 of eta0)")
     g.add_argument("--lr-scaling", default="linear", choices=("linear", "sqrt", "none"), help="the run's rule")
-    g.add_argument("--margin", type=float, default=0.05,
+    g.add_argument("--margin", type=float, default=0.10,
                    help="recommend the fewest ranks within this fraction of the most goodput")
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write the rows and the recommendation here")
