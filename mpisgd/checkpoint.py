@@ -12,6 +12,7 @@ or to start over.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import to_numpy
-from mpisgd.config import IDENTITY, STRUCTURE, UsageError
+from mpisgd.config import IDENTITY, STRUCTURE, Config, UsageError
 from mpisgd.files import atomic_write, remove_stale_temporaries
 
 FORMAT = 1
@@ -55,6 +56,8 @@ class TrainState:
     effective_batch: int
     config: dict[str, Any]
     data: dict[str, Any] = field(default_factory=dict)  # the data set: name, sizes, fingerprint
+    grad_exponents: np.ndarray | None = None  # reproducible runs: the fixed-point exponents of the next step
+    environment: dict[str, Any] = field(default_factory=dict)  # what the bits depend on (BLAS, threads, CPU)
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -82,6 +85,10 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
     }
     if state.velocity is not None:
         arrays["velocity"] = state.velocity
+    if state.grad_exponents is not None:
+        arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
+    if state.environment:
+        arrays["environment"] = np.array(json.dumps(state.environment))
     atomic_write(path, lambda f: np.savez(f, **arrays))
     for old in list_checkpoints(directory)[keep:]:
         old.unlink(missing_ok=True)
@@ -101,7 +108,9 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
                 params=z["params"], velocity=z["velocity"] if "velocity" in z.files else None,
                 prev_lr=float(z["prev_lr"]), global_step=int(s[0]), epoch=int(s[1]), step_in_epoch=int(s[2]),
                 skipped_steps=int(s[3]), world_size=int(s[4]), effective_batch=int(s[5]),
-                config=json.loads(str(z["config"])), data=json.loads(str(z["data"])) if "data" in z.files else {})
+                config=json.loads(str(z["config"])), data=json.loads(str(z["data"])) if "data" in z.files else {},
+                grad_exponents=z["grad_exponents"] if "grad_exponents" in z.files else None,
+                environment=json.loads(str(z["environment"])) if "environment" in z.files else {})
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:
@@ -144,7 +153,8 @@ def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[
             return f"{v.get('name')} ({v.get('n_train')} train, {v.get('n_test')} test, {v.get('fingerprint')})"
         return ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
 
-    diffs = {k: (saved.get(k), now.get(k)) for k in IDENTITY
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}  # what a checkpoint older than a key meant
+    diffs = {k: (saved.get(k, defaults.get(k)), now.get(k)) for k in IDENTITY
              if json.dumps(saved.get(k), default=list) != json.dumps(now.get(k), default=list)}
     text = {k: f"--{k.replace('_', '-')} {show(k, a)} -> {show(k, b)}" for k, (a, b) in diffs.items()}
     refused = [k for k in diffs if k in STRUCTURE or k not in allowed]
@@ -208,23 +218,32 @@ class ResumePlan:
     accum_steps: int
     changes: list[str]  # differences from the checkpoint's run that --resume-allow accepted
     derived: str  # what was derived, for the banner ("" if nothing)
+    grad_exponents: list[int] | None = None  # reproducible: the next step's fixed-point exponents
+    environment: dict[str, Any] = field(default_factory=dict)  # the checkpoint's (BLAS, threads, CPU)
 
 
 def plan_resume(state: TrainState, path: str, config: dict[str, Any], given: set[str], allowed: tuple[str, ...],
                 k: int, data: dict[str, Any]) -> ResumePlan:
     """Check that this run (``config`` at k ranks, on ``data``) can continue the checkpoint's, and find its b
     and m: the same effective batch B = k*b*m keeps the data order and the schedule; where the user gave
-    neither --batch-size nor --accum-steps they are derived from B. CheckpointError says what to change."""
+    --batch-size alone, m follows from B; where neither, both are derived from B (keeping b in a reproducible
+    run, whose bits depend on it). CheckpointError says what to change."""
     B, old_k = state.effective_batch, state.world_size
     old_b, old_m = state.config.get("batch_size"), state.config.get("accum_steps", 1)
     b, m, derived = config["batch_size"], config["accum_steps"], ""
-    if k * b * m != B:
+    if k * b * m != B and "batch_size" in given and "accum_steps" not in given and B % (k * b) == 0:
+        m = B // (k * b)  # --batch-size given: the micro-batches follow from B and k
+        derived = f"m={m} derived to keep B={B} (the checkpoint's run: k={old_k}, b={old_b}, m={old_m})"
+    elif k * b * m != B:
         if given & {"batch_size", "accum_steps"}:
             raise CheckpointError(
                 f"the checkpoint's run has effective batch B={B} (k={old_k} x b={old_b} x m={old_m}), this run "
                 f"k*b*m={k * b * m}: resuming needs the same B, so that the data order and the schedule continue; "
                 f"pass --batch-size and --accum-steps with {k} x b x m = {B}, or neither, and they are derived")
-        fits = [mm for mm in dict.fromkeys((old_m, 1)) if B % (k * mm) == 0]
+        if config.get("reproducible") and old_b and B % (k * old_b) == 0:
+            fits = [B // (k * old_b)]  # the same micro-batches of b samples: the same bits on any k
+        else:
+            fits = [mm for mm in dict.fromkeys((old_m, 1)) if B % (k * mm) == 0]
         if not fits:
             ks = [d for d in range(1, B + 1) if B % d == 0]
             raise CheckpointError(f"the checkpoint's effective batch B={B} cannot be split over k={k} ranks: k must "
@@ -234,5 +253,6 @@ def plan_resume(state: TrainState, path: str, config: dict[str, Any], given: set
     saved = dict(state.config, data=state.data)
     now = dict(config, data=data if state.data else {})  # checkpoints of older versions hold no data identity
     changes = identity_changes(saved, now, allowed)
+    exponents = None if state.grad_exponents is None else [int(e) for e in state.grad_exponents]
     return ResumePlan(path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps, state.prev_lr,
-                      old_k, b, m, changes, derived)
+                      old_k, b, m, changes, derived, exponents, state.environment)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from mpisgd import data, preflight
 from mpisgd.agreement import ReplicaError, agree
+from mpisgd.backend import environment as backend_environment
 from mpisgd.backend import set_threads
 from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
 from mpisgd.comm import create_reducer
@@ -30,7 +31,7 @@ from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel
 from mpisgd.report import peak_rss_mib
-from mpisgd.schedule import Schedule, effective_batch
+from mpisgd.schedule import Schedule, accum_steps_for, effective_batch
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ class Run:
     resume: ResumePlan | None  # where the run continues from, if it does
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
+    environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
 
     @property
@@ -134,8 +136,15 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         set_threads(threads)
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
+    stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _plan_resume(cfg, world, run_data.identity)
+    environment = backend_environment(ctx.backend, threads)
+    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
+                            if resume.environment.get(k) != v)
+        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
+                        "--reproducible promises the same bits only on the same one")
     model = stage("building the model", lambda: _build_model(cfg, run_data))
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
@@ -150,6 +159,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
@@ -161,7 +171,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, warnings)
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, warnings)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
             _restore(run, state)
@@ -197,10 +207,22 @@ def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunDa
 
 
 def _optimizer(cfg: Config, model: Sequential) -> SGD:
+    level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
-                    cfg.trust_coef)
-    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+                    cfg.trust_coef, level1=level1)
+    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+
+
+def _global_batch(cfg: Config, k: int) -> None:
+    """--global-batch B: m = B / (k * b), unless --accum-steps was given too (then it must agree)."""
+    if cfg.global_batch is None:
+        return
+    m = accum_steps_for(cfg.global_batch, k, cfg.batch_size)
+    if "accum_steps" in getattr(cfg, "given", set()) and m != cfg.accum_steps:
+        raise UsageError(f"--global-batch {cfg.global_batch} with k={k} and --batch-size {cfg.batch_size} means "
+                         f"--accum-steps {m}, not {cfg.accum_steps}: give one of them")
+    cfg.accum_steps = m
 
 
 def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
@@ -250,4 +272,4 @@ def _restore(run: Run, state: TrainState | None) -> None:
     # rank 0's momentum (the others' is broadcast next), every rank's rate of the last step
     optimizer.load_state(state.velocity if state is not None else None, plan.prev_lr)
     run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
-    run.dp.restore(plan.global_step, plan.skipped_steps)
+    run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)

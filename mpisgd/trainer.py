@@ -23,6 +23,7 @@ from mpisgd.files import free_bytes
 from mpisgd.inject import NoHooks
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import accuracy_count
+from mpisgd.noise import estimate
 from mpisgd.run import Run
 from mpisgd.signals import EXIT_PREEMPTED
 from mpisgd.straggler import REPORT_SHARE, Clock, analyse
@@ -148,7 +149,9 @@ class Trainer:
             velocity=None if opt["velocity"] is None else to_numpy(opt["velocity"]), prev_lr=opt["prev_lr"],
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
-            config=cfg.to_dict(), data=run.data.identity)
+            config=cfg.to_dict(), data=run.data.identity,
+            grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
+            environment=run.environment)
         try:
             return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
         except OSError as exc:
@@ -173,7 +176,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         run, t = self.run, self.dp.times
         local = np.array([float(loss_sum), steps, t.comm_exposed_s, t.comm_total_s, t.forward_s, t.backward_s,
-                          t.optimizer_s, t.bytes_reduced])
+                          t.optimizer_s, t.bytes_reduced, t.noise_steps, t.small_sq, t.big_sq_share])
         total = np.zeros_like(local)
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
             self.comm.Allreduce(local, total, op=MPI.SUM)
@@ -188,6 +191,7 @@ class Trainer:
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
         algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
         per_step = 1e3 / max(1, steps)
+        noise = self._noise_scale(mean, t.b_small)
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
             "lr": run.schedule(max(0, self.global_step - 1)),
@@ -202,13 +206,25 @@ class Trainer:
             "accum_steps": run.batches.accum_steps, "grad_nbytes": run.model.flat.nbytes,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (run.k - 1) / run.k,
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
-            "allreduce": self.dp.describe(), **straggler,
+            "allreduce": self.dp.describe(), **noise, **straggler,
         }
         self.history.append(record)
         self.metrics.write(record)
         self.log(report.format_epoch(record, self.n_epochs))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
+
+    def _noise_scale(self, mean: np.ndarray, b_small: int) -> dict[str, Any]:
+        """The epoch's gradient noise scale from the ranks' summed squared norms (mpisgd.noise): the
+        small batch is a rank's gradient (or, at k = 1, a micro-batch's), the big one the average."""
+        steps = mean[8]  # every rank measured the same steps
+        if steps < 1:
+            return {}
+        est = estimate(b_small, mean[9] / steps, self.run.B, mean[10] * self.run.k / steps)
+        if est is None:
+            return {}
+        return {"noise_scale": est.noise_scale, "grad_sqr": est.grad_sqr, "grad_var": est.grad_var,
+                "noise_steps": int(round(mean[8]))}
 
     def _straggler(self, step_ms: float) -> dict[str, Any]:
         """Rank 0's straggler report for this epoch (collective; {} at k = 1 or on other ranks)."""
