@@ -22,9 +22,10 @@ The noise scale (McCandlish et al., Appendix A) comes from the same steps: each 
 the number of ranks changes neither S nor E) accumulating m >= 2 micro-batches of b = min(B/2, 512), and
 the micro-batch gradients (b samples) are the small batch, their mean (B) the big one:
     |G|^2 ~ (B|G_B|^2 - b|G_b|^2)/(B - b),   tr(Sigma) ~ (|G_b|^2 - |G_B|^2)/(1/b - 1/B),
-each smoothed by an exponential average over --noise-tau samples, B_simple = tr(Sigma)/|G|^2. This is an
-offline estimate of this script's own; the trainer's `noise_scale` field, where the metrics file has
-one, is read by --noise-metrics.
+each smoothed by an exponential average over --noise-tau samples, B_simple = tr(Sigma)/|G|^2: this
+script's own estimate. Beside it, real `mpiexec -n 2 python -m mpisgd.train` runs at the B of
+--trainer-batches (the recipe at rate multiple 1, --trainer-epochs long) give the trainer's own
+`noise_scale` at each target (--noise-metrics reads it from other metrics files).
 
 The step is the CLI's at k = 1 (each run's record holds the equivalent `mpisgd.train` command): the same
 model, SGD/LARS, Schedule and sample order; gradients are accumulated in the same order. Each (B,
@@ -110,14 +111,25 @@ def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def train_command(s: dict[str, Any]) -> str:
     """The CLI run whose steps these are (at k = 1; the experiment stops it at the targets instead)."""
+    return "python -m mpisgd.train " + " ".join(train_flags(s))
+
+
+def train_flags(s: dict[str, Any], ranks: int = 1) -> list[str]:
+    """mpisgd.train's options for these settings on ``ranks`` ranks (the same B: b*m = B/ranks)."""
+    b = min(s["micro_batch"], s["batch"] // ranks)
+    m = s["batch"] // (ranks * b)
     flags = ["--model", s["model"]] + (["--hidden", s["hidden"]] if s["model"] == "mlp" else [])
     flags += ["--momentum", f"{s['momentum']:g}", "--weight-decay", f"{s['weight_decay']:g}", "--decay", "none",
               "--lr", f"{s['eta0']:g}", "--base-batch", str(BASE_BATCH), "--lr-scaling", s["scaling"],
-              "--warmup-epochs", f"{s['warmup_epochs']:g}", "--batch-size", str(s["micro_batch"]),
-              "--accum-steps", str(s["accum_steps"]), "--seed", str(s["seed"])]
+              "--warmup-epochs", f"{s['warmup_epochs']:g}", "--batch-size", str(b), "--accum-steps", str(m),
+              "--seed", str(s["seed"])]
     if s["optimizer"] == "lars":
         flags += ["--optimizer", "lars", "--trust-coef", f"{s['trust_coef']:g}"]
-    return "python -m mpisgd.train " + " ".join(flags)
+    if s["dataset"] == "synthetic":
+        flags += ["--dataset", "synthetic", "--synthetic-samples", str(s["train_samples"])]
+    elif s["train_samples"] < 60000:
+        flags += ["--limit-train", str(s["train_samples"])]
+    return flags
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -329,6 +341,60 @@ def noise_from_metrics(paths: list[str], target: float) -> list[tuple[str, float
     return out
 
 
+def trainer_noise(args: argparse.Namespace, out: Path, run: bool) -> list[dict[str, Any]]:
+    """The trainer's own noise scale (mpisgd.train's `noise_scale`, each epoch's estimate from each rank's
+    gradient against the averaged one) at each target, from a real `mpiexec -n --trainer-ranks` run at each
+    B of --trainer-batches with that B's recipe (rate multiple 1), --trainer-epochs long; interpolated in
+    log noise scale against the epoch-mean training loss between the epochs around the target. With
+    ``run``, runs the ones whose metrics file is missing or short."""
+    found = []
+    for B in args.trainer_batch_list:
+        opt = "sgd" if B < args.lars_from else "lars"
+        s = point_settings(Point(B, opt, 1.0), args)
+        path = out / "trainer" / f"B{B:05d}-{opt}-k{args.trainer_ranks}.jsonl"
+        flags = [*train_flags(s, args.trainer_ranks), "--epochs", str(args.trainer_epochs), "--limit-test", "2000",
+                 "--progress", "off", "--threads", str(args.threads)]
+        command = f"mpiexec -n {args.trainer_ranks} python -m mpisgd.train " + " ".join(flags)
+        epochs = [] if not path.exists() else [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        if run and len(epochs) < args.trainer_epochs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.unlink(missing_ok=True)
+            import shutil  # noqa: PLC0415 - only here
+            import subprocess  # noqa: PLC0415
+
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads),
+                   "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            exe = shutil.which("mpiexec") or "mpiexec"
+            r = subprocess.run([exe, "-n", str(args.trainer_ranks), sys.executable, "-m", "mpisgd.train", *flags,
+                                "--metrics-file", str(tmp)], capture_output=True, text=True, env=env, cwd=ROOT)
+            if r.returncode:
+                raise SystemExit(f"critical_batch: {command} failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
+            epochs = [e for e in map(json.loads, tmp.read_text().splitlines()) if e.get("kind") == "epoch"]
+            path.write_text("".join(json.dumps(e) + "\n" for e in epochs))  # the epoch records only
+            tmp.unlink()
+            print(f"trainer B={B}: {command}", flush=True)
+        if not epochs:
+            continue
+        at = {}
+        for tgt in args.target_list:
+            i = next((j for j, e in enumerate(epochs) if e["train_loss"] <= tgt), None)
+            ns = [e.get("noise_scale") for e in epochs]
+            if i is None or not ns[i] or (i > 0 and not ns[i - 1]):
+                at[f"{tgt:g}"] = None
+                continue
+            if i == 0:
+                at[f"{tgt:g}"] = ns[0]
+                continue
+            l0, l1 = epochs[i - 1]["train_loss"], epochs[i]["train_loss"]
+            f = (l0 - tgt) / (l0 - l1) if l0 > l1 else 1.0
+            at[f"{tgt:g}"] = math.exp(math.log(ns[i - 1]) + f * (math.log(ns[i]) - math.log(ns[i - 1])))
+        found.append({"B": B, "optimizer": opt, "command": command, "metrics": str(path.relative_to(out)),
+                      "epochs": [[e["epoch"], e["train_loss"], e.get("noise_scale")] for e in epochs],
+                      "noise_scale_at": at})
+    return found
+
+
 # -- the sweep -----------------------------------------------------------------------------------------
 def load_runs(out: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
@@ -467,6 +533,16 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], title: str) ->
                      f"{ns:.0f} ({rng[0]:.0f}-{rng[1]:.0f}) | {ratio} |" if ns else
                      f"| {tgt} | {len(e['points'])} | {f['S_min']:.0f} | {f['E_min']:.0f} | **{f['B_crit']:.0f}** "
                      f"| {f['rms_log_residual']:.3f} | | |")
+    if summary.get("trainer"):
+        lines += ["", "## The trainer's noise scale at the targets", "",
+                  "mpisgd.train's `noise_scale` (each epoch's; interpolated against the epoch-mean training loss) "
+                  "in a real run at each B with that B's recipe:", "",
+                  "| B | optimizer | " + " | ".join(f"at loss {t}" for t in summary["targets"]) + " | command |",
+                  "|---|---|" + "---|" * len(summary["targets"]) + "---|"]
+        for t in summary["trainer"]:
+            cells = ["-" if t["noise_scale_at"].get(x) is None else f"{t['noise_scale_at'][x]:.0f}"
+                     for x in summary["targets"]]
+            lines.append(f"| {t['B']} | {t['optimizer']} | " + " | ".join(cells) + f" | `{t['command']}` |")
     for tgt, e in summary["targets"].items():
         lines += ["", f"## Target loss {tgt}: the best rate at each B", "",
                   "| B | optimizer | eta0 | peak rate | steps S | samples E | S / S(fit) | test error at target "
@@ -555,6 +631,7 @@ def plot(summary: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> Non
 def report(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     runs = [r for r in load_runs(out) if r["settings"].get("targets") == args.target_list]
     summary = analyse(runs, args.target_list)
+    summary["trainer"] = trainer_noise(args, out, run=False)
     summary["runs"] = len(runs)
     summary["cpu_s"] = round(sum(r["cpu_s"] for r in runs), 1)
     title = ("quick smoke run" if args.quick else
@@ -573,6 +650,9 @@ def report(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                   f"{'n/a' if ns is None else f'{ns:.0f}'} ({len(e['points'])} B)")
         else:
             print(f"target {tgt}: {len(e['points'])} B reached it: too few to fit")
+    for t in summary["trainer"]:
+        shown = ", ".join(f"{k}: {'-' if v is None else f'{v:.0f}'}" for k, v in t["noise_scale_at"].items())
+        print(f"trainer's noise_scale at B={t['B']} ({t['optimizer']}), at each target loss: {shown}")
     for path, loss, ns in noise_from_metrics(args.noise_metrics, min(args.target_list)) if args.noise_metrics else []:
         print(f"{path}: noise_scale {ns} at epoch-mean train_loss {loss} (first epoch <= {min(args.target_list)})")
     print(f"wrote {out}/critical_batch.{{json,md,png}} from {len(runs)} runs ({summary['cpu_s'] / 3600:.2f} CPU-h)")
@@ -607,6 +687,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1, help="(B, optimizer) grids run side by side, one process each")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per process")
     p.add_argument("--out", default=str(ROOT / "results" / "critical_batch"), help="output directory")
+    p.add_argument("--trainer-batches", default="256,1024",
+                   help="B at which a real mpisgd.train run measures the trainer's own noise scale (empty: none)")
+    p.add_argument("--trainer-ranks", type=int, default=2, help="ranks of those runs")
+    p.add_argument("--trainer-epochs", type=int, default=8, help="epochs of those runs")
+    p.add_argument("--trainer-only", action="store_true", help="skip the sweep: only the trainer's runs, then the "
+                                                               "report")
     p.add_argument("--noise-metrics", nargs="*", default=[],
                    help="metrics files of mpisgd.train runs: print their noise_scale at the lowest target")
     p.add_argument("--quick", action="store_true", help="smoke run: synthetic data, a small MLP, 3 B, seconds")
@@ -618,10 +704,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.batches, args.both, args.hidden, args.train_samples = "64,256,1024", "", "32", 4096
         args.targets, args.max_epochs, args.eval_samples, args.eval_every = "0.8,0.6", 20, 500, 1024
         args.noise_tau, args.lars_from = 2048, 1024
+        args.trainer_batches, args.trainer_epochs = "256", 3
         if args.out == p.get_default("out"):
             args.out = str(ROOT / "results" / "tmp" / "critical_batch_quick")
     try:
         args.batch_list = [int(x) for x in args.batches.split(",")]
+        args.trainer_batch_list = [int(x) for x in args.trainer_batches.split(",") if x]
         args.both_list = [int(x) for x in args.both.split(",") if x]
         args.mult_list = [float(x) for x in args.mults.split(",")]
         args.target_list = sorted((float(x) for x in args.targets.split(",")), reverse=True)
@@ -642,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.report_only:
+    if not args.report_only and not args.trainer_only:
         from mpisgd.backend import set_threads  # noqa: PLC0415
 
         set_threads(args.threads)
@@ -665,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
                     if "skipped" in line:
                         print(line, flush=True)
         print(f"sweep: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    if not args.report_only:
+        trainer_noise(args, out, run=True)
     report(args, out)
     return 0
 

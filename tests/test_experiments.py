@@ -141,6 +141,9 @@ def test_critical_batch_quick_run_resumes(tmp_path):
     assert rec["evals"][0][0] == 0 and rec["status"] in ("reached", "pruned", "budget", "diverged")
     summary = json.loads((tmp_path / "critical_batch.json").read_text())
     assert set(summary["targets"]) == {"0.8", "0.6"}
+    (trainer,) = summary["trainer"]  # the trainer's own noise scale, from a real mpisgd.train run at B = 256
+    assert trainer["B"] == 256 and trainer["command"].startswith("mpiexec -n 2 python -m mpisgd.train ")
+    assert "--dataset synthetic" in trainer["command"] and all(e[2] for e in trainer["epochs"])
     assert is_png(tmp_path / "critical_batch.png") and "B_crit" in (tmp_path / "critical_batch.md").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert again.returncode == 0 and again.stdout.count("skipped") >= len(runs)  # nothing is run twice
