@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_env, is_png
+from conftest import ROOT, clean_env, is_png, mpiexec_cmd
 
 from mpisgd import plan
 from mpisgd.schedule import scaled_lr
@@ -249,3 +250,26 @@ def test_module_runs_without_mpi(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mpisgd.plan", m, "--ranks", "2"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and "give the link between them" in r.stderr
+
+
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
+@pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+def test_plans_from_a_real_training_run(tmp_path):
+    """The trainer's own metrics file (k = 1, two micro-batches: it records the noise scale) is a profile."""
+    metrics = tmp_path / "m.jsonl"
+    r = subprocess.run([*mpiexec_cmd(1, "-m", "mpisgd.train"), "--dataset", "synthetic", "--synthetic-samples",
+                        "2048", "--hidden", "32", "--batch-size", "32", "--accum-steps", "2", "--epochs", "2",
+                        "--progress", "off", "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "mpisgd.plan", str(metrics), "--ranks", "1,2,4", "--link", "1gbe",
+                        "--json", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    prof = data["profile"]
+    assert (prof["k"], prof["b"], prof["m"], prof["B"]) == (1, 32, 2, 64) and prof["noise_scale"] > 0
+    assert prof["buckets_from"] == "the run's buckets" and sum(prof["buckets"]) == prof["grad_nbytes"]
+    assert data["rows"][0]["step_ms"] == pytest.approx(prof["step_ms"])  # k = 1 at the profile's m is the profile
