@@ -344,14 +344,20 @@ def noise_from_metrics(paths: list[str], target: float) -> list[tuple[str, float
 def trainer_noise(args: argparse.Namespace, out: Path, run: bool) -> list[dict[str, Any]]:
     """The trainer's own noise scale (mpisgd.train's `noise_scale`, each epoch's estimate from each rank's
     gradient against the averaged one) at each target, from a real `mpiexec -n --trainer-ranks` run at each
-    B of --trainer-batches with that B's recipe (rate multiple 1), --trainer-epochs long; interpolated in
-    log noise scale against the epoch-mean training loss between the epochs around the target. With
-    ``run``, runs the ones whose metrics file is missing or short."""
+    B of --trainer-batches with the sweep's best settings there (fewest steps to the lowest target; the
+    recipe at rate multiple 1 before the sweep has any), --trainer-epochs long; interpolated in log noise
+    scale against the epoch-mean training loss between the epochs around the target. With ``run``, runs
+    the ones whose metrics file is missing or short."""
     found = []
+    runs = [r for r in load_runs(out) if r["settings"].get("targets") == args.target_list]
     for B in args.trainer_batch_list:
-        opt = "sgd" if B < args.lars_from else "lars"
-        s = point_settings(Point(B, opt, 1.0), args)
-        path = out / "trainer" / f"B{B:05d}-{opt}-k{args.trainer_ranks}.jsonl"
+        best = best_per_batch([r for r in runs if r["settings"]["batch"] == B], min(args.target_list)).get(B)
+        if best is not None:
+            opt, mult = best["run"]["settings"]["optimizer"], best["run"]["settings"]["mult"]
+        else:
+            opt, mult = "sgd" if B < args.lars_from else "lars", 1.0
+        s = point_settings(Point(B, opt, mult), args)
+        path = out / "trainer" / f"{Point(B, opt, mult).key}-k{args.trainer_ranks}.jsonl"
         flags = [*train_flags(s, args.trainer_ranks), "--epochs", str(args.trainer_epochs), "--limit-test", "2000",
                  "--progress", "off", "--threads", str(args.threads)]
         command = f"mpiexec -n {args.trainer_ranks} python -m mpisgd.train " + " ".join(flags)
@@ -368,11 +374,15 @@ def trainer_noise(args: argparse.Namespace, out: Path, run: bool) -> list[dict[s
             exe = shutil.which("mpiexec") or "mpiexec"
             r = subprocess.run([exe, "-n", str(args.trainer_ranks), sys.executable, "-m", "mpisgd.train", *flags,
                                 "--metrics-file", str(tmp)], capture_output=True, text=True, env=env, cwd=ROOT)
+            epochs = [e for e in map(json.loads, tmp.read_text().splitlines()) if e.get("kind") == "epoch"] \
+                if tmp.exists() else []
             if r.returncode:
-                raise SystemExit(f"critical_batch: {command} failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
-            epochs = [e for e in map(json.loads, tmp.read_text().splitlines()) if e.get("kind") == "epoch"]
+                print(f"trainer B={B}: {command} failed (exit {r.returncode}): "
+                      f"{(r.stderr.strip().splitlines() or [''])[-1]}", flush=True)
+                if not epochs:
+                    continue
             path.write_text("".join(json.dumps(e) + "\n" for e in epochs))  # the epoch records only
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
             print(f"trainer B={B}: {command}", flush=True)
         if not epochs:
             continue
@@ -389,7 +399,8 @@ def trainer_noise(args: argparse.Namespace, out: Path, run: bool) -> list[dict[s
             l0, l1 = epochs[i - 1]["train_loss"], epochs[i]["train_loss"]
             f = (l0 - tgt) / (l0 - l1) if l0 > l1 else 1.0
             at[f"{tgt:g}"] = math.exp(math.log(ns[i - 1]) + f * (math.log(ns[i]) - math.log(ns[i - 1])))
-        found.append({"B": B, "optimizer": opt, "command": command, "metrics": str(path.relative_to(out)),
+        found.append({"B": B, "optimizer": opt, "mult": mult, "command": command,
+                      "metrics": str(path.relative_to(out)),
                       "epochs": [[e["epoch"], e["train_loss"], e.get("noise_scale")] for e in epochs],
                       "noise_scale_at": at})
     return found
