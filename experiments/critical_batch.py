@@ -22,10 +22,13 @@ The noise scale (McCandlish et al., Appendix A) comes from the same steps: each 
 the number of ranks changes neither S nor E) accumulating m >= 2 micro-batches of b = min(B/2, 512), and
 the micro-batch gradients (b samples) are the small batch, their mean (B) the big one:
     |G|^2 ~ (B|G_B|^2 - b|G_b|^2)/(B - b),   tr(Sigma) ~ (|G_b|^2 - |G_B|^2)/(1/b - 1/B),
-each smoothed by an exponential average over --noise-tau samples, B_simple = tr(Sigma)/|G|^2: this
-script's own estimate. Beside it, real `mpiexec -n 2 python -m mpisgd.train` runs at the B of
---trainer-batches (the recipe at rate multiple 1, --trainer-epochs long) give the trainer's own
-`noise_scale` at each target (--noise-metrics reads it from other metrics files).
+both averaged separately over the last fifth of the steps before a target was reached (at least one
+evaluation interval), B_simple = their ratio: this script's own estimate. (Each run stores exponential
+averages of the two at every evaluation, --noise-tau samples long, from which the interval means are
+recovered exactly; the averages themselves carry the first steps' huge |G|^2 far too long to be used.)
+Beside it, real `mpiexec -n 2 python -m mpisgd.train` runs at the B of --trainer-batches (the sweep's best
+rate there, --trainer-epochs long) give the trainer's own `noise_scale` at each target (--noise-metrics
+reads it from other metrics files).
 
 The step is the CLI's at k = 1 (each run's record holds the equivalent `mpisgd.train` command): the same
 model, SGD/LARS, Schedule and sample order; gradients are accumulated in the same order. Each (B,
@@ -263,17 +266,45 @@ def crossing(evals: list[list[float]], target: float) -> tuple[float, int] | Non
     return None
 
 
-def noise_at(evals: list[list[float]], steps: float, i: int) -> float:
-    """B_simple (tr Sigma / |G|^2 of the smoothed estimates) at ``steps``, between evaluations i-1 and i."""
-    def bs(e: list[float]) -> float:
-        return e[4] / e[3] if e[3] > 0 else float("nan")
-    if i == 0:
+def intervals(rec: dict[str, Any]) -> list[tuple[int, int, float, float, float]]:
+    """(first step, last step, loss at its end, mean |G|^2 estimate, mean tr(Sigma) estimate) per evaluation
+    interval: the raw estimates' means over its steps, recovered exactly from the exponential averages the
+    run stored at each evaluation (U_t = beta*U_(t-1) + (1-beta)*x_t is the average times 1 - beta^t; an
+    interval's U_z - beta^n U_a is (1-beta) times its beta-weighted sum, weights within exp(-eval_every/
+    noise_tau) of each other). The averages themselves are not used as estimates: the first steps' huge
+    |G|^2 stays in them for thousands of steps and drags B_simple down."""
+    s = rec["settings"]
+    beta = math.exp(-s["batch"] / s["noise_tau"])
+    out = []
+
+    def unnorm(e: list[float]) -> np.ndarray:
+        if e[0] == 0 or not (math.isfinite(e[3]) and math.isfinite(e[4])):
+            return np.zeros(2)
+        return np.array([e[3], e[4]]) * (1 - beta ** e[0])
+
+    for a, z in zip(rec["evals"], rec["evals"][1:], strict=False):
+        n = int(z[0] - a[0])
+        if n < 1 or not (math.isfinite(z[3]) and math.isfinite(z[4])):
+            continue
+        gsq, trs = (unnorm(z) - beta**n * unnorm(a)) / (1 - beta**n)
+        out.append((int(a[0]) + 1, int(z[0]), z[2], float(gsq), float(trs)))
+    return out
+
+
+def noise_at(rec: dict[str, Any], steps: float, window: float = 0.2) -> float:
+    """B_simple where the run reached a loss at ``steps``: the |G|^2 and tr(Sigma) estimates averaged
+    separately over the steps of the last ``window`` of the run up to the evaluation after ``steps`` (at
+    least the interval holding ``steps``), then their ratio, as McCandlish et al. and the trainer do."""
+    rows = intervals(rec)
+    hold = next((r for r in rows if r[0] - 1 < steps <= r[1]), None)
+    if hold is None:
         return float("nan")
-    a, z = evals[i - 1], evals[i]
-    if not math.isfinite(bs(a)):
-        return bs(z)
-    f = (steps - a[0]) / (z[0] - a[0]) if z[0] > a[0] else 1.0
-    return bs(a) + f * (bs(z) - bs(a))
+    lo = min(hold[0], (1 - window) * steps)
+    sel = [r for r in rows if r[0] >= lo and r[1] <= hold[1]]
+    n = np.array([r[1] - r[0] + 1 for r in sel], float)
+    gsq = float(np.dot(n, [r[3] for r in sel]))
+    trs = float(np.dot(n, [r[4] for r in sel]))
+    return trs / gsq if gsq > 0 else float("nan")
 
 
 def steps_to(rec: dict[str, Any], target: float) -> float | None:
@@ -289,11 +320,11 @@ def best_per_batch(runs: list[dict[str, Any]], target: float) -> dict[int, dict[
         if c is None:
             continue
         B = rec["settings"]["batch"]
-        steps, i = c
+        steps = c[0]
         if B not in best or steps < best[B]["steps"]:
             err = rec["reached"].get(f"{target:g}", {}).get("test_error")
             best[B] = {"steps": steps, "samples": steps * B, "run": rec, "test_error": err,
-                       "noise_scale": noise_at(rec["evals"], steps, i)}
+                       "noise_scale": noise_at(rec, steps)}
     return dict(sorted(best.items()))
 
 
@@ -510,6 +541,9 @@ def analyse(runs: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"targets": {}}
     for tgt in sorted(targets, reverse=True):
         best = best_per_batch(runs, tgt)
+        if not best:
+            out["targets"][f"{tgt:g}"] = {"points": []}
+            continue
         entry: dict[str, Any] = {"points": [
             {"B": B, "steps": round(v["steps"], 1), "samples": round(v["samples"]),
              "optimizer": v["run"]["settings"]["optimizer"], "eta0": v["run"]["settings"]["eta0"],
@@ -619,8 +653,15 @@ def plot(summary: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> Non
         s = rec["settings"]
         if (s["batch"], s["optimizer"], s["eta0"]) not in keys:
             continue
-        ev = [e for e in rec["evals"][1:] if e[3] > 0 and e[4] > 0]
-        ax2.plot([e[2] for e in ev], [e[4] / e[3] for e in ev], lw=0.8, alpha=0.7, label=f"B={s['batch']}")
+        rows = intervals(rec)
+        pts = []  # groups of 3 intervals: ratio of their sums, at the last one's loss
+        for j in range(2, len(rows)):
+            g = sum((r[1] - r[0] + 1) * r[3] for r in rows[j - 2:j + 1])
+            t = sum((r[1] - r[0] + 1) * r[4] for r in rows[j - 2:j + 1])
+            if g > 0 and t > 0:
+                pts.append((rows[j][2], t / g))
+        if pts:
+            ax2.plot(*zip(*pts), lw=0.8, alpha=0.7, label=f"B={s['batch']}")
     fits = [(float(t), e["fit"]["B_crit"], e["fit"]["B_crit_90"]) for t, e in summary["targets"].items()
             if e.get("fit")]
     if fits:

@@ -4,11 +4,13 @@ what it prints and writes (the large-batch sweep, the step profile, the straggle
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT, clean_env, is_png
 
@@ -119,11 +121,32 @@ def test_critical_batch_fit_recovers_the_tradeoff():
 
 def test_critical_batch_crossing_and_noise_scale_interpolate():
     cb = _experiment("critical_batch")
-    evals = [[0, 0, 2.0, 0, 0], [10, 640, 1.0, 1.0, 100.0], [20, 1280, 0.25, 1.0, 300.0]]
+    evals = [[0, 0, 2.0, math.nan, math.nan], [10, 640, 1.0, 1.0, 100.0], [20, 1280, 0.25, 1.0, 300.0]]
     steps, i = cb.crossing(evals, 0.5)
     assert i == 2 and steps == pytest.approx(15)  # halfway in log loss from 1.0 to 0.25
-    assert cb.noise_at(evals, steps, i) == pytest.approx(200)
     assert cb.crossing(evals, 0.1) is None and cb.crossing(evals, 3.0) == (0.0, 0)
+    # the interval means come back exactly from the exponential averages a run stores
+    B, tau = 64, 1000.0
+    beta = math.exp(-B / tau)
+    xs = [(4.0 / (1 + t), 50.0 + t) for t in range(1, 41)]  # |G|^2 falling, tr(Sigma) rising, per step
+    u, w, evals = [0.0, 0.0], 0.0, [[0, 0, 2.0, math.nan, math.nan]]
+    for t, (g, v) in enumerate(xs, 1):
+        u = [beta * u[0] + (1 - beta) * g, beta * u[1] + (1 - beta) * v]
+        w = beta * w + (1 - beta)
+        if t % 10 == 0:
+            evals.append([t, t * B, 1.0 / t, u[0] / w, u[1] / w])
+    rec = {"settings": {"batch": B, "noise_tau": tau}, "evals": evals}
+    rows = cb.intervals(rec)
+    assert [(r[0], r[1]) for r in rows] == [(1, 10), (11, 20), (21, 30), (31, 40)]
+    def weighted(lo, hi, j):  # what an interval's mean is: beta^(hi - t)-weighted over its steps
+        wts = [beta ** (hi - t) for t in range(lo, hi + 1)]
+        return np.dot(wts, [xs[t - 1][j] for t in range(lo, hi + 1)]) / sum(wts)
+
+    for lo, hi, _, g, v in rows:
+        assert g == pytest.approx(weighted(lo, hi, 0), rel=1e-9) and v == pytest.approx(weighted(lo, hi, 1), rel=1e-9)
+    # B_simple at step 38: the last fifth of the run (steps 31-40, the interval holding it), ratio of the means
+    assert cb.noise_at(rec, 38.0) == pytest.approx(weighted(31, 40, 1) / weighted(31, 40, 0), rel=1e-9)
+    assert math.isnan(cb.noise_at(rec, 0.0))  # before any interval
     assert cb.split_batch(64, 512) == (32, 2) and cb.split_batch(8192, 512) == (512, 16)
     with pytest.raises(ValueError):
         cb.split_batch(96, 512)
