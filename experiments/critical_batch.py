@@ -668,9 +668,21 @@ def plot(summary: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> Non
         ax2.errorbar([f[0] for f in fits], [f[1] for f in fits],
                      yerr=[[max(0, f[1] - f[2][0]) for f in fits], [max(0, f[2][1] - f[1]) for f in fits]],
                      fmt="ks", ms=6, capsize=3, label="B_crit (S-E fit)", zorder=4)
-    ax2.set_xscale("log")
+    med = [(float(t), e["noise_scale_median"], e["noise_scale_range"]) for t, e in summary["targets"].items()
+           if e.get("noise_scale_median")]
+    if med:
+        ax2.errorbar([m[0] + 0.004 for m in med], [m[1] for m in med],
+                     yerr=[[m[1] - m[2][0] for m in med], [m[2][1] - m[1] for m in med]], fmt="o", mfc="white",
+                     mec="k", ecolor="k", ms=6, capsize=3, label="B_simple at the target (median, range over B)",
+                     zorder=4)
+    for j, t in enumerate(summary.get("trainer", [])):
+        pts = [(float(x), v) for x, v in t["noise_scale_at"].items() if v]
+        if pts:
+            ax2.plot(*zip(*pts), "^v<>"[j % 4], color=("C3", "C1", "C2", "C4")[j % 4], mec="k", ms=7, zorder=5,
+                     label=f"mpisgd.train's noise_scale, B={t['B']}")
+    lo = min(summary["targets"], key=float)
+    ax2.set_xlim(1.0, float(lo) * 0.92)
     ax2.set_yscale("log")
-    ax2.invert_xaxis()
     ax2.set_xlabel("training loss (fixed subset), falling ->")
     ax2.set_ylabel("B_simple = tr(Sigma)/|G|^2 (samples)")
     ax2.set_title("noise scale measured in training, and B_crit", fontsize=9)
