@@ -65,7 +65,8 @@ from mpisgd.nn.models import cnn, mlp  # noqa: E402
 from mpisgd.optim import SGD  # noqa: E402
 from mpisgd.schedule import Schedule, scaled_lr  # noqa: E402
 
-# the two recipes of docs/large_batch.md: eta0 for B0 = 256, its scaling, and (LARS) the trust coefficient
+# the two recipes of docs/large_batch.md: eta0 for B0 = 256 (--sgd-lr, --lars-lr), its scaling, and (LARS) the
+# trust coefficient
 RECIPES = {"sgd": {"eta0": 0.1, "scaling": "linear"},
            "lars": {"eta0": 0.014142, "scaling": "sqrt", "trust_coef": 0.1}}
 BASE_BATCH = 256
@@ -98,7 +99,7 @@ def point_settings(p: Point, args: argparse.Namespace) -> dict[str, Any]:
     """Everything that decides a run's trajectory (compared when a sweep resumes)."""
     rec = RECIPES[p.optimizer]
     b, m = split_batch(p.batch, args.max_micro)
-    eta0 = round(rec["eta0"] * p.mult, 8)
+    eta0 = round((args.sgd_lr if p.optimizer == "sgd" else args.lars_lr) * p.mult, 8)
     warmup = args.warmup_epochs if p.optimizer == "sgd" else args.lars_warmup_epochs
     return {"batch": p.batch, "optimizer": p.optimizer, "mult": p.mult, "eta0": eta0, "scaling": rec["scaling"],
             "peak_lr": scaled_lr(eta0, BASE_BATCH, p.batch, rec["scaling"]), "trust_coef": rec.get("trust_coef"),
@@ -745,6 +746,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", default="1024,1024", help="MLP widths")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--sgd-lr", type=float, default=RECIPES["sgd"]["eta0"], help="SGD's eta0 for B0 = 256 (the grid "
+                                                                             "multiplies it)")
+    p.add_argument("--lars-lr", type=float, default=RECIPES["lars"]["eta0"], help="LARS's eta0 for B0 = 256")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-samples", type=int, default=60000, help="use the first N training images")
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX directory (default: mpisgd's search)")
