@@ -325,7 +325,7 @@ class Network:
         return intra, self.inter.allreduce_s(nbytes, nodes, self.algorithm)
 
     def check_in_s(self, k: int) -> float:
-        """The per-step check-in (a 48-byte all-gather): one latency per doubling, at each level."""
+        """The per-step check-in (a small all-gather): one latency per doubling, at each level."""
         nodes, local = self.layout(k)
         t = math.ceil(math.log2(local)) * self.intra.alpha_s if local > 1 else 0.0
         if nodes > 1 and self.inter is not None:
