@@ -155,7 +155,7 @@ def test_critical_batch_crossing_and_noise_scale_interpolate():
 def test_critical_batch_quick_run_resumes(tmp_path):
     cmd = [sys.executable, "experiments/critical_batch.py", "--quick", "--batches", "64,256", "--mults", "1,2",
            "--extend", "1", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     runs = sorted(p.name for p in (tmp_path / "runs").glob("*.json"))
     assert "B00064-sgd-x1.json" in runs and "B00256-sgd-x2.json" in runs
@@ -168,7 +168,7 @@ def test_critical_batch_quick_run_resumes(tmp_path):
     assert trainer["B"] == 256 and trainer["command"].startswith("mpiexec -n 2 python -m mpisgd.train ")
     assert "--dataset synthetic" in trainer["command"] and all(e[2] for e in trainer["epochs"])
     assert is_png(tmp_path / "critical_batch.png") and "B_crit" in (tmp_path / "critical_batch.md").read_text()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
     assert again.returncode == 0 and again.stdout.count("skipped") >= len(runs)  # nothing is run twice
     assert sorted(p.name for p in (tmp_path / "runs").glob("*.json")) == runs
 
