@@ -1,9 +1,13 @@
 """Files: final parameters, and checkpoints to resume from.
 
 A checkpoint is one ``.npz`` (loaded with ``allow_pickle=False``: it never
-executes data) holding the flat parameters, the momentum buffer, the position
-(global step, epoch, step within the epoch: the data order is a pure function
-of the seed and these), the configuration as JSON and the data set's identity.
+executes data) holding the flat parameters, the optimizer's state (each of its
+parameter-sized buffers as ``state.NAME``: SGD's ``velocity``, Adam's
+``exp_avg`` and ``exp_avg_sq``; its scalars as JSON: the previous rate, Adam's
+step count), the position (global step, epoch, step within the epoch: the data
+order is a pure function of the seed and these), the configuration as JSON and
+the data set's identity. Format 1 (before AdamW) kept the momentum as
+``velocity`` and the rate as ``prev_lr``; it still loads.
 Rank 0 writes it all or nothing (mpisgd.files.atomic_write) and keeps the newest
 few. A checkpoint directory belongs to one run: :class:`RunDirectory` locks it
 for the run's life and refuses another run's checkpoints unless told to resume
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import zipfile
@@ -24,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import to_numpy
-from mpisgd.config import IDENTITY, STRUCTURE, UsageError
+from mpisgd.config import IDENTITY, OPTIMIZER_OPTIONS, STRUCTURE, Config, UsageError
 from mpisgd.files import atomic_write, remove_stale_temporaries
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)  # the formats this version loads
+BUFFER = "state."  # the key prefix of the optimizer's state buffers
 _NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
 LOCK = ".mpisgd.lock"
 
@@ -45,8 +52,8 @@ def save_params(path: str, model: Any) -> None:
 @dataclass
 class TrainState:
     params: np.ndarray
-    velocity: np.ndarray | None
-    prev_lr: float
+    buffers: dict[str, np.ndarray]  # the optimizer's state_buffers(), by name
+    optimizer_state: dict[str, float]  # the optimizer's state(): its scalars
     global_step: int
     epoch: int  # 0-based epoch the next step belongs to
     step_in_epoch: int  # position of the next step within that epoch
@@ -77,11 +84,10 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
         "format": np.int64(FORMAT), "params": state.params,
         "scalars": np.array([state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps,
                              state.world_size, state.effective_batch], dtype=np.int64),
-        "prev_lr": np.float64(state.prev_lr), "config": np.array(json.dumps(state.config, default=list)),
-        "data": np.array(json.dumps(state.data)),
+        "optimizer": np.array(json.dumps(state.optimizer_state)),
+        "config": np.array(json.dumps(state.config, default=list)), "data": np.array(json.dumps(state.data)),
+        **{BUFFER + name: buf for name, buf in state.buffers.items()},
     }
-    if state.velocity is not None:
-        arrays["velocity"] = state.velocity
     atomic_write(path, lambda f: np.savez(f, **arrays))
     for old in list_checkpoints(directory)[keep:]:
         old.unlink(missing_ok=True)
@@ -94,22 +100,34 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
         raise CheckpointError(f"{path} is not a checkpoint (an .npz written by mpisgd): not a zip archive")
     try:
         with np.load(path, allow_pickle=False) as z:
-            if int(z["format"]) != FORMAT:
-                raise CheckpointError(f"{path}: checkpoint format {int(z['format'])}, this mpisgd reads {FORMAT}")
+            version = int(z["format"])
+            if version not in READS:
+                raise CheckpointError(f"{path}: checkpoint format {version}, this mpisgd reads "
+                                      f"{', '.join(map(str, READS))}")
             s = z["scalars"]
+            if version == 1:  # SGD's momentum and previous rate, under their own names
+                buffers = {"velocity": z["velocity"]} if "velocity" in z.files else {}
+                scalars = {"prev_lr": float(z["prev_lr"])}
+            else:
+                buffers = {k[len(BUFFER):]: z[k] for k in z.files if k.startswith(BUFFER)}
+                scalars = json.loads(str(z["optimizer"]))
             state = TrainState(
-                params=z["params"], velocity=z["velocity"] if "velocity" in z.files else None,
-                prev_lr=float(z["prev_lr"]), global_step=int(s[0]), epoch=int(s[1]), step_in_epoch=int(s[2]),
+                params=z["params"], buffers=buffers, optimizer_state=scalars,
+                global_step=int(s[0]), epoch=int(s[1]), step_in_epoch=int(s[2]),
                 skipped_steps=int(s[3]), world_size=int(s[4]), effective_batch=int(s[5]),
                 config=json.loads(str(z["config"])), data=json.loads(str(z["data"])) if "data" in z.files else {})
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path} is not a usable checkpoint ({type(exc).__name__}: {exc})") from None
-    for name, a in (("params", state.params), ("velocity", state.velocity)):
-        if a is not None and (a.ndim != 1 or a.dtype.kind != "f" or a.size != state.params.size):
+    for name, a in (("params", state.params), *state.buffers.items()):
+        if a.ndim != 1 or a.dtype.kind != "f" or a.size != state.params.size:
             raise CheckpointError(f"{path}: {name} must be a 1-D float array of the parameters' size, "
                                   f"got {a.dtype} {a.shape}")
+    opt = state.optimizer_state
+    if not (isinstance(opt, dict) and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                          and math.isfinite(v) for v in opt.values())):
+        raise CheckpointError(f"{path}: the optimizer's state must be a JSON object of finite numbers, got {opt!r}")
     if not (isinstance(state.config, dict) and state.global_step >= 0 and state.effective_batch >= 1):
         raise CheckpointError(f"{path}: inconsistent contents (config, step or batch)")
     return state
@@ -138,12 +156,19 @@ def find_resume(resume: str, directory: str | None) -> tuple[TrainState | None, 
 
 def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
     """The differences between two runs' identities, as '--key OLD -> NEW'. Raises CheckpointError for
-    any not in ``allowed`` (and always for the model's structure), naming every one."""
+    any not in ``allowed`` (and always for the model's structure), naming every one. A key the saved
+    configuration lacks (an older mpisgd's) compares as that option's default; an option that neither
+    run's optimizer reads (OPTIMIZER_OPTIONS: SGD's momentum in two AdamW runs) does not count."""
     def show(key: str, v: Any) -> str:
         if isinstance(v, dict):  # the data set
             return f"{v.get('name')} ({v.get('n_train')} train, {v.get('n_test')} test, {v.get('fingerprint')})"
         return ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
 
+    defaults = Config().to_dict()
+    saved = {k: saved.get(k, defaults.get(k)) for k in IDENTITY}
+    for k, readers in OPTIMIZER_OPTIONS.items():  # an option neither run's update rule reads may change
+        if saved.get("optimizer") not in readers and now.get("optimizer") not in readers:
+            saved[k] = now.get(k)
     diffs = {k: (saved.get(k), now.get(k)) for k in IDENTITY
              if json.dumps(saved.get(k), default=list) != json.dumps(now.get(k), default=list)}
     text = {k: f"--{k.replace('_', '-')} {show(k, a)} -> {show(k, b)}" for k, (a, b) in diffs.items()}
@@ -202,7 +227,7 @@ class ResumePlan:
     epoch: int
     step_in_epoch: int
     skipped_steps: int
-    prev_lr: float
+    optimizer_state: dict[str, float]  # the optimizer's scalars (its buffers: rank 0 reads, then broadcasts)
     world_size: int  # the checkpoint's k
     batch_size: int  # this run's b and m: as given, or derived to keep the checkpoint's B
     accum_steps: int
@@ -234,5 +259,5 @@ def plan_resume(state: TrainState, path: str, config: dict[str, Any], given: set
     saved = dict(state.config, data=state.data)
     now = dict(config, data=data if state.data else {})  # checkpoints of older versions hold no data identity
     changes = identity_changes(saved, now, allowed)
-    return ResumePlan(path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps, state.prev_lr,
-                      old_k, b, m, changes, derived)
+    return ResumePlan(path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps,
+                      state.optimizer_state, old_k, b, m, changes, derived)

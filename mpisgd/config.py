@@ -24,8 +24,15 @@ class UsageError(ValueError):
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
             "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
-            "momentum_correction", "weight_decay", "max_steps")
+            "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "beta1", "beta2", "eps",
+            "clip_grad_norm")
 STRUCTURE = ("model", "hidden", "dtype")
+OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
+# The options only some update rules read, and which: the others ignore them, so a resumed run of
+# those may change them freely (mpisgd.checkpoint.identity_changes).
+OPTIMIZER_OPTIONS = {"momentum": ("sgd", "lars"), "nesterov": ("sgd", "lars"), "momentum_correction": ("sgd", "lars"),
+                     "trust_coef": ("lars",), "beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"),
+                     "eps": ("adamw", "lamb")}
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -64,14 +71,23 @@ class Config:
     decay: str = opt("cosine", "decay after warmup", ("none", "step", "cosine"))
     decay_epochs: tuple[int, ...] = opt((), "epochs at which --decay step multiplies the rate by --decay-factor")
     decay_factor: float = opt(0.1, "factor of each step decay")
-    momentum: float = opt(0.9, "SGD momentum mu")
-    nesterov: bool = opt(False, "Nesterov momentum")
-    momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1)")
-    weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
-    optimizer: str = opt("sgd", "update rule: sgd, or lars (SGD with a layer-wise trust ratio, You et al. 2017; "
-                                "docs/large_batch.md)", ("sgd", "lars"))
+    momentum: float = opt(0.9, "momentum mu of sgd and lars")
+    nesterov: bool = opt(False, "Nesterov momentum (sgd, lars)")
+    momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1) "
+                                           "(sgd, lars)")
+    weight_decay: float = opt(0.0, "weight decay: sgd, lars: L2, added to the averaged gradient; adamw: decoupled, "
+                                   "w *= 1 - lr*wd; lamb: inside the trust-scaled update")
+    optimizer: str = opt("sgd", "update rule: sgd; lars (SGD with a layer-wise trust ratio, You et al. 2017); adamw "
+                                "(Adam with decoupled weight decay, Loshchilov & Hutter); lamb (Adam's update with "
+                                "LARS's layer-wise trust ratio, You et al. 2019); docs/api.md, docs/large_batch.md",
+                         OPTIMIZERS)
     trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w|| (why 0.1, "
                                  "not the paper's 0.001: docs/large_batch.md, Tuning LARS)")
+    beta1: float = opt(0.9, "adamw, lamb: decay rate of the gradient's running mean (first moment)")
+    beta2: float = opt(0.999, "adamw, lamb: decay rate of the squared gradient's running mean (second moment)")
+    eps: float = opt(1e-8, "adamw, lamb: added to the second moment's square root (the update's denominator)")
+    clip_grad_norm: float = opt(0.0, "clip the averaged gradient to this global L2 norm before the update, with "
+                                     "any --optimizer (0: off)")
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
@@ -139,6 +155,17 @@ class Config:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
             raise UsageError(f"--trust-coef must be > 0, got {self.trust_coef}")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0 <= beta < 1:
+                raise UsageError(f"--{name} must be in [0, 1), got {beta}")
+        if not self.eps > 0:
+            raise UsageError(f"--eps must be > 0, got {self.eps}")
+        if self.clip_grad_norm < 0:
+            raise UsageError(f"--clip-grad-norm must be >= 0 (0: off), got {self.clip_grad_norm}")
+        for name in ("nesterov", "momentum_correction"):
+            if getattr(self, name) and self.optimizer not in OPTIMIZER_OPTIONS[name]:
+                raise UsageError(f"--{name.replace('_', '-')} is for --optimizer sgd or lars, not "
+                                 f"{self.optimizer} (its momentum is --beta1)")
         if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise UsageError("warmup length must be >= 0")
         if self.warmup_steps is None and self.warmup_epochs > self.epochs:
@@ -213,7 +240,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "lr", "base_batch", "lr_scaling",
                            "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
     "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
-                  "on_nan"),
+                  "beta1", "beta2", "eps", "clip_grad_norm", "on_nan"),
     "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "deterministic",
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",

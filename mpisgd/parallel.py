@@ -9,7 +9,8 @@
   3. reduces gradients in buckets (contiguous slices of the flat gradient
      buffer, filled in reverse layer order) and, with ``overlap``, starts each
      bucket's all-reduce as soon as backward has produced its last gradient;
-  4. waits for all buckets, then applies the identical optimizer step.
+  4. waits for all buckets, then (optionally) clips the averaged gradient by its global norm and
+     applies the identical optimizer step.
 
 With ``shard_optimizer`` (k > 1) the update is split across ranks instead (mpisgd.sharded): each
 bucket is reduce-scattered, each rank updates its chunk, the parameters are all-gathered.
@@ -18,6 +19,7 @@ bucket is reduce-scattered, each rank updates its chunk, the parameters are all-
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from mpisgd.blas import all_finite
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
-from mpisgd.optim import SGD
+from mpisgd.optim import Optimizer, Shards, TensorNorms, clip_grad_norm_
 from mpisgd.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
 from mpisgd.watchdog import NullWatchdog
@@ -96,6 +98,12 @@ def model_layout(model: Sequential) -> str:
     return f"{model!r} {model.flat.shapes} {model.flat.dtype}"
 
 
+def optimizer_layout(optimizer: Optimizer) -> str:
+    """What every rank's optimizer must share: its kind and its state buffers (broadcast and gathered
+    by name, so a rank with other buffers would mismatch those collectives)."""
+    return f" {type(optimizer).__name__} {sorted(optimizer.state_buffers())}"
+
+
 class ReplicatedStep:
     """The plain update: every bucket all-reduced in place, every rank updating every parameter."""
 
@@ -107,6 +115,15 @@ class ReplicatedStep:
 
     def finite(self, watchdog: Any, step: int) -> bool:
         return all_finite(self.flat.grads, self.flat.xp)  # the reduced buffer: the same verdict everywhere
+
+    @property
+    def shards(self) -> Shards:
+        """The averaged gradient as (lo, hi, g) pieces: here all of it, on every rank."""
+        return [(0, self.flat.size, self.flat.grads)]
+
+    def norms(self, watchdog: Any, step: int) -> TensorNorms:
+        """Where whole-tensor norms of the averaged gradient come from: this rank holds it all."""
+        return TensorNorms(self.flat.offsets, [(0, self.flat.size)])
 
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
         optimizer.step(lr)
@@ -126,12 +143,16 @@ class DataParallel:
     :meth:`train_step`; a caller that checks in itself (the CLI's loop) turns it off.
     """
 
-    def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, reducer: Reducer | None = None,
+    def __init__(self, model: Sequential, optimizer: Optimizer, comm: Any, *, reducer: Reducer | None = None,
                  loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
-                 timeline: Any = None, check_in: bool = True) -> None:
+                 timeline: Any = None, check_in: bool = True, clip_grad_norm: float | None = None,
+                 measure_grad_norm: bool = False) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
+        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
+            raise ValueError(f"clip_grad_norm must be a finite number >= 0 (0 or None: no clipping), got "
+                             f"{clip_grad_norm}")
         if model.flat is None:
             raise ValueError("materialize() the model before wrapping it")
         device = is_device_array(model.flat.params)
@@ -145,6 +166,9 @@ class DataParallel:
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.overlap, self.on_nan, self.check_in = overlap, on_nan, check_in
+        self.clip_grad_norm = clip_grad_norm or None  # the averaged gradient's largest global L2 norm
+        self.measure_grad_norm = measure_grad_norm  # compute last_grad_norm even without clipping
+        self._grad_norm: float | None = None
         self.skipped_steps = 0
         self.step_skipped = False  # whether the last train_step skipped its update (--on-nan skip)
         self.step_count = 0
@@ -159,7 +183,8 @@ class DataParallel:
             if self.sharded else ReplicatedStep(self.flat, self.reducer)
         self.loss = loss or SoftmaxCrossEntropy()
         self.times = StepTimes()
-        verify_same(self.comm, layout_digest(model_layout(model)), "the model (layers, shapes or dtype)")
+        verify_same(self.comm, layout_digest(model_layout(model) + optimizer_layout(optimizer)),
+                    "the model (layers, shapes or dtype) or the optimizer (its kind and state buffers)")
         # same shapes everywhere: gradients into memory the reducer reads in place, where it has any
         # (auto or shared with every rank on one node: mpisgd.comm.shared)
         shared = self.reducer.shared_buffer(self.flat.size, self.flat.dtype) \
@@ -173,10 +198,10 @@ class DataParallel:
 
     # -- start identical, check identical, continue -----------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Every rank takes ``root``'s parameters (and momentum, if any)."""
+        """Every rank takes ``root``'s parameters and optimizer state buffers (momentum, moments)."""
         bcast_(self.comm, self.flat.params, root)
-        if self.optimizer.velocity is not None:
-            bcast_(self.comm, self.optimizer.velocity, root)
+        for _, buf in sorted(self.optimizer.state_buffers().items()):
+            bcast_(self.comm, buf, root)
 
     def replica_checksums(self) -> list[str]:
         """Every rank's parameter digest (collective)."""
@@ -236,8 +261,9 @@ class DataParallel:
         with tl.span("optimizer"):
             # decided on the reduced gradient, so every rank takes the same branch
             finite = self.grads_finite()
+            self._grad_norm = None
             if finite:
-                self.update.apply(self.optimizer, lr, self.watchdog, self.step_count)
+                self._update(lr)
             elif self.on_nan == "stop":
                 raise NonFiniteError(f"non-finite gradient at step {self.step_count} (after the all-reduce); "
                                      "lower --lr, or pass --on-nan skip to skip such steps")
@@ -249,6 +275,21 @@ class DataParallel:
         times.steps += 1
         self.step_count += 1
         return loss_sum / m
+
+    def _update(self, lr: float) -> None:
+        """The step on the averaged gradient: first its global norm, when clipping or asked (from a
+        TensorNorms: sharded, every rank's pieces, so every rank clips alike), then the optimizer."""
+        if self.clip_grad_norm or self.measure_grad_norm:
+            norms = self.update.norms(self.watchdog, self.step_count)
+            self._grad_norm = clip_grad_norm_(self.update.shards, norms, self.clip_grad_norm)
+        self.update.apply(self.optimizer, lr, self.watchdog, self.step_count)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's averaged gradient, before clipping (the same on every
+        rank); None where it was not computed: neither clipping nor ``measure_grad_norm``, or a step
+        skipped for a non-finite gradient."""
+        return self._grad_norm
 
     def grads_finite(self) -> bool:
         """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
@@ -334,15 +375,16 @@ class DataParallel:
         self.times.comm_total_s += elapsed
 
     def gather_optimizer_state(self) -> None:
-        """Collective: make the momentum buffer whole on every rank (sharded: each rank updated only its
-        chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
-        if self.sharded and self.optimizer.velocity is not None:
-            self._gather(self.optimizer.velocity, f"momentum all-gather at step {self.step_count}")
+        """Collective: make every optimizer state buffer whole on every rank (sharded: each rank updated
+        only its chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
+        if self.sharded:
+            for name, buf in sorted(self.optimizer.state_buffers().items()):
+                self._gather(buf, f"optimizer state ({name}) all-gather at step {self.step_count}")
 
     # -- what it holds, what it runs ---------------------------------------------------------
     def buffer_nbytes(self) -> int:
-        """Bytes of this rank's training state: parameters, gradients, momentum and, sharded, the chunk
-        of the averaged gradient it receives."""
+        """Bytes of this rank's training state: parameters, gradients, the optimizer's buffers and,
+        sharded, the chunk of the averaged gradient it receives."""
         return int(self.flat.params.nbytes + self.flat.grads.nbytes) + self.update.nbytes() + \
             self.optimizer.buffer_nbytes()
 

@@ -84,10 +84,18 @@ def describe_model(model: Any) -> str:
 
 
 def describe_optimizer(cfg: Config) -> str:
-    """The update rule's settings, as given."""
-    name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
-    parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
-                       else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
+    """The update rule's settings, as given (those it reads)."""
+    if cfg.optimizer in ("adamw", "lamb"):
+        parts = ["AdamW" if cfg.optimizer == "adamw" else "LAMB",
+                 f"betas {cfg.beta1:g}, {cfg.beta2:g}, eps {cfg.eps:g}"]
+        if cfg.weight_decay:
+            parts.append(f"weight decay {cfg.weight_decay:g}" + (" (decoupled)" if cfg.optimizer == "adamw" else ""))
+    else:
+        name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
+        parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
+                           else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
+    if cfg.clip_grad_norm:
+        parts.append(f"gradient clipped to norm {cfg.clip_grad_norm:g}")
     return ", ".join(parts)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mpisgd import data, preflight
+from mpisgd.adam import LAMB, AdamW
 from mpisgd.agreement import ReplicaError, agree
 from mpisgd.backend import set_threads
 from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
@@ -27,7 +28,7 @@ from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, syntheti
 from mpisgd.lars import LARS
 from mpisgd.nn import Sequential, build_model
 from mpisgd.nn.models import check_output
-from mpisgd.optim import SGD
+from mpisgd.optim import SGD, Optimizer
 from mpisgd.parallel import DataParallel
 from mpisgd.report import peak_rss_mib
 from mpisgd.schedule import Schedule, effective_batch
@@ -63,7 +64,7 @@ class Run:
     threads_from: str
     data: RunData
     model: Sequential
-    optimizer: SGD
+    optimizer: Optimizer
     dp: DataParallel
     batches: GlobalBatches
     schedule: Schedule
@@ -150,6 +151,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          clip_grad_norm=cfg.clip_grad_norm,
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
@@ -196,7 +198,10 @@ def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunDa
         raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
-def _optimizer(cfg: Config, model: Sequential) -> SGD:
+def _optimizer(cfg: Config, model: Sequential) -> Optimizer:
+    if cfg.optimizer in ("adamw", "lamb"):
+        rule = AdamW if cfg.optimizer == "adamw" else LAMB
+        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
                     cfg.trust_coef)
@@ -247,7 +252,7 @@ def _restore(run: Run, state: TrainState | None) -> None:
         else:
             model.flat.params[...] = run.ctx.xp.asarray(state.params)
     agree(run.ctx.comm, error)
-    # rank 0's momentum (the others' is broadcast next), every rank's rate of the last step
-    optimizer.load_state(state.velocity if state is not None else None, plan.prev_lr)
-    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
+    # rank 0's state buffers (the others' are broadcast next), every rank's scalars (the plan's)
+    optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
     run.dp.restore(plan.global_step, plan.skipped_steps)

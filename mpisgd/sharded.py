@@ -3,15 +3,16 @@
 Each bucket of the flat gradient is reduce-scattered instead of all-reduced: rank r receives chunk r
 of the bucket's sum (``chunk_counts``: near-equal, in rank order) into its shard buffer, checks it,
 updates those parameters and their momentum, and an all-gather of the parameters, bucket by bucket,
-gives every rank the same new replica. The momentum buffer stays whole-sized (each rank keeps its
-own chunks current), so checkpoints do not change; :meth:`ShardedStep.gather_state` makes it whole
-before one is written. Element by element the update is the replicated one.
+gives every rank the same new replica. The optimizer's state buffers (momentum, Adam's moments) stay
+whole-sized, each rank keeping its own chunks current, so checkpoints do not change; DataParallel's
+``gather_optimizer_state`` makes them whole before one is written. Element by element the update is
+the replicated one.
 
 Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
 one small ``allreduce(LAND)`` makes it every rank's verdict), and the whole-tensor norms some update
-rules ask for (LARS): :class:`RankNorms` all-gathers each rank's partial squared norms and sums them
-in rank order, so every rank applies the same ratios, bitwise, whatever the MPI library's reduction
-order.
+rules ask for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms`
+all-gathers each rank's partial squared norms and sums them in rank order, so every rank applies the
+same ratios, bitwise, whatever the MPI library's reduction order.
 """
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ class ShardedStep:
         with watchdog.watching(f"finite-gradient vote of step {step}"):
             return bool(self.comm.allreduce(mine, op=MPI.LAND))
 
+    def norms(self, watchdog: Any, step: int) -> RankNorms:
+        """Whole-tensor norms of quantities held as this rank's chunks: every rank's pieces (collective)."""
+        return RankNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in self.shards], self.comm, watchdog, step)
+
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
         """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
-        norms = RankNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in self.shards], self.comm, watchdog, step)
-        optimizer.step_shards(lr, self.shards, norms)
+        optimizer.step_shards(lr, self.shards, self.norms(watchdog, step))
 
     def gather_(self, buf: Any, watchdog: Any, what: str) -> float:
         """Every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place (collective):

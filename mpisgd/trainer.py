@@ -133,7 +133,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def _save(self, epoch: int, step_in_epoch: int) -> Path | None:
         """Checkpoint of the state before step ``step_in_epoch`` of ``epoch`` (collective: the sharded step
-        gathers its momentum first). A write that fails (a full disk) warns and training goes on; the
+        gathers the optimizer's state first). A write that fails (a full disk) warns and training goes on; the
         checkpoints already written stay as they were."""
         run, cfg = self.run, self.cfg
         if step_in_epoch >= run.batches.steps_per_epoch:
@@ -142,10 +142,10 @@ class Trainer:
         self.saved_at = self.global_step
         if not run.is_root:  # only rank 0 writes; no collective, so nothing waits on it
             return None
-        opt = run.optimizer.state()
+        opt = run.optimizer
         state = TrainState(
             params=to_numpy(run.model.flat.params),
-            velocity=None if opt["velocity"] is None else to_numpy(opt["velocity"]), prev_lr=opt["prev_lr"],
+            buffers={name: to_numpy(buf) for name, buf in opt.state_buffers().items()}, optimizer_state=opt.state(),
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import run_mpi
@@ -16,9 +18,10 @@ from mpisgd.checkpoint import (
 )
 
 
-def state(step: int, n: int = 10) -> TrainState:
-    return TrainState(params=np.arange(n, dtype=np.float32) + step, velocity=np.ones(n, np.float32) * step,
-                      prev_lr=0.1, global_step=step, epoch=1, step_in_epoch=3, skipped_steps=0, world_size=2,
+def state(step: int, n: int = 10, **buffers: np.ndarray) -> TrainState:
+    return TrainState(params=np.arange(n, dtype=np.float32) + step,
+                      buffers=buffers or {"velocity": np.ones(n, np.float32) * step}, optimizer_state={"prev_lr": 0.1},
+                      global_step=step, epoch=1, step_in_epoch=3, skipped_steps=0, world_size=2,
                       effective_batch=64, config={"model": "mlp", "hidden": [8], "dtype": "float32"})
 
 
@@ -30,8 +33,56 @@ def test_round_trip_and_keep_newest(tmp_path):
     loaded = load_checkpoint(tmp_path / names[0])
     assert loaded.global_step == 40 and loaded.step_in_epoch == 3 and loaded.config["hidden"] == [8]
     np.testing.assert_array_equal(loaded.params, state(40).params)
-    np.testing.assert_array_equal(loaded.velocity, state(40).velocity)
+    np.testing.assert_array_equal(loaded.buffers["velocity"], state(40).buffers["velocity"])
+    assert loaded.optimizer_state == {"prev_lr": 0.1} and list(loaded.buffers) == ["velocity"]
     assert not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_every_state_buffer_and_scalar_round_trips(tmp_path):
+    """Adam's two moments and its step count (an int), the rate to the last bit."""
+    m, v = np.linspace(-1, 1, 10), np.linspace(0, 1e-9, 10)
+    written = state(5, exp_avg=m, exp_avg_sq=v)
+    written.optimizer_state = {"step": 5, "prev_lr": 0.1 / 3}
+    loaded = load_checkpoint(save_checkpoint(tmp_path, written))
+    assert sorted(loaded.buffers) == ["exp_avg", "exp_avg_sq"]
+    np.testing.assert_array_equal(loaded.buffers["exp_avg"], m)
+    np.testing.assert_array_equal(loaded.buffers["exp_avg_sq"], v)
+    assert loaded.optimizer_state == {"step": 5, "prev_lr": 0.1 / 3} and type(loaded.optimizer_state["step"]) is int
+    none = state(6)
+    none.buffers = {}  # SGD without momentum keeps no buffer
+    assert load_checkpoint(save_checkpoint(tmp_path, none)).buffers == {}
+
+
+def legacy(path, st: TrainState) -> None:
+    """``st`` as mpisgd wrote checkpoints before AdamW (format 1): momentum as velocity, rate as prev_lr."""
+    arrays = {"format": np.int64(1), "params": st.params,
+              "scalars": np.array([st.global_step, st.epoch, st.step_in_epoch, st.skipped_steps, st.world_size,
+                                   st.effective_batch], dtype=np.int64),
+              "prev_lr": np.float64(st.optimizer_state["prev_lr"]), "config": np.array(json.dumps(st.config)),
+              "data": np.array(json.dumps(st.data))}
+    if "velocity" in st.buffers:
+        arrays["velocity"] = st.buffers["velocity"]
+    np.savez(path, **arrays)
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    legacy(tmp_path / "ckpt-000000010.npz", state(10))
+    loaded = load_checkpoint(tmp_path / "ckpt-000000010.npz")
+    assert loaded.optimizer_state == {"prev_lr": 0.1} and list(loaded.buffers) == ["velocity"]
+    np.testing.assert_array_equal(loaded.buffers["velocity"], state(10).buffers["velocity"])
+
+
+@pytest.mark.parametrize("scalars", [{"step": float("nan")}, {"step": True}, {"prev_lr": "0.1"}, [1]])
+def test_bad_optimizer_state_is_refused(tmp_path, scalars):
+    bad = state(10)
+    bad.optimizer_state = scalars
+    with pytest.raises(CheckpointError, match="optimizer's state"):
+        load_checkpoint(save_checkpoint(tmp_path, bad))
+
+
+def test_a_state_buffer_of_another_size_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="exp_avg must be a 1-D float array of the parameters' size"):
+        load_checkpoint(save_checkpoint(tmp_path, state(10, exp_avg=np.zeros(9))))
 
 
 def test_truncated_checkpoint_is_a_clear_error_and_auto_falls_back(tmp_path):
@@ -96,9 +147,9 @@ ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "
         "--epochs", "3", "--batch-size", "16", "--progress", "off", "--nesterov", "--warmup-epochs", "1"]
 
 
-def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = ""):
+def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = "", base=ARGS):
     out = tmp_path / f"{name}.npz"
-    r = run_mpi(k, *ARGS, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
+    r = run_mpi(k, *base, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
     assert r.returncode == expect, r.stderr[-3000:]
     return (np.load(out)["flat"] if expect == 0 else None), r
 
@@ -144,6 +195,67 @@ def test_lars_run_resumes_bitwise(tmp_path):
                        *lars)
     assert "at step 30" in r.stdout and "LARS, trust coefficient 0.02" in r.stdout
     np.testing.assert_array_equal(resumed, full)
+
+
+ADAM_ARGS = [a for a in ARGS if a != "--nesterov"]  # Nesterov is SGD's
+
+
+@pytest.mark.parametrize("k,optimizer,shard", [(2, "adamw", False), (3, "adamw", True), (2, "lamb", True),
+                                               (3, "lamb", False)])
+def test_adam_runs_resume_bitwise(tmp_path, k, optimizer, shard):
+    """AdamW and LAMB keep two moments and a step count (and clipping no state): a run interrupted and
+    resumed ends bitwise where an uninterrupted one does; sharded, the checkpoint holds the moments
+    gathered whole."""
+    opts = ("--optimizer", optimizer, "--lr", "0.01", "--weight-decay", "0.01", "--clip-grad-norm", "0.5",
+            "--batch-size", str(48 // k), *(("--shard-optimizer", "--bucket-mb", "0.002") if shard else ()))
+    full, _ = final(tmp_path, "full", k, *opts, base=ADAM_ARGS)
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "crash", k, "--checkpoint-dir", ck, "--checkpoint-every", "30", *opts, expect=1, fail_at="50:1",
+          base=ADAM_ARGS)
+    saved = load_checkpoint(list_checkpoints(ck)[0])
+    assert saved.global_step == 30 and saved.optimizer_state == {"step": 30}
+    assert sorted(saved.buffers) == ["exp_avg", "exp_avg_sq"] and saved.buffers["exp_avg_sq"].min() >= 0
+    assert np.count_nonzero(saved.buffers["exp_avg"]) > 0.9 * saved.params.size  # every rank's chunks, gathered
+    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", ck, "--resume", "auto", *opts, base=ADAM_ARGS)
+    assert "at step 30" in r.stdout and f"optimizer: {'AdamW' if optimizer == 'adamw' else 'LAMB'}, " in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
+def test_a_checkpoint_of_format_1_resumes_bitwise(tmp_path):
+    """A checkpoint as mpisgd wrote them before AdamW (velocity, prev_lr; none of the new options in its
+    configuration) continues exactly as this version's own would."""
+    k, extra = 2, ("--batch-size", "24", "--momentum-correction")
+    full, _ = final(tmp_path, "full", k, *extra)
+    ck = tmp_path / "ck"
+    final(tmp_path, "crash", k, "--checkpoint-dir", str(ck), "--checkpoint-every", "30", *extra, expect=1,
+          fail_at="50:1")
+    path = list_checkpoints(ck)[0]
+    st = load_checkpoint(path)
+    for name in ("beta1", "beta2", "eps", "clip_grad_norm"):
+        del st.config[name]
+    legacy(path, st)
+    assert int(np.load(path)["format"]) == 1 and "velocity" in np.load(path).files
+    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", str(ck), "--resume", "auto", *extra)
+    assert "at step 30" in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
+def test_resume_with_another_optimizer_is_refused_unread_options_may_change(tmp_path):
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--epochs", "1", base=ADAM_ARGS)
+    _, r = final(tmp_path, "b", 2, "--checkpoint-dir", ck, "--epochs", "1", "--resume", "auto", "--optimizer",
+                 "adamw", expect=2, base=ADAM_ARGS)
+    assert r.stderr.count("mpisgd: error") == 1 and "--optimizer sgd -> adamw" in r.stderr, r.stderr
+    assert "--resume-allow optimizer" in r.stderr
+    ck2 = str(tmp_path / "ck2")
+    adamw = ("--optimizer", "adamw", "--lr", "0.01", "--epochs", "1")
+    final(tmp_path, "c", 2, "--checkpoint-dir", ck2, *adamw, base=ADAM_ARGS)
+    _, r = final(tmp_path, "d", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--momentum", "0.5",
+                 "--trust-coef", "1", base=ADAM_ARGS)  # neither is AdamW's: nothing changes
+    assert "the run is finished" in r.stdout and "changed" not in r.stdout, r.stdout
+    _, r = final(tmp_path, "e", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--beta2", "0.99",
+                 expect=2, base=ADAM_ARGS)
+    assert "--beta2 0.999 -> 0.99" in r.stderr, r.stderr
 
 
 def test_resume_with_other_k_and_same_effective_batch(tmp_path):
