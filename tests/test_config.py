@@ -22,6 +22,10 @@ def test_flags_map_to_fields():
     assert (cfg.batch_size, cfg.hidden, cfg.nesterov, cfg.lr) == (32, (64, 32), True, 0.5)
     cfg = parse_config(["--optimizer", "lars", "--trust-coef", "0.02"])
     assert (cfg.optimizer, cfg.trust_coef) == ("lars", 0.02) and Config().optimizer == "sgd"
+    cfg = parse_config(["--optimizer", "lamb", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6",
+                        "--clip-grad-norm", "1.5"])
+    assert (cfg.optimizer, cfg.beta1, cfg.beta2, cfg.eps, cfg.clip_grad_norm) == ("lamb", 0.8, 0.99, 1e-6, 1.5)
+    assert (Config().beta1, Config().beta2, Config().eps, Config().clip_grad_norm) == (0.9, 0.999, 1e-8, 0.0)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -41,6 +45,13 @@ def test_flags_map_to_fields():
     (["--trust-coef", "nan"], "trust-coef must be a finite number"),
     (["--trust-coef", "inf"], "trust-coef must be a finite number"),
     (["--optimizer", "adam"], "invalid choice"),
+    (["--beta1", "1"], r"--beta1 must be in \[0, 1\), got 1.0"),
+    (["--beta2", "-0.1"], "--beta2 must be in"),
+    (["--eps", "0"], "--eps must be > 0"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm must be >= 0"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number"),
+    (["--optimizer", "adamw", "--nesterov"], "--nesterov is for --optimizer sgd or lars, not adamw"),
+    (["--optimizer", "lamb", "--momentum-correction"], "--momentum-correction is for --optimizer sgd or lars"),
 ])
 def test_bad_values_raise_usage_error(argv, match):
     with pytest.raises(UsageError, match=match):

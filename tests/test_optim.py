@@ -282,3 +282,19 @@ def test_optimizer_state_bytes_are_what_it_keeps(momentum, level1, buffers):
     flat = FlatBuffer([(30, 20), (20,)], np.float32, np)
     opt = SGD(flat, momentum=momentum, level1=level1)
     assert opt.buffer_nbytes() == buffers * flat.nbytes
+
+
+def test_clipping_allocates_no_parameter_sized_temporary():
+    n = 1 << 20
+    flat = FlatBuffer([(n // 1024, 1024), (1024,)], np.float64, np)
+    whole, norms = [(0, flat.size, flat.grads)], TensorNorms(flat.offsets, [(0, flat.size)])
+    flat.grads[...] = 0.5
+    clip_grad_norm_(whole, norms, 1.0)
+    tracemalloc.start()
+    try:
+        flat.grads[...] = 0.5
+        norm = clip_grad_norm_(whole, norms, 1.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert norm == pytest.approx(0.5 * np.sqrt(flat.size)) and peak < n * 8 // 16, f"allocated {peak} bytes"

@@ -81,6 +81,23 @@ def test_lars_k_ranks_sharded_or_not_equal_one_rank(tmp_path, k):
     assert "optimizer: LARS, trust coefficient 0.02, momentum 0.9, weight decay 0.0001" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("k,optimizer", [(2, "adamw"), (3, "lamb")])
+def test_adam_family_with_clipping_k_ranks_sharded_or_not_equal_one_rank(tmp_path, k, optimizer):
+    """--optimizer adamw|lamb with --clip-grad-norm: k ranks, replicated or sharded, reach one rank's
+    parameters with k times the batch; the clipping reaches the step (without it the run differs)."""
+    opts = ("--optimizer", optimizer, "--lr", "0.005", "--clip-grad-norm", "0.05")
+    ref = train_params(tmp_path, 1, k * 16, *opts)
+    np.testing.assert_allclose(train_params(tmp_path, k, 16, *opts), ref, rtol=1e-9, atol=1e-12)
+    sharded = train_params(tmp_path, k, 16, *opts, "--shard-optimizer", "--bucket-mb", "0.002")
+    np.testing.assert_allclose(sharded, ref, rtol=1e-9, atol=1e-12)
+    assert not np.allclose(train_params(tmp_path, k, 16, *opts[:-2]), ref, rtol=1e-5)  # unclipped
+    r = run_mpi(1, *SYNTH, *opts, "--max-steps", "1", timeout=60)
+    name = "AdamW" if optimizer == "adamw" else "LAMB"
+    decay = " (decoupled)" if optimizer == "adamw" else ""
+    assert f"optimizer: {name}, betas 0.9, 0.999, eps 1e-08, weight decay 0.0001{decay}, gradient clipped to norm " \
+           "0.05 | " in r.stdout, r.stdout
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_real_data_short_run_writes_metrics(tmp_path, model):
