@@ -79,7 +79,8 @@ class Config:
                                    "w *= 1 - lr*wd; lamb: inside the trust-scaled update")
     optimizer: str = opt("sgd", "update rule: sgd; lars (SGD with a layer-wise trust ratio, You et al. 2017); adamw "
                                 "(Adam with decoupled weight decay, Loshchilov & Hutter); lamb (Adam's update with "
-                                "LARS's layer-wise trust ratio, You et al. 2019); docs/api.md, docs/large_batch.md",
+                                "LARS's layer-wise trust ratio, You et al. 2019), which want Adam-sized rates (--lr "
+                                "0.001-0.01); docs/api.md, docs/large_batch.md",
                          OPTIMIZERS)
     trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w|| (why 0.1, "
                                  "not the paper's 0.001: docs/large_batch.md, Tuning LARS)")
