@@ -6,12 +6,12 @@ Each check raises UsageError naming the problem; the trainer runs it on every ra
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from mpisgd.config import Config, UsageError
+from mpisgd.data import available_bytes
 from mpisgd.files import check_output_dir, check_output_file
 
 
@@ -61,25 +61,17 @@ def same_data(identity: dict[str, Any], comm: Any) -> None:
 
 def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:
     """A model that cannot fit is refused with an estimate, not a MemoryError on every rank (host memory;
-    before the model is materialised)."""
+    before the model is materialised). ``data_nbytes``: the data this rank holds in its own memory
+    (data.resident_nbytes: a memory-mapped set is the page cache's, shared by the node's ranks and read
+    as needed, so it does not count)."""
     n_params = sum(int(np.prod(shape)) for layer in model.layers for _, shape in layer.param_shapes)
     state = 3 * n_params * np.dtype(dtype).itemsize  # parameters, gradients, momentum
     need = state + data_nbytes
-    available = _available_bytes() / max(1, ranks_here)
+    available = available_bytes() / max(1, ranks_here)
     if need > 0.9 * available:
+        data_part = f", {data_nbytes / 2**30:.1f} GiB for the data it holds" if data_nbytes >= 2**29 else ""
         raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
-                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations), "
-                         f"but this node has {available / 2**30:.1f} GiB available per rank "
-                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node")
-
-
-def _available_bytes() -> float:
-    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations"
+                         f"{data_part}), but this node has {available / 2**30:.1f} GiB available per rank "
+                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node"
+                         + ("" if not data_part else ", or a directory of .npy files (memory-mapped, shared)"))

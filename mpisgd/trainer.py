@@ -79,8 +79,8 @@ class Trainer:
         xp = self.ctx.xp
         self.model = self._agreed(self._build_model)
         if not self.ctx.backend.is_gpu:
-            self._agreed(lambda: preflight.memory(self.model, cfg.dtype, self.train_set.images.nbytes +
-                                                  self.test_set.images.nbytes, self.ctx.local_size))
+            self._agreed(lambda: preflight.memory(self.model, cfg.dtype, data.resident_nbytes(
+                self.train_set, self.test_set), self.ctx.local_size))
         self.model.materialize(xp, cfg.dtype, cfg.seed)
         self._agreed(lambda: self._check_model_output(xp))
         if cfg.optimizer == "lars":
@@ -108,7 +108,7 @@ class Trainer:
         self.places = world.allgather((self.ctx.host, self.ctx.local_rank, self.ctx.backend.gpu_id))
         self.clock = Clock(world) if self.k > 1 and cfg.straggler_report else None  # the report's time base
         self.history: list[dict[str, Any]] = []
-        for w in resume_warnings:
+        for w in [*self.data_warnings, *resume_warnings]:
             self.log(f"warning: {w}")
         self._restore()
 
@@ -156,7 +156,8 @@ class Trainer:
             train = train.head(cfg.limit_train)
         if cfg.limit_test:
             test = test.head(cfg.limit_test)
-        classes = data.validate(train, test)
+        classes = data.validate(train, test, dtype=cfg.dtype)
+        self.data_warnings = data.label_warnings(train, test, classes)
         return train, test, source, {**data.identity(name, train, test), "classes": classes}
 
     def _build_model(self) -> Any:
