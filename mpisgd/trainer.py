@@ -20,10 +20,13 @@ from mpisgd.checkpoint import (
     CheckpointError,
     ResumePlan,
     RunDirectory,
+    SaveError,
     TrainState,
+    checkpoint_path,
     find_resume,
+    model_fallbacks,
+    model_structure,
     plan_resume,
-    save_checkpoint,
     save_params,
 )
 from mpisgd.comm import create_reducer
@@ -75,9 +78,10 @@ class Trainer:
         self.train_set, self.test_set, self.data_source, self.data_id = self._agreed(self._load_data)
         self.in_shape, self.n_classes = self.train_set.images.shape[1:], self.data_id["classes"]
         self._agreed(lambda: preflight.same_data(self.data_id, world))
-        self.resume, resume_warnings = self._agreed(self._plan_resume)
         xp = self.ctx.xp
-        self.model = self._agreed(self._build_model)
+        self.model = self._agreed(self._build_model)  # before resuming: the checkpoint's layers must match
+        self.structure = model_structure(self.model)
+        self.resume, resume_warnings = self._agreed(self._plan_resume)
         if not self.ctx.backend.is_gpu:
             self._agreed(lambda: preflight.memory(self.model, cfg.dtype, data.resident_nbytes(
                 self.train_set, self.test_set), self.ctx.local_size))
@@ -179,10 +183,11 @@ class Trainer:
         plan, warnings, error = None, [], None
         if self.is_root and cfg.resume != "no":
             try:
-                state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+                state, path, warnings = self.run_dir.find_resume(cfg.resume) if self.run_dir is not None \
+                    else find_resume(cfg.resume, cfg.checkpoint_dir)
                 if state is not None:
                     plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()),
-                                       cfg.allowed_changes(), self.k, self.data_id)
+                                       cfg.allowed_changes(), self.k, self.data_id, structure=self.structure)
                     self._state = state
             except CheckpointError as exc:
                 error = exc
@@ -240,9 +245,9 @@ class Trainer:
             prev_lr=-1.0 if self.optimizer.prev_lr is None else self.optimizer.prev_lr,
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=self.k, effective_batch=self.B,
-            config=cfg.to_dict(), data=self.data_id)
+            config=cfg.to_dict(), data=self.data_id, structure=self.structure)
         try:
-            return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
+            return self.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
@@ -257,9 +262,10 @@ class Trainer:
             self.log(line)
         if self.global_step >= self.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {self.total_steps}); nothing to train")
-            if self.cfg.save_model and self.is_root:
-                save_params(self.cfg.save_model, self.model)
-            return 0
+            status, where = self._save_model()
+            if where:
+                print(where, file=sys.stderr if status else sys.stdout, flush=True)
+            return status
         spe = self.batches.steps_per_epoch
         n_epochs = -(-self.total_steps // spe)
         stopped = None
@@ -307,8 +313,7 @@ class Trainer:
             self._end_epoch(epoch, steps, loss_sum, time.perf_counter() - t0)
         if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
             self._save(n_epochs - 1, spe)
-        self._finish()
-        return 0
+        return self._finish()
 
     def _stop(self, epoch: int, step: int) -> int:
         """Every rank stops before ``step`` of ``epoch`` (a SIGTERM reached one of them): checkpoint it."""
@@ -394,14 +399,36 @@ class Trainer:
             self.test_loader.buffer_nbytes()
         return held / 2**20
 
-    def _finish(self) -> None:
+    def _finish(self) -> int:
+        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
         cfg = self.cfg
-        if cfg.save_model and self.is_root:
-            save_params(cfg.save_model, self.model)
+        status, where = self._save_model()
         if cfg.timeline:
-            self.timeline.save(f"{cfg.timeline}.rank{self.rank}.json")
+            path = f"{cfg.timeline}.rank{self.rank}.json"
+            try:
+                self.timeline.save(path)
+            except OSError as exc:  # every rank writes its own: say which one failed, and go on
+                print(f"warning: rank {self.rank}: --timeline {path} not written ({exc.strerror or exc})", flush=True)
         for line in report.final_lines(self, time.perf_counter() - self.t_launch):
             self.log(line)
+        if where:  # the last line: where the model is, when not where asked
+            print(where, file=sys.stderr if status else sys.stdout, flush=True)
+        return status
+
+    def _save_model(self) -> tuple[int, str]:
+        """Rank 0 writes --save-model, or where that fails beside the checkpoints or in the temporary
+        directory: (0, "") as asked; (0, a warning saying where) elsewhere; (1, an error line) nowhere."""
+        if not (self.cfg.save_model and self.is_root):
+            return 0, ""
+        try:
+            where = save_params(self.cfg.save_model, self.model, model_fallbacks(self.cfg.checkpoint_dir))
+        except SaveError as exc:
+            ckpt = checkpoint_path(self.cfg.checkpoint_dir, self.global_step) if self.cfg.checkpoint_dir else None
+            kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""
+            return 1, f"mpisgd: error: {exc}{kept}"
+        if where == self.cfg.save_model:
+            return 0, ""
+        return 0, f"warning: --save-model {self.cfg.save_model} could not be written; the final model is in {where}"
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
