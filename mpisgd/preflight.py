@@ -6,12 +6,16 @@ Each check raises UsageError naming the problem; the trainer runs it on every ra
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mpisgd.checkpoint import is_run_file
 from mpisgd.config import Config, UsageError
-from mpisgd.data import available_bytes
+from mpisgd.data import available_bytes, input_files
 from mpisgd.files import check_output_dir, check_output_file
 
 
@@ -37,7 +41,11 @@ def device_options(cfg: Config, gpu: bool) -> None:
 
 
 def outputs(cfg: Config, rank: int) -> None:
-    """Every file this rank will write can be written: found now, not after the training."""
+    """Every file this rank will write can be written: found now, not after the training. On rank 0,
+    first: no output is an input (the data, the checkpoint to resume) or another output, none lies among
+    the checkpoint directory's own names, and none is one of the timeline's files."""
+    if rank == 0:
+        _no_collisions(cfg)
     if cfg.timeline:
         check_output_file(f"{cfg.timeline}.rank{rank}.json", "--timeline")
     if rank != 0:
@@ -47,6 +55,49 @@ def outputs(cfg: Config, rank: int) -> None:
     for path, what in ((cfg.save_model, "--save-model"), (cfg.metrics_file, "--metrics-file")):
         if path:
             check_output_file(path, what)
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    """The same file: one inode (a hard link, another spelling), or one resolved path (not yet there)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _no_collisions(cfg: Config) -> None:
+    """UsageError where an output would replace an input or another output (compared as resolved paths
+    and inodes)."""
+    outs = [(what, p) for what, p in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)) if p]
+    ins = [] if cfg.dataset == "synthetic" else [("--data", str(p)) for p in input_files(cfg.data, cfg.data_dir)]
+    if cfg.resume not in ("no", "auto"):
+        ins.append(("--resume", cfg.resume))
+    for what, p in outs:
+        for src, q in ins:
+            if _same(p, q):
+                raise UsageError(f"{what} {p} is the file {src} reads ({q}): the run would write over its own "
+                                 "input; choose another path")
+    if len(outs) == 2 and _same(outs[0][1], outs[1][1]):
+        raise UsageError(f"--save-model and --metrics-file name the same file ({outs[0][1]}): one would replace "
+                         "the other; give each its own path")
+    if cfg.timeline:
+        base = Path(cfg.timeline)
+        ours = re.compile(re.escape(base.name) + r"\.rank\d+\.json")
+        for what, p in outs + ins:
+            if ours.fullmatch(Path(p).name) and _same(Path(p).parent, base.parent or "."):
+                raise UsageError(f"{what} {p} is one of the files --timeline {cfg.timeline} writes "
+                                 f"({base.name}.rankN.json): give them different paths")
+    if cfg.checkpoint_dir:
+        ck = Path(cfg.checkpoint_dir)
+        for what, p in outs + [(w, q) for w, q in ins if w == "--data"]:
+            if _same(p, ck):
+                raise UsageError(f"{what} {p} is the --checkpoint-dir: choose another path")
+            if is_run_file(Path(p).name) and _same(Path(p).parent, ck):
+                raise UsageError(f"{what} {p} lies in --checkpoint-dir {ck} under a name of the checkpoints' (or "
+                                 "their lock's): a checkpoint would replace it, or pruning delete it; choose "
+                                 "another path")
 
 
 def same_data(identity: dict[str, Any], comm: Any) -> None:
