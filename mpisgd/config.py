@@ -24,7 +24,7 @@ class UsageError(ValueError):
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
             "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
-            "momentum_correction", "weight_decay", "max_steps", "reproducible")
+            "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "reproducible")
 STRUCTURE = ("model", "hidden", "dtype")
 
 
@@ -117,6 +117,9 @@ class Config:
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
+        for name in ("data", "data_dir", "checkpoint_dir", "save_model", "metrics_file", "timeline", "resume"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():  # an unset shell variable
+                raise UsageError(f"--{name.replace('_', '-')} is empty: give a path (an unset shell variable?)")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

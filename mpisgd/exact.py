@@ -93,12 +93,16 @@ class FixedPoint:
         xp = xp_of(g)
         tensors = self.tensors_in(lo, hi)
         pieces = [g[self.offsets[t] - lo:self.offsets[t + 1] - lo] for t in tensors]
-        sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
+        tiny = math.sqrt(float(np.finfo(g.dtype).tiny))  # below it, squares may have underflowed
         for t, piece, s in zip(tensors, pieces, sq):
             if not math.isfinite(s):  # NaN or Inf, or a finite gradient so large its squares overflow
                 if not bool(xp.isfinite(piece).all()):
                     self.nonfinite = True
                     continue
+                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
+            elif s < tiny:  # a vanishing gradient: its squares in its own dtype may have been lost
                 s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
             e = exponent_of(math.sqrt(s))
             self.needed[t] = max(int(self.needed[t]), e)
@@ -113,7 +117,7 @@ class FixedPoint:
         for t in self.tensors_in(lo, hi):
             a, b = self.offsets[t] - lo, self.offsets[t + 1] - lo
             x, factor = g[a:b], self.scale(t)  # a power of two: x * factor is exact
-            if math.isfinite(float(g.dtype.type(factor))):
+            if factor <= float(np.finfo(g.dtype).max):
                 factor = g.dtype.type(factor)
             else:  # beyond the dtype's range (a vanishing gradient): scale in float64
                 x = x.astype(np.float64)

@@ -20,7 +20,15 @@ from mpisgd import data, preflight
 from mpisgd.agreement import ReplicaError, agree
 from mpisgd.backend import environment as backend_environment
 from mpisgd.backend import set_threads
-from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
+from mpisgd.checkpoint import (
+    CheckpointError,
+    ResumePlan,
+    RunDirectory,
+    TrainState,
+    find_resume,
+    model_structure,
+    plan_resume,
+)
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, blas_threads, init
@@ -43,6 +51,7 @@ class RunData:
     test: Dataset
     source: str  # where it came from, for the banner
     identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
+    warnings: list[str] = field(default_factory=list)  # e.g. classes without a sample
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -77,6 +86,7 @@ class Run:
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
     environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
+    structure: dict[str, Any]  # the model's layers and shapes, kept in checkpoints (a resume must match)
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
 
     @property
@@ -137,18 +147,21 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
+    model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
+    structure = model_structure(model)
     with wd.watching("set-up: the checkpoint to resume"):
-        resume, state, warnings = _plan_resume(cfg, world, run_data.identity)
+        resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
+    warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
     environment = backend_environment(ctx.backend, threads)
     if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
         differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
                             if resume.environment.get(k) != v)
         warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
                         "--reproducible promises the same bits only on the same one")
-    model = stage("building the model", lambda: _build_model(cfg, run_data))
     if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
-                                                     run_data.test.images.nbytes, ctx.local_size))
+        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(run_data.train,
+                                                                                             run_data.test),
+                                                     ctx.local_size))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
@@ -171,7 +184,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, environment, warnings)
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, warnings)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
             _restore(run, state)
@@ -188,8 +201,9 @@ def _load_data(cfg: Config) -> RunData:
         train = train.head(cfg.limit_train)
     if cfg.limit_test:
         test = test.head(cfg.limit_test)
-    classes = data.validate(train, test)
-    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes})
+    classes = data.validate(train, test, dtype=cfg.dtype)
+    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes},
+                   data.label_warnings(train, test, classes))
 
 
 def _build_model(cfg: Config, run_data: RunData) -> Sequential:
@@ -233,18 +247,19 @@ def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None,
-                                                                          list[str]]:
+def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any], run_dir: RunDirectory | None,
+                 structure: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None, list[str]]:
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
     plan, state, warnings, error = None, None, [], None
     if world.Get_rank() == 0 and cfg.resume != "no":
         try:
-            state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+            state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
+                find_resume(cfg.resume, cfg.checkpoint_dir)
             if state is not None:
                 plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
-                                   world.Get_size(), identity)
+                                   world.Get_size(), identity, structure=structure)
         except CheckpointError as exc:
             error = exc
     agree(world, error)

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpisgd import report
 from mpisgd.backend import to_numpy
-from mpisgd.checkpoint import TrainState, save_checkpoint, save_params
+from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, model_fallbacks, save_params
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.inject import NoHooks
@@ -66,9 +66,10 @@ class Trainer:
             self.log(line)
         if self.global_step >= run.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {run.total_steps}); nothing to train")
-            if cfg.save_model and run.is_root:
-                save_params(cfg.save_model, run.model)
-            return 0
+            status, where = self._save_model()
+            if where:
+                print(where, file=sys.stderr if status else sys.stdout, flush=True)
+            return status
         spe = run.batches.steps_per_epoch
         for epoch in range(self.start_epoch, self.n_epochs):
             perm = epoch_permutation(len(run.data.train), cfg.seed, epoch)
@@ -91,8 +92,7 @@ class Trainer:
             self._end_epoch(epoch, steps, loss_sum, time.perf_counter() - t0)
         if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
             self._save(self.n_epochs - 1, spe)
-        self._finish()
-        return 0
+        return self._finish()
 
     @property
     def n_epochs(self) -> int:
@@ -151,9 +151,9 @@ class Trainer:
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
             grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
-            environment=run.environment)
+            environment=run.environment, structure=run.structure)
         try:
-            return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
+            return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
@@ -244,14 +244,37 @@ class Trainer:
             run.test_loader.buffer_nbytes()
         return held / 2**20
 
-    def _finish(self) -> None:
+    def _finish(self) -> int:
+        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
         run, cfg = self.run, self.cfg
-        if cfg.save_model and run.is_root:
-            save_params(cfg.save_model, run.model)
+        status, where = self._save_model()
         if cfg.timeline:
-            run.timeline.save(f"{cfg.timeline}.rank{run.rank}.json")
+            path = f"{cfg.timeline}.rank{run.rank}.json"
+            try:
+                run.timeline.save(path)
+            except OSError as exc:  # every rank writes its own: say which one failed, and go on
+                print(f"warning: rank {run.rank}: --timeline {path} not written ({exc.strerror or exc})", flush=True)
         for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch):
             self.log(line)
+        if where:  # the last line: where the model is, when not where asked
+            print(where, file=sys.stderr if status else sys.stdout, flush=True)
+        return status
+
+    def _save_model(self) -> tuple[int, str]:
+        """Rank 0 writes --save-model, or where that fails beside the checkpoints or in the temporary
+        directory: (0, "") as asked; (0, a warning saying where) elsewhere; (1, an error line) nowhere."""
+        cfg = self.cfg
+        if not (cfg.save_model and self.run.is_root):
+            return 0, ""
+        try:
+            where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir))
+        except SaveError as exc:
+            ckpt = checkpoint_path(cfg.checkpoint_dir, self.global_step) if cfg.checkpoint_dir else None
+            kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""
+            return 1, f"mpisgd: error: {exc}{kept}"
+        if where == cfg.save_model:
+            return 0, ""
+        return 0, f"warning: --save-model {cfg.save_model} could not be written; the final model is in {where}"
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
