@@ -97,7 +97,9 @@ class Config:
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
     stall_timeout_s: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
                                         "reached it (0: no watchdog)")
-    stall_abort: bool = opt(False, "abort the job when the stall check fires")
+    stall_abort: bool = opt(False, "abort the job as soon as the stall check fires")
+    stall_abort_s: float = opt(1800.0, "abort the job when a collective has waited this many seconds, reported or "
+                                       "not: the bound on every wait (0: never)")
     noise_scale_every: int = opt(4, "measure the gradient noise scale every N steps (0: never; "
                                     "docs/large_batch.md)")
     straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
@@ -172,8 +174,9 @@ class Config:
                             "noise-scale-every": self.noise_scale_every}.items():
             if value < 0:
                 raise UsageError(f"--{name} must be >= 0, got {value}")
-        if self.stall_timeout_s < 0:
-            raise UsageError(f"--stall-timeout-s must be >= 0, got {self.stall_timeout_s}")
+        if self.stall_timeout_s < 0 or self.stall_abort_s < 0:
+            raise UsageError(f"--stall-timeout-s and --stall-abort-s must be >= 0, got {self.stall_timeout_s} and "
+                             f"{self.stall_abort_s}")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
         for name in self.allowed_changes():
@@ -230,7 +233,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
                                "overwrite_checkpoints", "save_model"),
     "output and diagnostics": ("metrics_file", "timeline", "progress", "check_replicas", "stall_timeout_s",
-                               "stall_abort", "noise_scale_every", "straggler_report"),
+                               "stall_abort", "stall_abort_s", "noise_scale_every", "straggler_report"),
 }
 # earlier spellings still accepted
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}

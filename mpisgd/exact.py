@@ -57,7 +57,7 @@ class FixedPoint:
         self.exponents: np.ndarray | None = None  # E_t, agreed; None before the first step
         self.needed = np.full(self.n_tensors, NO_EXPONENT, dtype=np.int64)  # this step's own, on this rank
         self.overflow = False  # some micro-batch on this rank exceeded the bound
-        self.nonfinite = False  # some micro-batch on this rank held NaN or Inf
+        self.bad = np.zeros(self.n_tensors, dtype=bool)  # tensors that held NaN or Inf in some micro-batch
         self.sq_sum = 0.0  # this step's sum over micro-batches of the squared norm (noise-scale statistics)
 
     def set_terms(self, terms: int) -> None:
@@ -69,8 +69,14 @@ class FixedPoint:
 
     def start_step(self) -> None:
         self.needed[:] = NO_EXPONENT
-        self.overflow = self.nonfinite = False
+        self.overflow = False
+        self.bad[:] = False
         self.sq_sum = 0.0
+
+    @property
+    def nonfinite(self) -> bool:
+        """Some micro-batch on this rank held NaN or Inf."""
+        return bool(self.bad.any())
 
     def set_exponents(self, exponents: np.ndarray) -> None:
         """The exponents every rank agreed (the MAX over the ranks of :attr:`needed`)."""
@@ -99,7 +105,7 @@ class FixedPoint:
         for t, piece, s in zip(tensors, pieces, sq):
             if not math.isfinite(s):  # NaN or Inf, or a finite gradient so large its squares overflow
                 if not bool(xp.isfinite(piece).all()):
-                    self.nonfinite = True
+                    self.bad[t] = True
                     continue
                 s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
             elif s < tiny:  # a vanishing gradient: its squares in its own dtype may have been lost

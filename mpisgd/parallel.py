@@ -36,7 +36,7 @@ from mpisgd.nn.sequential import Sequential
 from mpisgd.optim import SGD, TensorNorms
 from mpisgd.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
-from mpisgd.watchdog import NullWatchdog
+from mpisgd.watchdog import default_watchdog
 
 FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
 CHECK_IN = 0x6D70_7367_645F_636B  # first word of a step check-in, so a peer in another collective shows
@@ -148,13 +148,16 @@ class DataParallel:
     ``reproducible``: gradients summed exactly in fixed point (mpisgd.exact), so that the parameters
     are the same bits for any number of ranks, strategy and bucket layout given the same micro-batches.
     ``noise_every``: measure the gradient-noise statistics every that many steps (0: never).
+    ``watchdog``: the stall watchdog its collectives report to (DataParallel closes it); without one, its
+    own: a wait of ``stall_timeout_s`` names the ranks that have not arrived, one of ``stall_abort_s``
+    ends the job (0: never; both 0: no watchdog).
     """
 
     def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, reducer: Reducer | None = None,
                  loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
                  timeline: Any = None, check_in: bool = True, reproducible: bool = False,
-                 noise_every: int = 0) -> None:
+                 noise_every: int = 0, stall_timeout_s: float = 300.0, stall_abort_s: float = 1800.0) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
@@ -180,7 +183,7 @@ class DataParallel:
         self.step_skipped = False  # whether the last train_step skipped its update (--on-nan skip)
         self.step_count = 0
         self.timeline = timeline or NullTimeline()
-        self.watchdog = watchdog or NullWatchdog()
+        self.watchdog = watchdog or default_watchdog(comm, stall_timeout_s, stall_abort_s)
         self.reducer = reducer if reducer is not None else create_reducer("auto", self.comm, device=device)
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}

@@ -848,3 +848,31 @@ def test_allreduce_benchmark_bad_input_is_one_line_and_exit_2(args: tuple[str, .
     errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
     assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("allreduce_bw: error: "), r.stderr
     assert says in errors[0] and "Traceback" not in r.stderr and "time_us" not in r.stdout, errors
+
+
+# -- start-up under the watchdog -------------------------------------------------------------------
+BLOCKING_FACTORY = """
+import os, time
+from mpisgd.nn import mlp
+
+def build(in_shape, n_classes):
+    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+        time.sleep(600)  # a factory that blocks on one rank (a lock, a download, input())
+    return mlp((16,), 784, n_classes)
+"""
+
+
+@pytest.mark.parametrize("abort", ["--stall-abort", "--stall-abort-s=4"])
+def test_a_set_up_stage_blocking_on_one_rank_is_named_and_the_job_ends(abort: str, tag: str, tmp_path: Path) -> None:
+    """Set-up runs under the watchdog: rank 1's model factory never returns, the others wait in the stage's
+    agreement; rank 0 names rank 1 and the job ends (at once with --stall-abort, at --stall-abort-s else)."""
+    (tmp_path / "blocking_model.py").write_text(BLOCKING_FACTORY)
+    t0 = time.monotonic()
+    r = run_mpi(2, *SYNTH, "--model", "blocking_model:build", "--stall-timeout-s", "2", abort, "--max-steps", "3",
+                timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
+                cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "set-up: building the model" in r.stderr and "ranks [1] have not" in r.stderr, r.stderr[-2000:]
+    assert elapsed < 60, f"{elapsed:.0f} s"
+    assert_no_rank_left(tag)
