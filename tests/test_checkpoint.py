@@ -160,8 +160,8 @@ def test_resume_with_other_k_and_same_effective_batch(tmp_path):
 def test_resume_with_other_effective_batch_is_refused(tmp_path):
     ck = str(tmp_path / "ck")
     final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1")
-    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--accum-steps", "1", "--checkpoint-dir", ck, "--resume", "auto",
-                 "--epochs", "1", expect=2)
+    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--accum-steps", "1", "--checkpoint-dir", ck,
+                 "--resume", "auto", "--epochs", "1", expect=2)
     assert r.stderr.count("mpisgd: error") == 1 and "effective batch B=32" in r.stderr and "Traceback" not in r.stderr
 
 

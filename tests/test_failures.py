@@ -868,9 +868,9 @@ def test_a_set_up_stage_blocking_on_one_rank_is_named_and_the_job_ends(abort: st
     agreement; rank 0 names rank 1 and the job ends (at once with --stall-abort, at --stall-abort-s else)."""
     (tmp_path / "blocking_model.py").write_text(BLOCKING_FACTORY)
     t0 = time.monotonic()
+    path = f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"
     r = run_mpi(2, *SYNTH, "--model", "blocking_model:build", "--stall-timeout-s", "2", abort, "--max-steps", "3",
-                timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
-                cwd=tmp_path)
+                timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": path}, cwd=tmp_path)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "set-up: building the model" in r.stderr and "ranks [1] have not" in r.stderr, r.stderr[-2000:]
