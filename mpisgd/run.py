@@ -122,14 +122,17 @@ def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective:
     return result
 
 
-def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
+def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], None] | None = None) -> Run:
     """Every set-up stage, in order (collective). ``watchdog`` watches their agreements, then the
-    training's collectives (DataParallel closes it)."""
+    training's collectives (DataParallel closes it); ``progress()`` is called after each stage."""
     t_launch = time.perf_counter()
     wd = watchdog
 
     def stage(what: str, fn: Callable[[], T], collective: bool = False) -> T:
-        return agreed(world, fn, wd, what, collective)
+        result = agreed(world, fn, wd, what, collective)
+        if progress is not None:
+            progress()
+        return result
 
     with wd.watching("set-up: finding the nodes and the device"):
         ctx = init(world, cfg.device)  # every rank ends on one kind of device, or all raise
@@ -149,6 +152,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
     model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
     structure = model_structure(model)
+    stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
