@@ -474,7 +474,7 @@ def test_deterministic_keeps_the_node_shared_buffer_with_the_deterministic_bits(
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
     assert has_det == (k > 2)  # at k = 2 any order of a + b gives the same bits: nothing changes
     if k > 2:
-        assert desc.startswith("node-shared buffer on this node, rank-order sums") and timed == []
+        assert desc == "node-shared buffer on this node, deterministic elsewhere" and timed == []
 
 
 def test_shared_with_deterministic_sums_its_other_buffers_in_rank_order():
