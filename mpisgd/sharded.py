@@ -1,18 +1,18 @@
 """The sharded step: each rank updates 1/k of the parameters (ZeRO stage 1's split of the update).
 
-Each bucket of the flat gradient is reduce-scattered instead of all-reduced: rank r receives chunk r
-of the bucket's sum (``chunk_counts``: near-equal, in rank order) into its shard buffer, checks it,
-updates those parameters and their momentum, and an all-gather of the parameters, bucket by bucket,
-gives every rank the same new replica. The optimizer's state buffers (momentum, Adam's moments) stay
-whole-sized, each rank keeping its own chunks current, so checkpoints do not change; DataParallel's
-``gather_optimizer_state`` makes them whole before one is written. Element by element the update is
+Rank r owns one contiguous part of the flat buffer. Each bucket of the gradient is reduce-scattered
+instead of all-reduced, every rank receiving the sum over its part's overlap with the bucket; each rank
+checks its part, updates those parameters and their momentum, and an all-gather of the parameters,
+bucket by bucket, gives every rank the same new replica. The optimizer's state buffers (momentum, Adam's
+moments) stay whole-sized, each rank keeping its own part current, so checkpoints do not change;
+DataParallel gathers them before one is written. Element by element, and call by call, the update is
 the replicated one.
 
-Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
-one small ``allreduce(LAND)`` makes it every rank's verdict), and the whole-tensor norms some update
-rules ask for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms`
-all-gathers each rank's partial squared norms and sums them in rank order, so every rank applies the
-same ratios, bitwise, whatever the MPI library's reduction order.
+Two things need every rank: whether the averaged gradient is finite (each rank sees only its part:
+one small all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask
+for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms` all-gathers each
+rank's partial squared norms and sums them in rank order, so every rank applies the same ratios,
+bitwise, whatever the MPI library's reduction order.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.blas import all_finite
-from mpisgd.comm.base import Handle, Reducer, chunk_counts
+from mpisgd.blas import finite_sq_norm
+from mpisgd.comm.base import Handle, Reducer
+from mpisgd.exact import BlockNorms, block_boundaries
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim import TensorNorms
 
@@ -45,42 +46,91 @@ class RankNorms(TensorNorms):
         return every.sum(axis=0)  # rank order, the same on every rank
 
 
-class ShardedStep:
-    """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges."""
+ALIGN = 256  # partition boundaries on multiples of this many elements (see ShardedStep)
 
-    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer) -> None:
+
+def partition(n: int, k: int, cuts: list[int]) -> list[int]:
+    """k + 1 bounds splitting [0, n) into k near-equal contiguous parts, each bound chosen among ``cuts``
+    (and 0, n); parts may be empty when n is small."""
+    allowed = sorted({0, n, *cuts})
+    bounds = [0]
+    for r in range(1, k):
+        target = n * r / k
+        bounds.append(max(bounds[-1], min(allowed, key=lambda p: (abs(p - target), p))))
+    return [*bounds, n]
+
+
+class ShardedStep:
+    """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges.
+
+    Rank r owns one contiguous part of the flat buffer (ZeRO's flat partition), [bounds[r], bounds[r+1]);
+    each bucket is reduce-scattered with every rank's share its part's overlap with the bucket, so this
+    rank's gradient arrives contiguous and its update is one call per buffer, as in the replicated step.
+    The bounds fall on multiples of ``ALIGN`` elements, so that a BLAS kernel, which may round the last
+    elements of a call (its scalar tail) differently from the others, splits every element alike in
+    both: the sharded step gives the replicated step's bits (with one BLAS thread per rank).
+
+    ``exact`` (the reproducible mode, mpisgd.exact): the buckets hold fixed-point integers, reduce-
+    scattered into an int64 buffer and converted into this rank's floats; the bounds fall on the blocks
+    of :class:`~mpisgd.exact.BlockNorms` instead, so whole-tensor norms do not depend on k."""
+
+    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
+                 exact: bool = False) -> None:
         covered = sorted(buckets)
         if covered[0][0] != 0 or covered[-1][1] != flat.size or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
             raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
-        self.flat, self.comm, self.reducer = flat, comm, reducer
+        self.flat, self.comm, self.reducer, self.exact = flat, comm, reducer, exact
         self.k, self.rank = comm.Get_size(), comm.Get_rank()
-        self.counts = [chunk_counts(b - a, self.k) for a, b in buckets]  # per bucket, each rank's chunk size
-        self.own: list[tuple[int, int]] = []  # per bucket, this rank's chunk [lo, hi) of the flat buffer
-        for (a, _), counts in zip(buckets, self.counts):
-            lo = a + sum(counts[:self.rank])
-            self.own.append((lo, lo + counts[self.rank]))
-        # this rank's chunks of the averaged gradient, back to back
-        self.grads = flat.xp.empty(sum(hi - lo for lo, hi in self.own), dtype=flat.dtype)
-        self.shards: list[tuple[int, int, Any]] = []  # (lo, hi, its gradient): what step_shards takes
-        offset = 0
-        for lo, hi in self.own:
-            self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
-            offset += hi - lo
+        n = flat.size
+        cuts = block_boundaries(flat.offsets) if exact else list(range(0, n, ALIGN))
+        self.bounds = partition(n, self.k, cuts)
+        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        self.grads = flat.xp.empty(hi - lo, dtype=flat.dtype)  # this rank's part of the averaged gradient
+        self.shards: list[tuple[int, int, Any]] = [(lo, hi, self.grads)]  # what step_shards takes
+        # what the buckets reduce-scatter into: the part itself, or (exact) its integers
+        self.recv = flat.xp.empty(hi - lo, dtype=np.int64) if exact else self.grads
         self.ranges = list(buckets)
+        self.counts = [[max(0, min(b, self.bounds[c + 1]) - max(a, self.bounds[c])) for c in range(self.k)]
+                       for a, b in buckets]  # per bucket, every rank's share of it
+        self._out = [self.recv[max(a, lo) - lo:max(min(b, hi), a, lo) - lo] for a, b in buckets]
 
-    def start(self, index: int, grads: Any) -> Handle:
-        """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
-        return self.reducer.start_reduce_scatter(grads, self.shards[index][2], self.counts[index])
+    @property
+    def own(self) -> list[tuple[int, int]]:
+        """This rank's part of the flat buffer, as [(lo, hi)]."""
+        return [(lo, hi) for lo, hi, _ in self.shards]
 
-    def finite(self, watchdog: Any, step: int) -> bool:
-        """Whether the whole averaged gradient is finite: this rank's chunks, then every rank's vote."""
-        mine = all_finite(self.grads, self.flat.xp)
+    def start(self, index: int, summed: Any) -> Handle:
+        """Begin bucket ``index``'s reduce-scatter: this rank's share of the sum into its part."""
+        return self.reducer.start_reduce_scatter(summed, self._out[index], self.counts[index])
+
+    def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
+        """Whether the whole averaged gradient is finite, and its squared norm: this rank's chunks, then
+        every rank's (one small all-reduce: the count of non-finite chunks, the squared norms)."""
+        ok, sq = finite_sq_norm(self.grads, self.flat.xp)
+        votes = np.array([0.0 if ok else 1.0, sq if ok else 0.0])
         with watchdog.watching(f"finite-gradient vote of step {step}"):
-            return bool(self.comm.allreduce(mine, op=MPI.LAND))
+            self.comm.Allreduce(MPI.IN_PLACE, votes, op=MPI.SUM)
+        return bool(votes[0] == 0), float(votes[1])
 
-    def norms(self, watchdog: Any, step: int) -> RankNorms:
-        """Whole-tensor norms of quantities held as this rank's chunks: every rank's pieces (collective)."""
-        return RankNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in self.shards], self.comm, watchdog, step)
+    def decode(self, codec: Any, summed: Any) -> None:
+        """Exact: this rank's integers to its floats."""
+        lo, hi, g = self.shards[0]
+        codec.decode(self.recv, g, lo, hi)
+
+    def sq_norm_share(self, k: int) -> float:
+        """This rank's part of |G|^2 (summed over the ranks: |G|^2)."""
+        return finite_sq_norm(self.grads, self.flat.xp)[1]
+
+    def norms(self, watchdog: Any, step: int) -> Any:
+        """Whole-tensor norms over every rank's chunks (what an update rule that needs them is given)."""
+        ranges = [(lo, hi) for lo, hi, _ in self.shards]
+        if not self.exact:
+            return RankNorms(self.flat.offsets, ranges, self.comm, watchdog, step)
+
+        def gather(mine: Any) -> Any:
+            with watchdog.watching(f"tensor-norm all-gather of step {step}"):
+                return self.comm.allgather(mine)
+        return BlockNorms(self.flat.offsets, ranges, gather)
 
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
         """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
@@ -98,5 +148,5 @@ class ShardedStep:
         return time.perf_counter() - t0
 
     def nbytes(self) -> int:
-        """The shard buffer's bytes (what this rank holds beyond the replicated step's state)."""
-        return int(self.grads.nbytes)
+        """The part's buffers' bytes (what this rank holds beyond the replicated step's state)."""
+        return int(self.grads.nbytes) + (int(self.recv.nbytes) if self.exact else 0)
