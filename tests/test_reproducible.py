@@ -183,3 +183,18 @@ def test_resuming_on_another_k_is_bitwise_and_the_banner_says_what_the_bits_need
     assert np.array_equal(whole, resumed)
     r = run_mpi(2, *CLI, "--hidden", "64", "--max-steps", "2", timeout=300)
     assert "reproducible: the same bits for any k dividing B/b = 12" in r.stdout and "thread(s)" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_adam_family_with_clipping_resumes_on_another_k_bitwise(tmp_path, optimizer):
+    """Their moments and step count in the checkpoint, gathered from k = 2's parts, continue on k = 3 to
+    one rank's bits."""
+    opts = ("--hidden", "64", "--optimizer", optimizer, "--lr", "0.002", "--weight-decay", "0.01",
+            "--clip-grad-norm", "0.1")
+    whole = cli_params(tmp_path, 1, "whole", *opts)
+    ck = str(tmp_path / "ck")
+    r = run_mpi(2, *CLI, *opts, "--checkpoint-dir", ck, "--checkpoint-every", "10",
+                env={"MPISGD_FAIL_AT_STEP": "15"}, timeout=300)
+    assert r.returncode == 1
+    resumed = cli_params(tmp_path, 3, "resumed", *opts, "--checkpoint-dir", ck, "--resume", "auto")
+    assert np.array_equal(whole, resumed)
