@@ -242,9 +242,9 @@ def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
         why = "--shard-optimizer" if asked else "--no-shard-optimizer"
         return asked and k > 1, why + (": nothing to split at k=1" if asked and k == 1 else "")
     if gpu:
-        return False, "default: not on a GPU"
+        return False, "default on a GPU"
     if k == 1:
-        return False, "default: nothing to split at k=1"
+        return False, "nothing to split at k=1"
     return True, "default at k >= 2 on host buffers"
 
 
