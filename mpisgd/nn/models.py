@@ -96,7 +96,18 @@ def check_output(model: Sequential, xp: object, in_shape: tuple[int, ...], n_cla
         out = model.forward(xp.zeros((1, *in_shape), dtype=dtype))  # type: ignore[attr-defined]
     except Exception as exc:
         raise ValueError(f"the model cannot take samples of shape {tuple(in_shape)} "
-                         f"({type(exc).__name__}: {exc})") from None
+                         f"({type(exc).__name__}: {exc}){_layout_hint(model)}") from None
     if tuple(out.shape) != (1, n_classes):
         raise ValueError(f"the model gives {tuple(out.shape[1:])} outputs per sample; the data have {n_classes} "
                          "classes (labels 0..C-1), so it must give one score per class")
+
+
+def _layout_hint(model: Sequential) -> str:
+    """Where a convolution sees the batch first: the likely cause, and the fix."""
+    kinds = [type(layer) for layer in model.layers]
+    first = next((i for i, k in enumerate(kinds) if k in (Conv2d, MaxPool2d)), None)
+    if first is None or Permute in kinds[:first]:
+        return ""
+    return ("; mpisgd's Conv2d and MaxPool2d take the batch last (C x H x W x N): start the convolutional "
+            "layers with Permute((1, 2, 3, 0)) and end them with Permute((3, 0, 1, 2)) before Flatten, as "
+            "examples/model_factory.py does")
