@@ -106,8 +106,8 @@ class Config:
     resume_allow: str = opt("", "comma-separated options a resumed run may change on purpose (e.g. lr,epochs); "
                                 "any other difference from the checkpoint's run is refused")
     overwrite_checkpoints: bool = opt(False, "a fresh run may delete another run's checkpoints in --checkpoint-dir")
-    progress: str = opt("auto", "progress bar on rank 0: auto (when stderr is a terminal; under mpiexec it is "
-                                "not), on, off", ("auto", "on", "off"))
+    progress: str = opt("auto", "progress bar on rank 0: auto (when it reaches a terminal: rank 0's stderr, or "
+                                "under mpiexec the launcher's), on, off", ("auto", "on", "off"))
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -30,14 +31,56 @@ class _NoBar:
 
 
 def progress_bar(total: int, mode: str, desc: str) -> Any:
-    """A tqdm bar on stderr: with ``on`` always (under mpiexec rank 0's stderr is a pipe that the launcher
-    forwards, so only ``on`` shows one there), with ``auto`` only when stderr is a terminal."""
-    if mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+    """A tqdm bar on stderr: with ``on`` always, with ``auto`` when it reaches a terminal: stderr is one,
+    or, under mpiexec (where rank 0's stderr is a pipe the launcher forwards), the launcher's is. A log
+    redirected to a file gets no bar."""
+    direct = sys.stderr.isatty()
+    tty = None if direct or mode == "off" else launcher_terminal()
+    if mode == "off" or (mode == "auto" and not direct and tty is None):
         return _NoBar()
     from tqdm import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5,
-                dynamic_ncols=sys.stderr.isatty(), ncols=None if sys.stderr.isatty() else 100)
+                dynamic_ncols=direct, ncols=None if direct else _columns(tty))
+
+
+LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")  # process names (Linux's comm) of MPI launchers
+
+
+@functools.cache
+def launcher_terminal() -> str | None:
+    """The terminal (e.g. /dev/pts/3) that the MPI launcher which started this process writes its stderr
+    to; None when there is none: no launcher among the nearest ancestors (or no /proc to ask), or the
+    launcher's stderr is a file or a pipe (a redirected log, a test harness)."""
+    pid = os.getppid()
+    for _ in range(4):  # rank <- hydra_pmi_proxy <- mpiexec (hydra); rank <- mpirun (Open MPI)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(LAUNCHERS):
+                target = os.readlink(f"/proc/{pid}/fd/2")
+                return target if target.startswith(("/dev/pts/", "/dev/tty")) else None
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
+
+
+def _columns(tty: str | None) -> int:
+    """The width of terminal ``tty`` (100 where it cannot be read)."""
+    if tty:
+        try:
+            fd = os.open(tty, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+            try:
+                return os.get_terminal_size(fd).columns
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    return 100
 
 
 def fit(line: str) -> str:
