@@ -36,10 +36,12 @@ class CheckpointError(UsageError):
     """A checkpoint that cannot be used (corrupt, truncated, incompatible)."""
 
 
-def save_params(path: str, model: Any) -> None:
-    """The flat parameter vector and each named parameter, as NumPy arrays."""
+def save_params(path: str, model: Any, meta: dict[str, Any] | None = None) -> None:
+    """The flat parameter vector and each named parameter, as NumPy arrays, and ``meta``, what model it is
+    (mpisgd.model_file.describe), as JSON: the file mpisgd.load_model reads (docs/api.md)."""
     named = {name: to_numpy(p) for name, p in model.named_parameters()}
-    atomic_write(path, lambda f: np.savez(f, flat=to_numpy(model.flat.params), **named))
+    extra = {"meta": np.array(json.dumps(meta))} if meta else {}
+    atomic_write(path, lambda f: np.savez(f, flat=to_numpy(model.flat.params), **named, **extra))
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainState:
     effective_batch: int
     config: dict[str, Any]
     data: dict[str, Any] = field(default_factory=dict)  # the data set: name, sizes, fingerprint
+    model: dict[str, Any] = field(default_factory=dict)  # what model it is (mpisgd.model_file.describe)
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -82,6 +85,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
     }
     if state.velocity is not None:
         arrays["velocity"] = state.velocity
+    if state.model:
+        arrays["model"] = np.array(json.dumps(state.model))
     atomic_write(path, lambda f: np.savez(f, **arrays))
     for old in list_checkpoints(directory)[keep:]:
         old.unlink(missing_ok=True)
@@ -101,7 +106,8 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
                 params=z["params"], velocity=z["velocity"] if "velocity" in z.files else None,
                 prev_lr=float(z["prev_lr"]), global_step=int(s[0]), epoch=int(s[1]), step_in_epoch=int(s[2]),
                 skipped_steps=int(s[3]), world_size=int(s[4]), effective_batch=int(s[5]),
-                config=json.loads(str(z["config"])), data=json.loads(str(z["data"])) if "data" in z.files else {})
+                config=json.loads(str(z["config"])), data=json.loads(str(z["data"])) if "data" in z.files else {},
+                model=json.loads(str(z["model"])) if "model" in z.files else {})
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:

@@ -104,8 +104,11 @@ def rank_map(places: list[tuple[str, int, int | None]]) -> str:
 
 
 def format_epoch(r: dict[str, Any], epochs: int) -> str:
-    """One epoch: loss, accuracy, speed, the share of the step spent waiting for communication."""
-    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  test_acc {r['test_acc']:.4f}  "
+    """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
+    waiting for communication."""
+    held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
+        (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
+    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
             f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
             f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s")
 
@@ -152,7 +155,9 @@ def banner(run: Run) -> list[str]:
         f"device: {device}",
         f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
         f"{describe_model(run.model)}",
-        f"data: {run.data.source} | {len(train):,} train, {len(test):,} test | samples "
+        f"data: {run.data.source} | {len(train):,} train, " + (f"{len(run.data.val):,} validation (--val-split "
+                                                                f"{cfg.val_split:g}), " if run.data.val else "") +
+        f"{len(test):,} test | samples "
         f"{'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, {run.data.n_classes} classes",
         f"batch: b={cfg.batch_size} per rank x k={run.k} x m={cfg.accum_steps} accumulated = B={run.B} | "
         f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
@@ -193,14 +198,20 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
-def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float) -> list[str]:
-    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy, time, memory in parts."""
+def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float,
+                test: dict[str, Any] | None = None) -> list[str]:
+    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy (the last epoch's, or ``test``:
+    the test set scored once after training), time, memory in parts."""
     last = history[-1] if history else {}
     lines = []
     if run.k > 1 and last.get("bucket_busbw_gbps"):
         lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
                      f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
-    acc = f"{last['test_acc']:.4f}" if last else "n/a (no epoch finished)"
+    if last and "val_acc" in last:
+        lines.append(f"validation accuracy {last['val_acc']:.4f} (loss {last['val_loss']:.4f}) at the last epoch; "
+                     "the test set scored once, after training:")
+    acc = f"{test['test_acc']:.4f}" if test else f"{last['test_acc']:.4f}" if "test_acc" in last else \
+        "n/a (no epoch finished)"
     lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
     if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
         lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))

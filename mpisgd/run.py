@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpisgd import data, preflight
+from mpisgd import data, preflight, run_files
 from mpisgd.agreement import ReplicaError, agree
 from mpisgd.backend import set_threads
 from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
@@ -42,6 +42,7 @@ class RunData:
     test: Dataset
     source: str  # where it came from, for the banner
     identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
+    val: Dataset | None = None  # the validation samples held out of the training set (--val-split)
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -76,6 +77,7 @@ class Run:
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
+    val_loader: BatchLoader | None = None  # the validation set's (--val-split)
 
     @property
     def k(self) -> int:
@@ -126,6 +128,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     stage("the options", lambda: preflight.same_options(cfg, world), collective=True)
     stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
     stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank))  # a path that cannot be written fails now
+    stage("the configuration's copies and TensorBoard", lambda: run_files.check(cfg, ctx.rank))
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
@@ -139,7 +142,9 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     model = stage("building the model", lambda: _build_model(cfg, run_data))
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
-                                                     run_data.test.images.nbytes, ctx.local_size))
+                                                     run_data.test.images.nbytes + (run_data.val.images.nbytes
+                                                                                    if run_data.val else 0),
+                                                     ctx.local_size))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
@@ -161,10 +166,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, warnings)
+              timeline, run_dir, resume, rss_start_mib, t_launch, warnings,
+              val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
             _restore(run, state)
+    if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
+        run.warnings += run_files.write_config(cfg, ctx.size)
     return run
 
 
@@ -179,7 +187,12 @@ def _load_data(cfg: Config) -> RunData:
     if cfg.limit_test:
         test = test.head(cfg.limit_test)
     classes = data.validate(train, test)
-    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes})
+    identity = {**data.identity(name, train, test), "classes": classes}
+    if not cfg.val_split:
+        return RunData(train, test, source, identity)
+    train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k
+    identity.update(n_train=len(train), val_split=cfg.val_split, n_val=len(val))  # a resume keeps the split
+    return RunData(train, test, source, identity, val)
 
 
 def _build_model(cfg: Config, run_data: RunData) -> Sequential:
