@@ -15,7 +15,6 @@ protobuf, no TensorFlow or PyTorch. It is imported only when the option is given
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from typing import Any
@@ -33,9 +32,8 @@ _TAGS = {("test", "test_acc"): "test/acc", ("test", "test_loss"): "test/loss"}
 
 
 def check_installed() -> None:
-    """UsageError (one line, at set-up) when the writer library is missing (found, not imported)."""
-    if importlib.util.find_spec("tensorboardX") is None:
-        raise UsageError(MISSING)
+    """UsageError (one line, at set-up) when the writer library is missing or does not import."""
+    _summary_writer()
 
 
 def _summary_writer() -> Any:
