@@ -107,9 +107,18 @@ def table(counts: np.ndarray, names: tuple[str, ...] | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI  # noqa: PLC0415
 
-    from mpisgd.agreement import AgreedError, agree  # noqa: PLC0415
+    from mpisgd.abort import guard  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
+    with guard(comm):  # anything else that fails on one rank ends the job, rather than a wait in a collective
+        return _main(argv, comm)
+
+
+def _main(argv: list[str] | None, comm: Any) -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpisgd.agreement import AgreedError, agree  # noqa: PLC0415
+
     rank, size = comm.Get_rank(), comm.Get_size()
     error: BaseException | None = None
     try:

@@ -145,6 +145,27 @@ def test_python_blocks_run(where, then, code):
     assert r.returncode == 0, f"{where}: the block (then {then!r}) failed:\n{(r.stdout + r.stderr)[-3000:]}"
 
 
+def toml_texts() -> list[tuple[str, str]]:
+    """(where, text) of every ```toml block in the docs and every examples/*.toml."""
+    found = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "examples").glob("*.toml"))]
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == "```toml":
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+                found.append((f"{doc.relative_to(ROOT)}:{i + 1}", "\n".join(lines[i + 1:end])))
+    return found
+
+
+@pytest.mark.parametrize("where,text", toml_texts(), ids=[w for w, _ in toml_texts()])
+def test_config_files_in_the_docs_are_ones_config_reads(where, text):
+    import tomllib
+
+    from mpisgd.config_file import values
+
+    assert values(tomllib.loads(text), where)  # raises UsageError naming a bad key or type
+
+
 def test_skipped_blocks_say_why():
     vague = [where for where, marker, _ in ALL if marker and "skip:" in marker and len(MARK.search(marker)
                                                                                          .group("why")) < 15]

@@ -125,7 +125,8 @@ def test_an_older_checkpoint_of_an_mlp_loads(tmp_path):
 
 @pytest.mark.parametrize("case,says", [
     ("missing", "no such file"), ("text", "is not a model file"), ("other npz", "holds neither"),
-    ("empty dir", "a directory with no usable checkpoint"), ("classes", "scores 3 classes; this data has labels up to 9"),
+    ("empty dir", "a directory with no usable checkpoint"),
+    ("classes", "scores 3 classes; this data has labels up to 9"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, case, says):
     path = tmp_path / "x.npz"
