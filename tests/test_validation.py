@@ -95,3 +95,32 @@ def test_a_resume_keeps_the_split_or_is_refused(tmp_path):
     assert "--resume-allow data" in other.stderr
     same = run_mpi(2, *common, "--val-split", "0.2", "--resume", "auto")
     assert same.returncode == 0 and "the run is finished" in same.stdout, same.stderr
+
+
+@pytest.mark.mpi
+def test_every_rank_holds_out_the_same_samples():
+    from conftest import world
+
+    rest, val = hold_out(synthetic(999, seed=2), 0.15, seed=7)
+    mine = (rest.rows.tobytes(), val.labels.tobytes(), val.images.tobytes())
+    assert all(other == mine for other in world().allgather(mine))
+
+
+@pytest.mark.mpi
+def test_counts_summed_over_ranks_equal_one_process_counts():
+    """mpisgd.evaluate's scoring: each rank its share, the sums equal one process scoring everything."""
+    from conftest import world
+    from mpi4py import MPI
+
+    from mpisgd.evaluate import score
+    from mpisgd.nn import build_model
+
+    comm = world()
+    model = build_model("mlp", (1, 28, 28), 10, (16,)).materialize(np, "float64", seed=1)
+    test = synthetic(301, seed=3, split=1)
+    counts = score(model, test, 10, 32, comm.Get_rank(), comm.Get_size())
+    comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    ref = score(model, test, 10, 32, 0, 1)
+    np.testing.assert_array_equal(counts[:, :2], ref[:, :2])
+    np.testing.assert_allclose(counts[:, 2], ref[:, 2], rtol=1e-12)
+    assert counts[:, 0].sum() == 301
