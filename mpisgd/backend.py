@@ -106,3 +106,22 @@ def set_threads(n: int) -> None:
     from threadpoolctl import threadpool_limits  # noqa: PLC0415 - only the CLI needs it
 
     threadpool_limits(n)
+
+
+def environment(backend: Backend, threads: int) -> dict[str, str | int]:
+    """What a run's exact bits depend on besides its inputs: the BLAS and its threads, NumPy (or the GPU),
+    the CPU model. Two runs that differ here may round differently (docs/reproducible.md)."""
+    if backend.is_gpu:
+        return {"device": backend.gpu_name, "array": f"cupy {backend.xp.__version__}"}
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')})"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"blas": ", ".join(blas) or "none found", "threads": threads, "array": f"numpy {np.__version__}",
+            "cpu": cpu or "unknown"}

@@ -1,12 +1,12 @@
 """BLAS level 1 for the optimizer's whole-buffer updates, from the BLAS that NumPy itself loaded.
 
 NumPy has no axpy: ``w -= lr * v`` is two passes over the buffer (the product into a temporary, then
-the subtraction), and ``v = mu * v + g`` two more. BLAS does each in one pass, and ``asum`` checks a
-gradient for NaN and Inf faster than ``sum`` (what that saves: docs/benchmarks.md, "Where a step's
-time goes"). No new dependency: the routines are looked up in the library NumPy already mapped (the
-wheel's scipy-openblas, or a system OpenBLAS, MKL or reference BLAS), checked once on a small case,
-and NumPy's ufuncs are used whenever something is missing or disagrees, and for every array that is
-not a contiguous float32/float64 NumPy array (CuPy arrays included).
+the subtraction), and ``v = mu * v + g`` two more. BLAS does each in one pass (what that saves:
+docs/benchmarks.md, "Where a step's time goes"). No new dependency: the routines are looked up in the
+library NumPy already mapped (the wheel's scipy-openblas, or a system OpenBLAS, MKL or reference
+BLAS), checked once on a small case, and NumPy's ufuncs are used whenever something is missing or
+disagrees, and for every array that is not a contiguous float32/float64 NumPy array (CuPy arrays
+included).
 
 Results may differ from the ufuncs in the last bit (BLAS fuses the multiply-add); every rank runs
 the same library, so replicas stay identical.
@@ -15,6 +15,7 @@ the same library, so replicas stay identical.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from functools import cache
 from typing import Any
@@ -27,10 +28,10 @@ _MAX_N = 2**31 - 1  # what an LP64 library can take; larger buffers use the ufun
 
 
 class Level1:
-    """axpy, axpby and asum for one dtype, on contiguous 1-D NumPy arrays."""
+    """axpy and axpby for one dtype, on contiguous 1-D NumPy arrays."""
 
-    def __init__(self, axpy: Any, axpby: Any, asum: Any, ctype: Any) -> None:
-        self._axpy, self._axpby, self._asum, self._c = axpy, axpby, asum, ctype
+    def __init__(self, axpy: Any, axpby: Any, ctype: Any) -> None:
+        self._axpy, self._axpby, self._c = axpy, axpby, ctype
 
     def axpy(self, a: float, x: np.ndarray, y: np.ndarray) -> None:
         """y += a * x."""
@@ -39,10 +40,6 @@ class Level1:
     def axpby(self, a: float, x: np.ndarray, b: float, y: np.ndarray) -> None:
         """y = a * x + b * y."""
         self._axpby(x.size, self._c(a), x.ctypes.data, 1, self._c(b), y.ctypes.data, 1)
-
-    def asum(self, x: np.ndarray) -> float:
-        """The sum of |x|: NaN or Inf when x holds one."""
-        return float(self._asum(x.size, x.ctypes.data, 1))
 
 
 def level1_for(*arrays: Any) -> Level1 | None:
@@ -68,14 +65,13 @@ def _level1(char: str) -> Level1 | None:
             continue
         for spelling in _SPELLINGS:
             try:
-                axpy, axpby, asum = (getattr(lib, spelling.format(prefix + name)) for name in ("axpy", "axpby", "asum"))
+                axpy, axpby = (getattr(lib, spelling.format(prefix + name)) for name in ("axpy", "axpby"))
             except AttributeError:
                 continue
             n, p = ctypes.c_int64, ctypes.c_void_p
             axpy.argtypes, axpy.restype = [n, ctype, p, n, p, n], None
             axpby.argtypes, axpby.restype = [n, ctype, p, n, ctype, p, n], None
-            asum.argtypes, asum.restype = [n, p, n], ctype
-            found = Level1(axpy, axpby, asum, ctype)
+            found = Level1(axpy, axpby, ctype)
             if _agrees(found, np.dtype(char)):
                 return found
     return None
@@ -95,7 +91,7 @@ def _numpy_blas_paths() -> list[str]:
 
 
 def _agrees(l1: Level1, dtype: np.dtype) -> bool:
-    """One small case against the ufuncs: right argument types, right answers, NaN seen by asum."""
+    """One small case against the ufuncs: right argument types, right answers."""
     rng = np.random.default_rng(0)
     x, y = (rng.standard_normal(37).astype(dtype) for _ in range(2))
     want = y + np.asarray(0.5, dtype) * x
@@ -104,16 +100,15 @@ def _agrees(l1: Level1, dtype: np.dtype) -> bool:
         return False
     want = np.asarray(2.0, dtype) * x - np.asarray(0.25, dtype) * y
     l1.axpby(2.0, x, -0.25, got := y.copy())
-    if not np.allclose(got, want, rtol=1e-5) or not np.isclose(l1.asum(x), np.abs(x).sum(), rtol=1e-5):
-        return False
-    x[17] = np.nan
-    return not np.isfinite(l1.asum(x))
+    return bool(np.allclose(got, want, rtol=1e-5))
 
 
-def all_finite(x: Any, xp: Any = np) -> bool:
-    """Whether x (an array of module ``xp``) holds no NaN and no Inf: one cheap pass (BLAS asum where
-    it can, else ``sum``), and the exact test only when that pass is not finite, since huge finite
-    values overflow it too."""
-    b = level1_for(x)
-    total = b.asum(x) if b is not None else float(x.sum())
-    return bool(np.isfinite(total)) or bool(xp.isfinite(x).all())
+def finite_sq_norm(x: Any, xp: Any = np) -> tuple[bool, float]:
+    """(whether x, an array of module ``xp``, holds no NaN and no Inf; its squared L2 norm): one pass
+    (BLAS dot), and the exact test only when the norm is not finite, since huge finite values
+    overflow it too (the norm is then inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # huge or non-finite values: told apart below
+        sq = float(x.dot(x)) if x.size else 0.0
+    if math.isfinite(sq):
+        return True, sq
+    return bool(xp.isfinite(x).all()), sq

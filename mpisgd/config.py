@@ -24,7 +24,7 @@ class UsageError(ValueError):
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
             "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
-            "momentum_correction", "weight_decay", "max_steps")
+            "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "reproducible")
 STRUCTURE = ("model", "hidden", "dtype")
 
 
@@ -60,6 +60,8 @@ class Config:
                                       "shortened to end there")
     batch_size: int = opt(128, "per-rank micro-batch size b")
     accum_steps: int = opt(1, "micro-batches accumulated locally per step m (no communication between them)")
+    global_batch: int | None = opt(None, "the effective batch B = k*b*m; with it, m follows from B, k and "
+                                         "--batch-size (the same B on any number of ranks)")
     lr: float = opt(0.1, "base learning rate eta0, the rate for a batch of --base-batch")
     base_batch: int = opt(256, "the batch B0 that --lr belongs to")
     lr_scaling: str = opt("linear", "how the rate follows the effective batch B", ("linear", "sqrt", "none"))
@@ -87,6 +89,8 @@ class Config:
     overlap: bool = opt(True, "start each bucket's all-reduce during backward")
     deterministic: bool = opt(False, "sum every gradient element in rank order: bitwise reproducible across "
                                      "bucket sizes and strategies")
+    reproducible: bool = opt(False, "the same parameter bits for any k dividing B/b, any strategy, bucket size "
+                                    "and sharding: exact fixed-point gradient sums (docs/reproducible.md)")
     shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
                                        "all-gather them (same result; CPU only)")
     shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
@@ -97,7 +101,11 @@ class Config:
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
     stall_timeout_s: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
                                         "reached it (0: no watchdog)")
-    stall_abort: bool = opt(False, "abort the job when the stall check fires")
+    stall_abort: bool = opt(False, "abort the job as soon as the stall check fires")
+    stall_abort_s: float = opt(1800.0, "abort the job when a collective has waited this many seconds, reported or "
+                                       "not: the bound on every wait (0: never)")
+    noise_scale_every: int = opt(4, "measure the gradient noise scale every N steps (0: never; "
+                                    "docs/large_batch.md)")
     straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
     # files and output
     metrics_file: str | None = opt(None, "append JSON lines to this file, one per step and one per epoch (rank 0)")
@@ -117,6 +125,9 @@ class Config:
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
+        for name in ("data", "data_dir", "checkpoint_dir", "save_model", "metrics_file", "timeline", "resume"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():  # an unset shell variable
+                raise UsageError(f"--{name.replace('_', '-')} is empty: give a path (an unset shell variable?)")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -134,7 +145,8 @@ class Config:
         if not 0 <= self.val_split < 1:
             raise UsageError(f"--val-split must be in [0, 1), got {self.val_split}")
         for name, value in {"max-steps": self.max_steps, "limit-train": self.limit_train,
-                            "limit-test": self.limit_test, "threads": self.threads}.items():
+                            "limit-test": self.limit_test, "threads": self.threads,
+                            "global-batch": self.global_batch}.items():
             if value is not None and value < 1:
                 raise UsageError(f"--{name} must be >= 1, got {value}")
         if not self.lr > 0:
@@ -166,11 +178,13 @@ class Config:
             raise UsageError(f"--hidden widths must be >= 1, got {self.hidden}")
         if self.bucket_cap_mb <= 0:
             raise UsageError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
-        for name, value in {"check-replicas": self.check_replicas, "checkpoint-every": self.checkpoint_every}.items():
+        for name, value in {"check-replicas": self.check_replicas, "checkpoint-every": self.checkpoint_every,
+                            "noise-scale-every": self.noise_scale_every}.items():
             if value < 0:
                 raise UsageError(f"--{name} must be >= 0, got {value}")
-        if self.stall_timeout_s < 0:
-            raise UsageError(f"--stall-timeout-s must be >= 0, got {self.stall_timeout_s}")
+        if self.stall_timeout_s < 0 or self.stall_abort_s < 0:
+            raise UsageError(f"--stall-timeout-s and --stall-abort-s must be >= 0, got {self.stall_timeout_s} and "
+                             f"{self.stall_abort_s}")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
         for name in self.allowed_changes():
@@ -218,16 +232,17 @@ class _Parser(argparse.ArgumentParser):
 GROUPS: dict[str, tuple[str, ...]] = {
     "model and data": ("model", "hidden", "dtype", "dataset", "data", "data_dir", "limit_train", "limit_test",
                        "val_split", "test_every_epoch", "synthetic_samples", "seed"),
-    "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "lr", "base_batch", "lr_scaling",
-                           "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
+    "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "global_batch", "lr", "base_batch",
+                           "lr_scaling", "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
     "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
                   "on_nan"),
-    "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "deterministic",
+    "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "reproducible", "deterministic",
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
                                "overwrite_checkpoints", "save_model"),
     "output and diagnostics": ("metrics_file", "tensorboard", "timeline", "progress", "check_replicas",
-                               "stall_timeout_s", "stall_abort", "straggler_report"),
+                               "stall_timeout_s", "stall_abort", "stall_abort_s", "noise_scale_every",
+                               "straggler_report"),
 }
 # earlier spellings still accepted
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}

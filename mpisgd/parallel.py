@@ -28,17 +28,19 @@ from mpi4py import MPI
 
 from mpisgd.agreement import ReplicaError, bcast_, differing_ranks, layout_digest, verify_same
 from mpisgd.backend import is_device_array, to_numpy
-from mpisgd.blas import all_finite
+from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
+from mpisgd.exact import BlockNorms, FixedPoint
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
-from mpisgd.optim import SGD
+from mpisgd.optim import SGD, TensorNorms
 from mpisgd.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
-from mpisgd.watchdog import NullWatchdog
+from mpisgd.watchdog import default_watchdog
 
 FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
 CHECK_IN = 0x6D70_7367_645F_636B  # first word of a step check-in, so a peer in another collective shows
+CHECK_IN_WORDS = 9  # marker, step, gradient size, itemsize, buckets, micro-batches, samples, stop, bad labels
 
 
 class NonFiniteError(RuntimeError):
@@ -57,9 +59,14 @@ class Bucket:
 
 
 @dataclass
-class StepTimes:
-    """Seconds spent, summed over steps since the last reset; and when this rank reached each step's
-    synchronisation points (perf_counter), for the straggler report (mpisgd.straggler)."""
+class StepStats:
+    """Seconds spent and gradient statistics, summed over steps since the last reset; and when this rank
+    reached each step's synchronisation points (perf_counter), for the straggler report (mpisgd.straggler).
+
+    The gradient noise scale (mpisgd.noise) needs, on every ``noise_every``-th step, the squared norm of
+    a small-batch gradient (each rank's own before the all-reduce; at k = 1 the first micro-batch's) and
+    of the averaged one: ``small_sq`` sums this rank's (true units, not the 1/k-scaled buffer's),
+    ``big_sq_share`` sums |G|^2 / k, so that the sums over ranks give the mean over ranks and |G|^2."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -68,6 +75,10 @@ class StepTimes:
     optimizer_s: float = 0.0
     steps: int = 0
     bytes_reduced: int = 0
+    noise_steps: int = 0  # steps whose gradient norms were measured
+    small_sq: float = 0.0
+    big_sq_share: float = 0.0
+    b_small: int = 0  # samples behind one small-batch gradient (0: none measured)
     arrived_check_in: list[float] = field(default_factory=list)  # entering the step check-in
     arrived_gradients: list[float] = field(default_factory=list)  # backward done, waiting for the gradients
 
@@ -99,17 +110,27 @@ def model_layout(model: Sequential) -> str:
 class ReplicatedStep:
     """The plain update: every bucket all-reduced in place, every rank updating every parameter."""
 
-    def __init__(self, flat: Any, reducer: Reducer) -> None:
+    def __init__(self, flat: Any, reducer: Reducer, norms: Any = None) -> None:
         self.flat, self.reducer = flat, reducer
+        self.norms = norms or TensorNorms(flat.offsets, [(0, flat.size)])
 
     def start(self, index: int, grads: Any) -> Handle:
         return self.reducer.start(grads)
 
-    def finite(self, watchdog: Any, step: int) -> bool:
-        return all_finite(self.flat.grads, self.flat.xp)  # the reduced buffer: the same verdict everywhere
+    def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
+        """Whether the averaged gradient is finite, and its squared norm: the reduced buffer is the same
+        on every rank, so is the verdict."""
+        return finite_sq_norm(self.flat.grads, self.flat.xp)
+
+    def decode(self, codec: FixedPoint, summed: Any) -> None:
+        codec.decode(summed, self.flat.grads, 0, self.flat.size)
+
+    def sq_norm_share(self, k: int) -> float:
+        """|G|^2 / k of the averaged gradient (summed over the ranks: |G|^2)."""
+        return finite_sq_norm(self.flat.grads, self.flat.xp)[1] / k
 
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
-        optimizer.step(lr)
+        optimizer.step_shards(lr, [(0, self.flat.size, self.flat.grads)], self.norms)
 
     def nbytes(self) -> int:
         return 0
@@ -122,18 +143,27 @@ class DataParallel:
     ``reducer`` is the all-reduce strategy (``mpisgd.comm.create_reducer``; ``auto`` over ``comm``
     when None); DataParallel owns it and closes it. ``loss`` (default softmax cross-entropy) must
     offer ``forward_array(logits, labels)`` and ``backward(scale)``. ``check_in``: the per-step
-    check-in that every rank is at the same step (:meth:`check_in_step`) runs inside each
-    :meth:`train_step`; a caller that checks in itself (the CLI's loop) turns it off.
+    check-in that every rank is at the same step with the same number of samples (:meth:`check_in_step`)
+    runs inside each :meth:`train_step`; a caller that checks in itself (the CLI's loop) turns it off.
+    ``reproducible``: gradients summed exactly in fixed point (mpisgd.exact), so that the parameters
+    are the same bits for any number of ranks, strategy and bucket layout given the same micro-batches.
+    ``noise_every``: measure the gradient-noise statistics every that many steps (0: never).
+    ``watchdog``: the stall watchdog its collectives report to (DataParallel closes it); without one, its
+    own: a wait of ``stall_timeout_s`` names the ranks that have not arrived, one of ``stall_abort_s``
+    ends the job (0: never; both 0: no watchdog).
     """
 
     def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, reducer: Reducer | None = None,
                  loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
-                 timeline: Any = None, check_in: bool = True) -> None:
+                 timeline: Any = None, check_in: bool = True, reproducible: bool = False,
+                 noise_every: int = 0, stall_timeout_s: float = 300.0, stall_abort_s: float = 1800.0) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if model.flat is None:
             raise ValueError("materialize() the model before wrapping it")
+        if noise_every < 0:
+            raise ValueError(f"noise_every must be >= 0, got {noise_every}")
         device = is_device_array(model.flat.params)
         if shard_optimizer and device:
             raise ValueError("the sharded optimizer step runs on host buffers only; drop --shard-optimizer "
@@ -141,35 +171,52 @@ class DataParallel:
         if reducer is not None and device and not reducer.device:
             raise ValueError("GPU parameters need a reducer made for device buffers: "
                              "create_reducer(name, comm, device=True)")
+        if reproducible and getattr(optimizer, "blas", None) is not None:
+            raise ValueError("reproducible=True needs the optimizer's ufunc update (level1=False): a BLAS "
+                             "kernel may round a range's last elements otherwise, so bits would depend on k")
         self.model, self.optimizer, self.flat = model, optimizer, model.flat
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.overlap, self.on_nan, self.check_in = overlap, on_nan, check_in
+        self.noise_every = noise_every
         self.skipped_steps = 0
         self.step_skipped = False  # whether the last train_step skipped its update (--on-nan skip)
         self.step_count = 0
         self.timeline = timeline or NullTimeline()
-        self.watchdog = watchdog or NullWatchdog()
+        self.watchdog = watchdog or default_watchdog(comm, stall_timeout_s, stall_abort_s)
         self.reducer = reducer if reducer is not None else create_reducer("auto", self.comm, device=device)
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
         self.sharded = shard_optimizer and self.k > 1
-        self.update: ReplicatedStep | ShardedStep = \
-            ShardedStep(self.flat, [(b.start, b.stop) for b in self.buckets], self.comm, self.reducer) \
-            if self.sharded else ReplicatedStep(self.flat, self.reducer)
+        self.exact = FixedPoint(self.flat.offsets, 1) if reproducible else None
         self.loss = loss or SoftmaxCrossEntropy()
-        self.times = StepTimes()
+        self.times = StepStats()
+        self._n_classes: int | None = None  # the model's outputs, known after the first forward
+        self._measure = False  # this step's noise statistics are being gathered
+        self._local_sq = 0.0
+        self._micro = 0  # the micro-batch whose backward is running
         verify_same(self.comm, layout_digest(model_layout(model)), "the model (layers, shapes or dtype)")
-        # same shapes everywhere: gradients into memory the reducer reads in place, where it has any
-        # (auto or shared with every rank on one node: mpisgd.comm.shared)
-        shared = self.reducer.shared_buffer(self.flat.size, self.flat.dtype) \
+        # same shapes everywhere: the reduced buffer (the gradients, or their fixed-point integers) into
+        # memory the reducer reads in place, where it has any (auto or shared, one node: mpisgd.comm.shared)
+        red_dtype = self.flat.dtype if self.exact is None else np.dtype(np.int64)
+        shared = self.reducer.shared_buffer(self.flat.size, red_dtype) \
             if shared_grads and self.k > 1 and not device else None
         self.shared_grads = shared is not None
-        if shared is not None:
-            model.move_grads(shared)
+        if self.exact is None:
+            if shared is not None:
+                model.move_grads(shared)
+            self.summed = self.flat.grads  # what the buckets reduce: the gradients themselves
+        else:
+            self.summed = shared if shared is not None else self.flat.xp.zeros(self.flat.size, dtype=np.int64)
+        self._scratch: Any = None  # int64 for adding a micro-batch's integers (reproducible, m > 1)
+        ranges = [(b.start, b.stop) for b in self.buckets]
+        norms = None if self.exact is None else BlockNorms(self.flat.offsets, [(0, self.flat.size)])
+        self.update: ReplicatedStep | ShardedStep = \
+            ShardedStep(self.flat, ranges, self.comm, self.reducer, exact=self.exact is not None) \
+            if self.sharded else ReplicatedStep(self.flat, self.reducer, norms)
         self.broadcast_parameters()
         if self.k > 1 and not self.sharded:  # auto picks its strategy for these sizes now, not mid-step
-            self.reducer.tune([self.flat.grads[b.start:b.stop] for b in self.buckets])
+            self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets])
 
     # -- start identical, check identical, continue -----------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -192,50 +239,49 @@ class DataParallel:
             raise ReplicaError(f"replicas diverged at step {self.step_count}: rank(s) {bad} hold parameters "
                                f"that differ from the other ranks (checksums {dict(enumerate(sums))})")
 
-    def restore(self, step_count: int, skipped_steps: int) -> None:
-        """Continue a run from a checkpoint: its step number and the steps it skipped so far."""
+    def restore(self, step_count: int, skipped_steps: int, exponents: Any = None) -> None:
+        """Continue a run from a checkpoint: its step number, the steps it skipped so far and, reproducible,
+        the fixed-point exponents its next step uses."""
         self.step_count, self.skipped_steps = step_count, skipped_steps
+        if self.exact is not None and exponents is not None:
+            self.exact.set_exponents(exponents)
 
-    def reset_times(self) -> StepTimes:
-        """Start new phase timings (an epoch's); returns the ones gathered since the last reset."""
-        done, self.times = self.times, StepTimes()
+    @property
+    def exponents(self) -> Any:
+        """Reproducible: the fixed-point exponents the next step uses (None before the first step)."""
+        return None if self.exact is None else self.exact.exponents
+
+    def reset_times(self) -> StepStats:
+        """Start new timings and statistics (an epoch's); returns the ones gathered since the last reset."""
+        done, self.times = self.times, StepStats()
         return done
 
     # -- the step ------------------------------------------------------------------------
-    def grad_scale(self, local_batch: int, accum_steps: int) -> float:
-        """Loss-gradient factor making the all-reduce SUM the effective-batch mean: 1/(k*b*m)."""
-        return 1.0 / (local_batch * accum_steps * self.k)
-
     def train_step(self, micro_batches: Sequence[tuple[Any, Any]], lr: float) -> Any:
         """One optimizer step over this rank's micro-batches; returns the local mean loss (0-d array)."""
         m = len(micro_batches)
         if m < 1:
             raise ValueError("train_step needs at least one micro-batch")
         if self.check_in and self.k > 1:
-            self.check_in_step()
-        tl, times = self.timeline, self.times
-        loss_sum = None
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == m - 1
-            self.model.set_accumulate(i > 0)  # micro-batch 0 overwrites, later ones add
-            t0 = time.perf_counter()
-            with tl.span("forward"):
-                logits = self.model.forward(x)
-                loss = self.loss.forward_array(logits, y)
-            t1 = time.perf_counter()
-            with tl.span("backward"):
-                dy = self.loss.backward(self.grad_scale(len(y), m))
-                hook = self._on_layer_done if (last and self.overlap and self.k > 1) else None
-                self.model.backward(dy, hook)
-            times.forward_s += t1 - t0
-            times.backward_s += time.perf_counter() - t1
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-        self.model.set_accumulate(False)
-        self.finish_gradients()
+            self.check_in_step(micro=micro_batches)
+        n = sum(len(y) for _, y in micro_batches)
+        # every sample weighs 1/(k*n): with the same n on every rank (the check-in compares it) the
+        # all-reduce SUM is the mean over the effective batch B = k*n, with no pass after it
+        scale = 1.0 / (self.k * n)
+        self._measure = self.noise_every > 0 and self.step_count % self.noise_every == 0
+        self._local_sq = 0.0
+        if self.exact is None:
+            loss_sum = self._float_gradients(micro_batches, scale)
+        else:
+            loss_sum, finite = self._exact_gradients(micro_batches, scale)
         t0 = time.perf_counter()
-        with tl.span("optimizer"):
+        with self.timeline.span("optimizer"):
             # decided on the reduced gradient, so every rank takes the same branch
-            finite = self.grads_finite()
+            if self.exact is None:
+                finite, sq = self.update.finite(self.watchdog, self.step_count)
+                share = sq / self.k
+            else:
+                share = self.update.sq_norm_share(self.k) if finite and self._measure else 0.0
             if finite:
                 self.update.apply(self.optimizer, lr, self.watchdog, self.step_count)
             elif self.on_nan == "stop":
@@ -243,26 +289,112 @@ class DataParallel:
                                      "lower --lr, or pass --on-nan skip to skip such steps")
             self.step_skipped = not finite
             self.skipped_steps += not finite
-        times.optimizer_s += time.perf_counter() - t0
+        self.times.optimizer_s += time.perf_counter() - t0
+        if finite and self._measure:
+            self._note_noise(micro_batches, share)
         if finite and self.sharded:
             self._gather(self.flat.params, f"parameter all-gather of step {self.step_count}")
-        times.steps += 1
+        self.times.steps += 1
         self.step_count += 1
         return loss_sum / m
 
-    def grads_finite(self) -> bool:
-        """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
-        return self.update.finite(self.watchdog, self.step_count)
+    def _forward_backward(self, x: Any, y: Any, scale: float, hook: Any) -> Any:
+        t0 = time.perf_counter()
+        with self.timeline.span("forward"):
+            logits = self.model.forward(x)
+            loss = self.loss.forward_array(logits, y)
+        self._n_classes = logits.shape[1] if logits.ndim == 2 else None
+        t1 = time.perf_counter()
+        with self.timeline.span("backward"):
+            self.model.backward(self.loss.backward(scale), hook)
+        self.times.forward_s += t1 - t0
+        self.times.backward_s += time.perf_counter() - t1
+        return loss
 
-    def check_in_step(self, stop: bool = False) -> bool:
+    def _float_gradients(self, micro_batches: Sequence[tuple[Any, Any]], scale: float) -> Any:
+        """Backward over the micro-batches, adding their gradients in place; each bucket's all-reduce
+        starts as soon as backward has finished it (overlap), the rest after."""
+        m, loss_sum = len(micro_batches), None
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == m - 1
+            self.model.set_accumulate(i > 0)  # micro-batch 0 overwrites, later ones add
+            hook = self._on_layer_done if (last and self.overlap and self.k > 1) else None
+            loss = self._forward_backward(x, y, scale, hook)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            if self._measure and self.k == 1 and i == 0 and m > 1:  # the small batch: micro-batch 0
+                self._local_sq = finite_sq_norm(self.flat.grads, self.flat.xp)[1]
+        self.model.set_accumulate(False)
+        self.finish_gradients()
+        return loss_sum
+
+    def _exact_gradients(self, micro_batches: Sequence[tuple[Any, Any]], scale: float) -> tuple[Any, bool]:
+        """Reproducible: each micro-batch's gradient to fixed point (mpisgd.exact), the integers added
+        over micro-batches and ranks, the sum back to floats. Exponents come from the previous step; the
+        first step, and a step that would overflow, is computed again with its own (the same on every
+        rank: a MAX over the ranks after the reduction). Returns (loss sum, whether finite)."""
+        codec, m, n = self.exact, len(micro_batches), self.flat.size
+        assert codec is not None
+        codec.set_terms(self.k * m)
+        if m > 1 and self._scratch is None:
+            self._scratch = self.flat.xp.empty(n, dtype=np.int64)
+        while True:
+            calibrate = codec.exponents is None  # no scale yet: measure only, then compute the step again
+            codec.start_step()
+            loss_sum = None
+            self.model.set_accumulate(False)
+            for i, (x, y) in enumerate(micro_batches):
+                self._micro, last = i, i == m - 1
+                hook = self._on_layer_done if (last and self.overlap and self.k > 1 and not calibrate) else None
+                loss = self._forward_backward(x, y, scale, hook)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                if hook is None:  # the whole gradient at once (the hook did it bucket by bucket otherwise)
+                    codec.measure(self.flat.grads, 0, n)
+                    if not calibrate:
+                        with np.errstate(invalid="ignore"):  # an overflow is seen by measure; the step is redone
+                            codec.encode_(self.flat.grads, self.summed, 0, n, i > 0, self._scratch)
+            if not calibrate:
+                self.finish_gradients()
+            flags = np.concatenate([np.array([codec.nonfinite, codec.overflow], dtype=np.int64), codec.needed])
+            with self.watchdog.watching(f"fixed-point exponents of step {self.step_count}"):
+                self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+            if flags[0]:
+                return loss_sum, False
+            codec.set_exponents(flags[2:])  # this step's own: the next step's scales, or this one's again
+            if not (calibrate or flags[1]):
+                break
+        self.update.decode(codec, self.summed if not self.sharded else None)
+        if self._measure:
+            self._local_sq = codec.sq_sum / m  # the mean over this rank's micro-batches (b samples each)
+        return loss_sum, True
+
+    def _note_noise(self, micro_batches: Sequence[tuple[Any, Any]], big_sq_share: float) -> None:
+        """Add this step's squared norms to the noise statistics, in true units: the buffer holds each
+        small-batch gradient times b_small / B."""
+        n = sum(len(y) for _, y in micro_batches)
+        b_small = len(micro_batches[0][1]) if (self.exact is not None or self.k == 1) else n
+        if self.k * n == b_small or not np.isfinite(self._local_sq) or not np.isfinite(big_sq_share):
+            return  # one small batch is the whole batch (k = 1, m = 1): nothing to compare
+        t = self.times
+        t.noise_steps += 1
+        t.small_sq += self._local_sq * (self.k * n / b_small) ** 2
+        t.big_sq_share += big_sq_share
+        t.b_small = b_small
+
+    def check_in_step(self, stop: bool = False, micro: Sequence[tuple[Any, Any]] = ()) -> bool:
         """Collective, once per step before any bucket: every rank must be at the same step with the same
-        buffers, and at a check-in (not in another collective). A rank out of step is named on every rank
-        instead of reducing the wrong data or hanging in a mismatched bucket (one 48-byte Allgather).
-        Returns whether any rank passed ``stop`` (a SIGTERM to stop at this step)."""
+        buffers (and, given its ``micro`` batches, as many micro-batches and samples, with labels the
+        model can score), and at a check-in (not in another collective). A rank out of step is named on
+        every rank instead of reducing the wrong data or hanging in a mismatched bucket (one small
+        Allgather). Returns whether any rank passed ``stop`` (a SIGTERM to stop at this step)."""
         if self.k == 1:
             return stop
+        labels = [y for _, y in micro]
+        low = min((int(y.min()) for y in labels if len(y)), default=0)
+        high = max((int(y.max()) for y in labels if len(y)), default=0)
+        bad = low < 0 or (self._n_classes is not None and high >= self._n_classes)
         mine = np.array([CHECK_IN, self.step_count, self.flat.size, self.flat.dtype.itemsize, len(self.buckets),
-                         int(stop)], dtype=np.int64)
+                         len(micro), sum(len(y) for y in labels), int(stop), int(bad)], dtype=np.int64)
+        assert mine.size == CHECK_IN_WORDS
         every = np.zeros((self.k, mine.size), dtype=np.int64)
         self.times.arrived_check_in.append(time.perf_counter())
         self.timeline.instant("arrive: step check-in")
@@ -283,30 +415,47 @@ class DataParallel:
         if len(set(rows)) > 1:
             raise ReplicaError(f"rank(s) {differing_ranks(rows)} out of step: (step, gradient size, itemsize, "
                                f"buckets) per rank {dict(enumerate(rows))}")
-        return bool(every[:, 5].any())
+        sizes = [tuple(int(v) for v in row[5:7]) for row in every]
+        if len(set(sizes)) > 1:
+            raise ReplicaError(f"rank(s) {differing_ranks(sizes)} passed other batches: (micro-batches, samples) "
+                               f"per rank {dict(enumerate(sizes))}; every rank must train on as many of each, "
+                               "or the average would weigh the ranks' samples unequally")
+        if every[:, 8].any():
+            raise ReplicaError(f"rank(s) {[r for r in range(self.k) if every[r, 8]]} passed labels outside "
+                               f"0..{(self._n_classes or 0) - 1 if self._n_classes else 'C-1'} (a negative label "
+                               "would silently score the last class)")
+        return bool(every[:, 7].any())
 
     def _on_layer_done(self, layer: int) -> None:
         bucket = self._bucket_of_layer.get(layer)
         if bucket is not None:
+            if self.exact is not None:  # this micro-batch's part of the bucket, to fixed point first
+                self.exact.measure(self.flat.grads[bucket.start:bucket.stop], bucket.start, bucket.stop)
+                with np.errstate(invalid="ignore"):
+                    self.exact.encode_(self.flat.grads[bucket.start:bucket.stop], self.summed[bucket.start:bucket.stop],
+                                       bucket.start, bucket.stop, self._micro > 0,
+                                       None if self._scratch is None else self._scratch[bucket.start:bucket.stop])
             self._start(bucket)
         for b in self.buckets:  # MPI progresses only inside MPI calls: poke the open ones
             if b.handle is not None and b.t_start and b.handle.test():
                 self._done(b)
 
     def _start(self, bucket: Bucket) -> None:
+        if self._measure and self.exact is None:  # this rank's own gradient, before the reduction sums it away
+            self._local_sq += finite_sq_norm(self.flat.grads[bucket.start:bucket.stop], self.flat.xp)[1]
         self.timeline.begin(bucket.name, cat="comm")
         bucket.t_start = time.perf_counter()
-        bucket.handle = self.update.start(bucket.index, self.flat.grads[bucket.start:bucket.stop])
+        bucket.handle = self.update.start(bucket.index, self.summed[bucket.start:bucket.stop])
 
     def _done(self, bucket: Bucket) -> None:
         self.times.comm_total_s += time.perf_counter() - bucket.t_start
-        self.times.bytes_reduced += (bucket.stop - bucket.start) * self.flat.dtype.itemsize
+        self.times.bytes_reduced += (bucket.stop - bucket.start) * self.summed.dtype.itemsize
         self.timeline.end(bucket.name, cat="comm")
         bucket.t_start = 0.0  # marks it complete
 
     def finish_gradients(self) -> None:
-        """Start the buckets not yet started, wait for all; afterwards grads hold the mean (sharded: this
-        rank's chunks of the mean are in the shard buffer, and grads keep whatever the reducer left)."""
+        """Start the buckets not yet started, wait for all; afterwards the reduced buffer holds the sum
+        (sharded: this rank's chunks of it are in the shard buffer)."""
         if self.k == 1:
             return
         t0 = time.perf_counter()
@@ -326,6 +475,10 @@ class DataParallel:
                 b.handle = None
         self.times.comm_exposed_s += time.perf_counter() - t0
 
+    def grads_finite(self) -> bool:
+        """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
+        return self.update.finite(self.watchdog, self.step_count)[0]
+
     def _gather(self, buf: Any, what: str) -> None:
         assert isinstance(self.update, ShardedStep)
         with self.timeline.span("all-gather", cat="comm"):
@@ -342,23 +495,24 @@ class DataParallel:
     # -- what it holds, what it runs ---------------------------------------------------------
     def buffer_nbytes(self) -> int:
         """Bytes of this rank's training state: parameters, gradients, momentum and, sharded, the chunk
-        of the averaged gradient it receives."""
-        return int(self.flat.params.nbytes + self.flat.grads.nbytes) + self.update.nbytes() + \
-            self.optimizer.buffer_nbytes()
+        of the averaged gradient it receives; reproducible, the integers."""
+        held = {id(b): int(b.nbytes) for b in (self.flat.params, self.flat.grads, self.summed, self._scratch)
+                if b is not None}
+        return sum(held.values()) + self.update.nbytes() + self.optimizer.buffer_nbytes()
 
     def describe(self) -> str:
         """The banner's all-reduce line: what runs, the buckets, overlap."""
-        mib = ", ".join(f"{(b.stop - b.start) * self.flat.dtype.itemsize / 2**20:.2f}" for b in self.buckets)
+        mib = ", ".join(f"{(b.stop - b.start) * self.summed.dtype.itemsize / 2**20:.2f}" for b in self.buckets)
         when = "overlapped with backward" if self.overlap else "after backward"
-        return f"{self.reducer.describe()} ({len(self.buckets)} bucket(s): {mib} MiB), {when}"
+        what = "" if self.exact is None else "int64 fixed-point sums, "
+        return f"{self.reducer.describe()} ({what}{len(self.buckets)} bucket(s): {mib} MiB), {when}"
 
     def close(self) -> None:
         """Collective: every rank calls it together. A rank that fails alone must not call it (with a
         watchdog, rank 0 would wait for the others' close); abort the job instead."""
         self.watchdog.close()
-        if self.shared_grads:  # the window goes with the reducer: the model keeps its gradients
+        if self.shared_grads and self.exact is None:  # the window goes with the reducer: keep the gradients
             self.model.move_grads(np.empty_like(self.flat.grads))
-            self.shared_grads = False
+        self.shared_grads = False
         self.reducer.close()
         self.comm.Free()
-

@@ -7,12 +7,16 @@ Each check raises UsageError naming the problem; set-up (mpisgd.run) runs it on 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpisgd.agreement import name_differences
+from mpisgd.checkpoint import is_run_file
 from mpisgd.config import Config, UsageError
+from mpisgd.data import available_bytes, input_files
 from mpisgd.files import check_output_dir, check_output_file
 
 
@@ -31,7 +35,11 @@ def device_options(cfg: Config, gpu: bool) -> None:
 
 
 def outputs(cfg: Config, rank: int) -> None:
-    """Every file this rank will write can be written: found now, not after the training."""
+    """Every file this rank will write can be written: found now, not after the training. On rank 0,
+    first: no output is an input (the data, the checkpoint to resume) or another output, none lies among
+    the checkpoint directory's own names, and none is one of the timeline's files."""
+    if rank == 0:
+        _no_collisions(cfg)
     if cfg.timeline:
         check_output_file(f"{cfg.timeline}.rank{rank}.json", "--timeline")
     if rank != 0:
@@ -41,6 +49,49 @@ def outputs(cfg: Config, rank: int) -> None:
     for path, what in ((cfg.save_model, "--save-model"), (cfg.metrics_file, "--metrics-file")):
         if path:
             check_output_file(path, what)
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    """The same file: one inode (a hard link, another spelling), or one resolved path (not yet there)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _no_collisions(cfg: Config) -> None:
+    """UsageError where an output would replace an input or another output (compared as resolved paths
+    and inodes)."""
+    outs = [(what, p) for what, p in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)) if p]
+    ins = [] if cfg.dataset == "synthetic" else [("--data", str(p)) for p in input_files(cfg.data, cfg.data_dir)]
+    if cfg.resume not in ("no", "auto"):
+        ins.append(("--resume", cfg.resume))
+    for what, p in outs:
+        for src, q in ins:
+            if _same(p, q):
+                raise UsageError(f"{what} {p} is the file {src} reads ({q}): the run would write over its own "
+                                 "input; choose another path")
+    if len(outs) == 2 and _same(outs[0][1], outs[1][1]):
+        raise UsageError(f"--save-model and --metrics-file name the same file ({outs[0][1]}): one would replace "
+                         "the other; give each its own path")
+    if cfg.timeline:
+        base = Path(cfg.timeline)
+        ours = re.compile(re.escape(base.name) + r"\.rank\d+\.json")
+        for what, p in outs + ins:
+            if ours.fullmatch(Path(p).name) and _same(Path(p).parent, base.parent or "."):
+                raise UsageError(f"{what} {p} is one of the files --timeline {cfg.timeline} writes "
+                                 f"({base.name}.rankN.json): give them different paths")
+    if cfg.checkpoint_dir:
+        ck = Path(cfg.checkpoint_dir)
+        for what, p in outs + [(w, q) for w, q in ins if w == "--data"]:
+            if _same(p, ck):
+                raise UsageError(f"{what} {p} is the --checkpoint-dir: choose another path")
+            if is_run_file(Path(p).name) and _same(Path(p).parent, ck):
+                raise UsageError(f"{what} {p} lies in --checkpoint-dir {ck} under a name of the checkpoints' (or "
+                                 "their lock's): a checkpoint would replace it, or pruning delete it; choose "
+                                 "another path")
 
 
 def same_data(identity: dict[str, Any], comm: Any) -> None:
@@ -54,25 +105,17 @@ def same_data(identity: dict[str, Any], comm: Any) -> None:
 
 def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:
     """A model that cannot fit is refused with an estimate, not a MemoryError on every rank (host memory;
-    before the model is materialised)."""
+    before the model is materialised). ``data_nbytes``: the data this rank holds in its own memory
+    (data.resident_nbytes: a memory-mapped set is the page cache's, shared by the node's ranks and read
+    as needed, so it does not count)."""
     n_params = sum(int(np.prod(shape)) for layer in model.layers for _, shape in layer.param_shapes)
     state = 3 * n_params * np.dtype(dtype).itemsize  # parameters, gradients, momentum
     need = state + data_nbytes
-    available = _available_bytes() / max(1, ranks_here)
+    available = available_bytes() / max(1, ranks_here)
     if need > 0.9 * available:
+        data_part = f", {data_nbytes / 2**30:.1f} GiB for the data it holds" if data_nbytes >= 2**29 else ""
         raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
-                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations), "
-                         f"but this node has {available / 2**30:.1f} GiB available per rank "
-                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node")
-
-
-def _available_bytes() -> float:
-    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations"
+                         f"{data_part}), but this node has {available / 2**30:.1f} GiB available per rank "
+                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node"
+                         + ("" if not data_part else ", or a directory of .npy files (memory-mapped, shared)"))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
+
+from mpisgd.noise import why_none
 
 if TYPE_CHECKING:  # report reads the run; set-up (mpisgd.run) imports report for peak_rss_mib only
     from mpisgd.config import Config
@@ -105,12 +108,18 @@ def rank_map(places: list[tuple[str, int, int | None]]) -> str:
 
 def format_epoch(r: dict[str, Any], epochs: int) -> str:
     """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
-    waiting for communication."""
+    waiting for communication, the gradient noise scale (the batch beyond which a larger one stops paying,
+    mpisgd.noise)."""
+    noise = f"  noise scale {_samples(r['noise_scale'])}" if "noise_scale" in r else ""
     held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
         (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
     return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
             f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
-            f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s")
+            f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
+
+
+def _samples(n: float) -> str:
+    return "inf" if not math.isfinite(n) else f"{n:.0f}" if abs(n) < 1e5 else f"{n:.2g}"
 
 
 def memory_line(peak: float, start: float, state: float) -> str:
@@ -168,6 +177,13 @@ def banner(run: Run) -> list[str]:
             "the same step on every rank"),
         f"all-reduce: {dp.describe()}",
     ]
+    if cfg.reproducible:
+        env = run.environment
+        lines.append(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
+                     f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))")
+    why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
+    if why:
+        lines.append(f"noise scale: {why}")
     if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
         lines.append(f"cuda-aware MPI: {dp.reducer.why}")
     lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole

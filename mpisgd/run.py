@@ -18,8 +18,17 @@ from typing import Any, TypeVar
 
 from mpisgd import data, preflight, run_files
 from mpisgd.agreement import ReplicaError, agree
+from mpisgd.backend import environment as backend_environment
 from mpisgd.backend import set_threads
-from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
+from mpisgd.checkpoint import (
+    CheckpointError,
+    ResumePlan,
+    RunDirectory,
+    TrainState,
+    find_resume,
+    model_structure,
+    plan_resume,
+)
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, blas_threads, init
@@ -30,7 +39,7 @@ from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD
 from mpisgd.parallel import DataParallel
 from mpisgd.report import peak_rss_mib
-from mpisgd.schedule import Schedule, effective_batch
+from mpisgd.schedule import Schedule, accum_steps_for, effective_batch
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
@@ -42,6 +51,7 @@ class RunData:
     test: Dataset
     source: str  # where it came from, for the banner
     identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
+    warnings: list[str] = field(default_factory=list)  # e.g. classes without a sample
     val: Dataset | None = None  # the validation samples held out of the training set (--val-split)
 
     @property
@@ -76,6 +86,8 @@ class Run:
     resume: ResumePlan | None  # where the run continues from, if it does
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
+    environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
+    structure: dict[str, Any]  # the model's layers and shapes, kept in checkpoints (a resume must match)
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
     val_loader: BatchLoader | None = None  # the validation set's (--val-split)
 
@@ -137,13 +149,21 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         set_threads(threads)
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
+    stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
+    model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
+    structure = model_structure(model)
     with wd.watching("set-up: the checkpoint to resume"):
-        resume, state, warnings = _plan_resume(cfg, world, run_data.identity)
-    model = stage("building the model", lambda: _build_model(cfg, run_data))
+        resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
+    warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
+    environment = backend_environment(ctx.backend, threads)
+    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
+                            if resume.environment.get(k) != v)
+        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
+                        "--reproducible promises the same bits only on the same one")
     if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
-                                                     run_data.test.images.nbytes + (run_data.val.images.nbytes
-                                                                                    if run_data.val else 0),
+        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(
+            run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
                                                      ctx.local_size))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
@@ -155,6 +175,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
@@ -166,7 +187,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, warnings,
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, warnings,
               val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
@@ -186,13 +207,14 @@ def _load_data(cfg: Config) -> RunData:
         train = train.head(cfg.limit_train)
     if cfg.limit_test:
         test = test.head(cfg.limit_test)
-    classes = data.validate(train, test)
+    classes = data.validate(train, test, dtype=cfg.dtype)
     identity = {**data.identity(name, train, test), "classes": classes}
+    warnings = data.label_warnings(train, test, classes)
     if not cfg.val_split:
-        return RunData(train, test, source, identity)
+        return RunData(train, test, source, identity, warnings)
     train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k
     identity.update(n_train=len(train), val_split=cfg.val_split, n_val=len(val))  # a resume keeps the split
-    return RunData(train, test, source, identity, val)
+    return RunData(train, test, source, identity, warnings, val)
 
 
 def _build_model(cfg: Config, run_data: RunData) -> Sequential:
@@ -210,10 +232,22 @@ def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunDa
 
 
 def _optimizer(cfg: Config, model: Sequential) -> SGD:
+    level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
-                    cfg.trust_coef)
-    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction)
+                    cfg.trust_coef, level1=level1)
+    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+
+
+def _global_batch(cfg: Config, k: int) -> None:
+    """--global-batch B: m = B / (k * b), unless --accum-steps was given too (then it must agree)."""
+    if cfg.global_batch is None:
+        return
+    m = accum_steps_for(cfg.global_batch, k, cfg.batch_size)
+    if "accum_steps" in getattr(cfg, "given", set()) and m != cfg.accum_steps:
+        raise UsageError(f"--global-batch {cfg.global_batch} with k={k} and --batch-size {cfg.batch_size} means "
+                         f"--accum-steps {m}, not {cfg.accum_steps}: give one of them")
+    cfg.accum_steps = m
 
 
 def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
@@ -224,18 +258,19 @@ def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None,
-                                                                          list[str]]:
+def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any], run_dir: RunDirectory | None,
+                 structure: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None, list[str]]:
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
     plan, state, warnings, error = None, None, [], None
     if world.Get_rank() == 0 and cfg.resume != "no":
         try:
-            state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+            state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
+                find_resume(cfg.resume, cfg.checkpoint_dir)
             if state is not None:
                 plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
-                                   world.Get_size(), identity)
+                                   world.Get_size(), identity, structure=structure)
         except CheckpointError as exc:
             error = exc
     agree(world, error)
@@ -263,4 +298,4 @@ def _restore(run: Run, state: TrainState | None) -> None:
     # rank 0's momentum (the others' is broadcast next), every rank's rate of the last step
     optimizer.load_state(state.velocity if state is not None else None, plan.prev_lr)
     run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
-    run.dp.restore(plan.global_step, plan.skipped_steps)
+    run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)

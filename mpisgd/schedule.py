@@ -25,6 +25,19 @@ def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> i
     return world_size * batch_size * accum_steps
 
 
+def accum_steps_for(global_batch: int, world_size: int, batch_size: int) -> int:
+    """m = B / (k * b): the micro-batches each rank runs for effective batch B (UsageError when k * b
+    does not divide B, naming the k that would)."""
+    if global_batch % (world_size * batch_size):
+        ks = [k for k in range(1, global_batch // batch_size + 1) if (global_batch // batch_size) % k == 0] \
+            if global_batch % batch_size == 0 else []
+        fits = f"k in {', '.join(map(str, ks[:12]))}{', ...' if len(ks) > 12 else ''}" if ks else \
+            f"a --batch-size that divides {global_batch}"
+        raise UsageError(f"--global-batch {global_batch} is not k*b*m for k={world_size} ranks and b={batch_size}: "
+                         f"use {fits}")
+    return global_batch // (world_size * batch_size)
+
+
 def scaled_lr(base_lr: float, base_batch: int, batch: int, scaling: str) -> float:
     """Phase 1: the rate for batch B from the base pair (eta0, B0)."""
     if base_batch < 1:

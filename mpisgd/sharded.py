@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.blas import all_finite
+from mpisgd.blas import finite_sq_norm
 from mpisgd.comm.base import Handle, Reducer, chunk_counts
+from mpisgd.exact import BlockNorms, block_aligned_counts
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim import TensorNorms
 
@@ -45,15 +46,22 @@ class RankNorms(TensorNorms):
 
 
 class ShardedStep:
-    """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges."""
+    """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges.
 
-    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer) -> None:
+    ``exact`` (the reproducible mode, mpisgd.exact): the buckets hold fixed-point integers, reduce-
+    scattered into an int64 buffer and converted into this rank's float chunks; chunks begin and end
+    on the blocks of :class:`~mpisgd.exact.BlockNorms`, so whole-tensor norms do not depend on k."""
+
+    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
+                 exact: bool = False) -> None:
         covered = sorted(buckets)
         if covered[0][0] != 0 or covered[-1][1] != flat.size or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
             raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
-        self.flat, self.comm, self.reducer = flat, comm, reducer
+        self.flat, self.comm, self.reducer, self.exact = flat, comm, reducer, exact
         self.k, self.rank = comm.Get_size(), comm.Get_rank()
-        self.counts = [chunk_counts(b - a, self.k) for a, b in buckets]  # per bucket, each rank's chunk size
+        # per bucket, each rank's chunk size
+        self.counts = [block_aligned_counts(a, b, flat.offsets, self.k) if exact else chunk_counts(b - a, self.k)
+                       for a, b in buckets]
         self.own: list[tuple[int, int]] = []  # per bucket, this rank's chunk [lo, hi) of the flat buffer
         for (a, _), counts in zip(buckets, self.counts):
             lo = a + sum(counts[:self.rank])
@@ -66,21 +74,50 @@ class ShardedStep:
             self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
             offset += hi - lo
         self.ranges = list(buckets)
+        # what the buckets reduce-scatter into: the chunks themselves, or (exact) their integers
+        self.recv = self.flat.xp.empty(self.grads.size, dtype=np.int64) if exact else self.grads
 
-    def start(self, index: int, grads: Any) -> Handle:
+    def start(self, index: int, summed: Any) -> Handle:
         """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
-        return self.reducer.start_reduce_scatter(grads, self.shards[index][2], self.counts[index])
+        lo, hi, g = self.shards[index]
+        offset = sum(h - lo_ for lo_, h, _ in self.shards[:index])
+        out = g if not self.exact else self.recv[offset:offset + hi - lo]
+        return self.reducer.start_reduce_scatter(summed, out, self.counts[index])
 
-    def finite(self, watchdog: Any, step: int) -> bool:
-        """Whether the whole averaged gradient is finite: this rank's chunks, then every rank's vote."""
-        mine = all_finite(self.grads, self.flat.xp)
+    def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
+        """Whether the whole averaged gradient is finite, and its squared norm: this rank's chunks, then
+        every rank's (one small all-reduce: the count of non-finite chunks, the squared norms)."""
+        ok, sq = finite_sq_norm(self.grads, self.flat.xp)
+        votes = np.array([0.0 if ok else 1.0, sq if ok else 0.0])
         with watchdog.watching(f"finite-gradient vote of step {step}"):
-            return bool(self.comm.allreduce(mine, op=MPI.LAND))
+            self.comm.Allreduce(MPI.IN_PLACE, votes, op=MPI.SUM)
+        return bool(votes[0] == 0), float(votes[1])
+
+    def decode(self, codec: Any, summed: Any) -> None:
+        """Exact: this rank's integer chunks to its float chunks."""
+        offset = 0
+        for lo, hi, g in self.shards:
+            codec.decode(self.recv[offset:offset + hi - lo], g, lo, hi)
+            offset += hi - lo
+
+    def sq_norm_share(self, k: int) -> float:
+        """This rank's part of |G|^2 (summed over the ranks: |G|^2)."""
+        return finite_sq_norm(self.grads, self.flat.xp)[1]
+
+    def norms(self, watchdog: Any, step: int) -> Any:
+        """Whole-tensor norms over every rank's chunks (what an update rule that needs them is given)."""
+        ranges = [(lo, hi) for lo, hi, _ in self.shards]
+        if not self.exact:
+            return RankNorms(self.flat.offsets, ranges, self.comm, watchdog, step)
+
+        def gather(mine: Any) -> Any:
+            with watchdog.watching(f"tensor-norm all-gather of step {step}"):
+                return self.comm.allgather(mine)
+        return BlockNorms(self.flat.offsets, ranges, gather)
 
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
         """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
-        norms = RankNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in self.shards], self.comm, watchdog, step)
-        optimizer.step_shards(lr, self.shards, norms)
+        optimizer.step_shards(lr, self.shards, self.norms(watchdog, step))
 
     def gather_(self, buf: Any, watchdog: Any, what: str) -> float:
         """Every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place (collective):
@@ -94,5 +131,5 @@ class ShardedStep:
         return time.perf_counter() - t0
 
     def nbytes(self) -> int:
-        """The shard buffer's bytes (what this rank holds beyond the replicated step's state)."""
-        return int(self.grads.nbytes)
+        """The shard buffers' bytes (what this rank holds beyond the replicated step's state)."""
+        return int(self.grads.nbytes) + (int(self.recv.nbytes) if self.exact else 0)

@@ -101,7 +101,7 @@ def _watchdog(cfg: Config, world: Any) -> Any:
 
     if not cfg.stall_timeout_s or world.Get_size() == 1:
         return NullWatchdog()
-    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world)
+    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world, abort_after_s=cfg.stall_abort_s)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ from mpi4py import MPI
 
 from mpisgd import model_file, report
 from mpisgd.backend import to_numpy
-from mpisgd.checkpoint import TrainState, save_checkpoint, save_params
+from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, model_fallbacks, save_params
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.inject import NoHooks
 from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
+from mpisgd.noise import estimate
 from mpisgd.run import Run
 from mpisgd.signals import EXIT_PREEMPTED
 from mpisgd.straggler import REPORT_SHARE, Clock, analyse
@@ -73,9 +74,10 @@ class Trainer:
             self.log(line)
         if self.global_step >= run.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {run.total_steps}); nothing to train")
-            if cfg.save_model and run.is_root:
-                save_params(cfg.save_model, run.model, model_file.describe(run, self.global_step))
-            return 0
+            status, where = self._save_model()
+            if where:
+                print(where, file=sys.stderr if status else sys.stdout, flush=True)
+            return status
         spe = run.batches.steps_per_epoch
         for epoch in range(self.start_epoch, self.n_epochs):
             perm = epoch_permutation(len(run.data.train), cfg.seed, epoch)
@@ -99,8 +101,7 @@ class Trainer:
         if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
             self._save(self.n_epochs - 1, spe)
         self._test_once()
-        self._finish()
-        return 0
+        return self._finish()
 
     @property
     def n_epochs(self) -> int:
@@ -162,9 +163,11 @@ class Trainer:
             velocity=None if opt["velocity"] is None else to_numpy(opt["velocity"]), prev_lr=opt["prev_lr"],
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
-            config=cfg.to_dict(), data=run.data.identity, model=model_file.describe(run))
+            config=cfg.to_dict(), data=run.data.identity,
+            grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
+            environment=run.environment, structure=run.structure, model=model_file.describe(run))
         try:
-            return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
+            return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
@@ -218,7 +221,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         run, t = self.run, self.dp.times
         local = np.array([float(loss_sum), steps, t.comm_exposed_s, t.comm_total_s, t.forward_s, t.backward_s,
-                          t.optimizer_s, t.bytes_reduced])
+                          t.optimizer_s, t.bytes_reduced, t.noise_steps, t.small_sq, t.big_sq_share])
         total = np.zeros_like(local)
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
             self.comm.Allreduce(local, total, op=MPI.SUM)
@@ -233,6 +236,7 @@ class Trainer:
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
         algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
         per_step = 1e3 / max(1, steps)
+        noise = self._noise_scale(mean, t.b_small)
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
             "lr": run.schedule(max(0, self.global_step - 1)),
@@ -247,13 +251,25 @@ class Trainer:
             "accum_steps": run.batches.accum_steps, "grad_nbytes": run.model.flat.nbytes,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (run.k - 1) / run.k,
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
-            "allreduce": self.dp.describe(), **straggler,
+            "allreduce": self.dp.describe(), **noise, **straggler,
         }
         self.history.append(record)
         self.record(record)
         self.log(report.format_epoch(record, self.n_epochs))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
+
+    def _noise_scale(self, mean: np.ndarray, b_small: int) -> dict[str, Any]:
+        """The epoch's gradient noise scale from the ranks' summed squared norms (mpisgd.noise): the
+        small batch is a rank's gradient (or, at k = 1, a micro-batch's), the big one the average."""
+        steps = mean[8]  # every rank measured the same steps
+        if steps < 1:
+            return {}
+        est = estimate(b_small, mean[9] / steps, self.run.B, mean[10] * self.run.k / steps)
+        if est is None:
+            return {}
+        return {"noise_scale": est.noise_scale, "grad_sqr": est.grad_sqr, "grad_var": est.grad_var,
+                "noise_steps": int(round(mean[8]))}
 
     def _straggler(self, step_ms: float) -> dict[str, Any]:
         """Rank 0's straggler report for this epoch (collective; {} at k = 1 or on other ranks)."""
@@ -273,15 +289,39 @@ class Trainer:
             run.test_loader.buffer_nbytes()
         return held / 2**20
 
-    def _finish(self) -> None:
+    def _finish(self) -> int:
+        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
         run, cfg = self.run, self.cfg
-        if cfg.save_model and run.is_root:
-            save_params(cfg.save_model, run.model, model_file.describe(run, self.global_step))
+        status, where = self._save_model()
         if cfg.timeline:
-            run.timeline.save(f"{cfg.timeline}.rank{run.rank}.json")
+            path = f"{cfg.timeline}.rank{run.rank}.json"
+            try:
+                run.timeline.save(path)
+            except OSError as exc:  # every rank writes its own: say which one failed, and go on
+                print(f"warning: rank {run.rank}: --timeline {path} not written ({exc.strerror or exc})", flush=True)
         for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch,
                                        self.final_test):
             self.log(line)
+        if where:  # the last line: where the model is, when not where asked
+            print(where, file=sys.stderr if status else sys.stdout, flush=True)
+        return status
+
+    def _save_model(self) -> tuple[int, str]:
+        """Rank 0 writes --save-model, or where that fails beside the checkpoints or in the temporary
+        directory: (0, "") as asked; (0, a warning saying where) elsewhere; (1, an error line) nowhere."""
+        cfg = self.cfg
+        if not (cfg.save_model and self.run.is_root):
+            return 0, ""
+        try:
+            where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir),
+                                model_file.describe(self.run, self.global_step))
+        except SaveError as exc:
+            ckpt = checkpoint_path(cfg.checkpoint_dir, self.global_step) if cfg.checkpoint_dir else None
+            kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""
+            return 1, f"mpisgd: error: {exc}{kept}"
+        if where == cfg.save_model:
+            return 0, ""
+        return 0, f"warning: --save-model {cfg.save_model} could not be written; the final model is in {where}"
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel

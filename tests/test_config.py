@@ -81,3 +81,19 @@ def test_cnn_takes_its_own_recipe_where_the_command_line_is_silent():
     assert cfg.given == {"model", "lr"}
     mlp = parse_config([], quiet=True)
     assert (mlp.lr, mlp.weight_decay, mlp.epochs) == (0.1, 0.0, 12)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--data-dir", "--checkpoint-dir", "--save-model", "--metrics-file",
+                                  "--timeline", "--resume"])
+def test_an_empty_path_is_refused_not_taken_as_no_path(flag):
+    """`--data $DATA` with DATA unset: before, Fashion-MNIST was trained instead, with exit 0."""
+    with pytest.raises(UsageError, match=f"{flag} is empty: give a path"):
+        parse_config([flag, ""], quiet=True)
+    with pytest.raises(UsageError, match=f"{flag} is empty"):
+        parse_config([flag, "  "], quiet=True)
+
+
+def test_the_optimizer_is_part_of_the_run_identity():
+    from mpisgd.config import IDENTITY
+
+    assert {"optimizer", "trust_coef"} <= set(IDENTITY)

@@ -166,7 +166,7 @@ FORMS = [dict(), dict(weight_decay=1e-3), dict(momentum=0.9), dict(momentum=0.9,
 
 def _blas_or_skip(dtype: type) -> None:
     if level1_for(np.zeros(4, dtype)) is None:
-        pytest.skip("NumPy's BLAS has no usable axpy/axpby/asum here (or MPISGD_BLAS_LEVEL1=0): ufuncs only")
+        pytest.skip("NumPy's BLAS has no usable axpy/axpby here (or MPISGD_BLAS_LEVEL1=0): ufuncs only")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -201,11 +201,21 @@ def test_blas_routines_agree_with_numpy():
     got = y.copy()
     b.axpby(0.5, x, 0.9, got)
     np.testing.assert_allclose(got, np.float32(0.5) * x + np.float32(0.9) * y, rtol=1e-6, atol=1e-6)
-    assert b.asum(x) == pytest.approx(float(np.abs(x.astype(np.float64)).sum()), rel=1e-4)
+
+
+def test_finite_check_and_squared_norm_in_one_pass():
+    from mpisgd.blas import finite_sq_norm
+
+    x = np.random.default_rng(1).standard_normal(100_003).astype(np.float32)
+    ok, sq = finite_sq_norm(x)
+    assert ok and sq == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-4)
     for bad in (np.nan, np.inf, -np.inf):
         z = x.copy()
         z[77_777] = bad
-        assert not np.isfinite(b.asum(z))
+        assert not finite_sq_norm(z)[0]
+    huge = np.full(8, np.finfo(np.float32).max / 2, np.float32)  # finite, but the squares overflow
+    ok, sq = finite_sq_norm(huge)
+    assert ok and not np.isfinite(sq)
 
 
 def test_ufuncs_where_blas_cannot_go():

@@ -19,7 +19,7 @@ from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
 from mpisgd.lars import LARS
 from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
-from mpisgd.parallel import DataParallel, ReplicaError, verify_same
+from mpisgd.parallel import CHECK_IN_WORDS, DataParallel, ReplicaError, verify_same
 from mpisgd.sharded import RankNorms
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -377,7 +377,8 @@ def test_a_rank_in_another_collective_is_named_at_the_check_in():
     x, y = BatchLoader(data, np, "float64").batch(np.arange(8))
     last = comm.Get_size() - 1
     if comm.Get_rank() == last:
-        dp.comm.Allgather(np.zeros(6, dtype=np.int64), np.zeros((comm.Get_size(), 6), dtype=np.int64))
+        words = CHECK_IN_WORDS  # a collective of the check-in's own size, so only its content tells
+        dp.comm.Allgather(np.zeros(words, dtype=np.int64), np.zeros((comm.Get_size(), words), dtype=np.int64))
         err = None
     else:
         with pytest.raises(ReplicaError) as info:

@@ -229,7 +229,7 @@ def bad_set(tmp_path: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case,says", [
     ("missing", "missing y_test"), ("shapes", "they must have one shape"), ("float labels", "must be integers"),
-    ("negative", "labels must be >= 0"), ("nan", "hold NaN or inf"), ("empty", "the test set is empty"),
+    ("negative", "labels must be >= 0"), ("nan", "hold NaN (sample 10, the first)"), ("empty", "the test set is empty"),
     ("int inputs", "must be uint8 or floating point"), ("small", "fewer than one global batch"),
 ])
 def test_bad_data_is_one_line_and_exit_2(tmp_path, case, says):
