@@ -91,8 +91,9 @@ class Config:
                                      "bucket sizes and strategies")
     reproducible: bool = opt(False, "the same parameter bits for any k dividing B/b, any strategy, bucket size "
                                     "and sharding: exact fixed-point gradient sums (docs/reproducible.md)")
-    shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
-                                       "all-gather them (same result; CPU only)")
+    shard_optimizer: bool | None = opt(None, "reduce-scatter the gradient, update 1/k of the parameters on each "
+                                             "rank, all-gather them (the same result); default: on for host buffers "
+                                             "at k >= 2 (docs/benchmarks.md), off on a GPU")
     shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
                                    "memory that peers reduce in place")
     cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "
@@ -274,7 +275,7 @@ def _add_option(parser: Any, f: dataclasses.Field) -> None:
                                       + "".join(f"; {_show(d[f.name])} for --model {m}"
                                                 for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
     kind = f.type if isinstance(f.type, str) else str(f.type)
-    if kind == "bool":
+    if kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
     elif kind.startswith("tuple"):
         parser.add_argument(*flags, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")

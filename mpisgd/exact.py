@@ -147,7 +147,7 @@ class BlockNorms:
     is cut into blocks of ``BLOCK`` elements from its start, each block's squared norm is computed from
     that block alone (the same bits wherever it is computed), and a tensor's norm is the exactly
     rounded sum of its blocks' (``math.fsum``: independent of their order). The sharded step's chunks
-    must begin and end on block boundaries (:func:`block_aligned_counts`)."""
+    must begin and end on block boundaries (:func:`block_boundaries`)."""
 
     BLOCK = 4096
 
@@ -196,15 +196,8 @@ class BlockNorms:
         return out
 
 
-def block_aligned_counts(start: int, stop: int, offsets: Sequence[int], k: int, block: int = BlockNorms.BLOCK
-                         ) -> list[int]:
-    """k near-equal chunk sizes of [start, stop) (a bucket of whole tensors) whose boundaries fall on
-    block boundaries of the tensors (blocks counted from each tensor's start)."""
-    cuts = sorted({p for t in range(len(offsets) - 1) if start <= offsets[t] < stop
-                   for p in range(offsets[t], offsets[t + 1], block)} | {stop})
-    bounds = [start]
-    for c in range(1, k):
-        target = start + (stop - start) * c / k
-        bounds.append(max(bounds[-1], min(cuts, key=lambda p: (abs(p - target), p))))
-    bounds.append(stop)
-    return [bounds[c + 1] - bounds[c] for c in range(k)]
+def block_boundaries(offsets: Sequence[int], block: int = BlockNorms.BLOCK) -> list[int]:
+    """Where the sharded step's parts may begin and end in the reproducible mode: every block boundary
+    of every tensor (blocks counted from each tensor's start), so that no block is cut between ranks."""
+    return sorted({p for t in range(len(offsets) - 1) for p in range(offsets[t], offsets[t + 1], block)}
+                  | {offsets[-1]})

@@ -215,8 +215,8 @@ class DataParallel:
             ShardedStep(self.flat, ranges, self.comm, self.reducer, exact=self.exact is not None) \
             if self.sharded else ReplicatedStep(self.flat, self.reducer, norms)
         self.broadcast_parameters()
-        if self.k > 1 and not self.sharded:  # auto picks its strategy for these sizes now, not mid-step
-            self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets])
+        if self.k > 1:  # auto picks its strategy for these sizes now, not mid-step
+            self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets], reduce_scatter=self.sharded)
 
     # -- start identical, check identical, continue -----------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:

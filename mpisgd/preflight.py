@@ -6,6 +6,7 @@ Each check raises UsageError naming the problem; set-up (mpisgd.run) runs it on 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.agreement import name_differences
-from mpisgd.checkpoint import is_run_file
+from mpisgd.agreement import differing_ranks, name_differences
+from mpisgd.checkpoint import is_run_file, structure_difference
 from mpisgd.config import Config, UsageError
 from mpisgd.data import available_bytes, input_files
 from mpisgd.files import check_output_dir, check_output_file
@@ -119,3 +120,15 @@ def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:
                          f"{data_part}), but this node has {available / 2**30:.1f} GiB available per rank "
                          f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node"
                          + ("" if not data_part else ", or a directory of .npy files (memory-mapped, shared)"))
+
+
+def same_model(structure: dict[str, Any], comm: Any) -> None:
+    """Every rank built the same layers (collective): a factory whose output depends on the rank (or the
+    host) is refused naming the layer and the ranks, before any buffer is compared or broadcast."""
+    every = comm.allgather(structure)
+    odd = differing_ranks([json.dumps(s, sort_keys=True) for s in every])
+    if odd:
+        usual = next(r for r in range(len(every)) if r not in odd)
+        diff = structure_difference(every[usual], every[odd[0]]).replace("the checkpoint's", f"on rank {usual}")
+        raise UsageError(f"ranks {odd} built another model than rank {usual} ({diff} on rank {odd[0]}): the model "
+                         "factory must build the same layers on every rank")

@@ -172,9 +172,8 @@ def banner(run: Run) -> list[str]:
         f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
         f"optimizer: {describe_optimizer(cfg)} | " + (
-            f"step sharded: each rank updates 1/{run.k} of the parameters, then all-gather" if dp.sharded else
-            "step not sharded (--shard-optimizer has nothing to split at k=1)" if cfg.shard_optimizer else
-            "the same step on every rank"),
+            f"step sharded ({run.shard_why}): each rank updates 1/{run.k} of the parameters, then all-gather"
+            if dp.sharded else f"the same step on every rank ({run.shard_why})"),
         f"all-reduce: {dp.describe()}",
     ]
     if cfg.reproducible:

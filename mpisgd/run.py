@@ -88,6 +88,7 @@ class Run:
     t_launch: float
     environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
     structure: dict[str, Any]  # the model's layers and shapes, kept in checkpoints (a resume must match)
+    shard_why: str  # why the update is sharded or not, for the banner
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
     val_loader: BatchLoader | None = None  # the validation set's (--val-split)
 
@@ -124,14 +125,17 @@ def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective:
     return result
 
 
-def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
+def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], None] | None = None) -> Run:
     """Every set-up stage, in order (collective). ``watchdog`` watches their agreements, then the
-    training's collectives (DataParallel closes it)."""
+    training's collectives (DataParallel closes it); ``progress()`` is called after each stage."""
     t_launch = time.perf_counter()
     wd = watchdog
 
     def stage(what: str, fn: Callable[[], T], collective: bool = False) -> T:
-        return agreed(world, fn, wd, what, collective)
+        result = agreed(world, fn, wd, what, collective)
+        if progress is not None:
+            progress()
+        return result
 
     with wd.watching("set-up: finding the nodes and the device"):
         ctx = init(world, cfg.device)  # every rank ends on one kind of device, or all raise
@@ -152,6 +156,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
     model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
     structure = model_structure(model)
+    stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
@@ -171,10 +176,11 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
+    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu)
     with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
-                          shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          shard_optimizer=shard, shared_grads=cfg.shared_grads,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
@@ -187,7 +193,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, warnings,
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
               val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
@@ -237,6 +243,20 @@ def _optimizer(cfg: Config, model: Sequential) -> SGD:
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
                     cfg.trust_coef, level1=level1)
     return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+
+
+def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
+    """Whether to shard the update, and why: as asked, else on for host buffers at k >= 2, where it is the
+    faster of the two with the same bits (docs/benchmarks.md, "The sharded step by default"); off on a GPU,
+    where it has not been measured."""
+    if asked is not None:
+        why = "--shard-optimizer" if asked else "--no-shard-optimizer"
+        return asked and k > 1, why + (": nothing to split at k=1" if asked and k == 1 else "")
+    if gpu:
+        return False, "default: not on a GPU"
+    if k == 1:
+        return False, "default: nothing to split at k=1"
+    return True, "default at k >= 2 on host buffers"
 
 
 def _global_batch(cfg: Config, k: int) -> None:

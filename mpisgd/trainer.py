@@ -25,7 +25,7 @@ from mpisgd.metrics import MetricsWriter
 from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.noise import estimate
 from mpisgd.run import Run
-from mpisgd.signals import EXIT_PREEMPTED
+from mpisgd.signals import EXIT_PREEMPTED, EXIT_TERMINATED
 from mpisgd.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.straggler import describe as describe_straggler
 from mpisgd.tensorboard import open_writer
@@ -35,6 +35,8 @@ class NoSignals:
     """For a Trainer driven without the CLI's signal thread: nobody asks it to stop."""
 
     stop_requested = False
+
+    def note_progress(self) -> None: ...
 
 
 class Trainer:
@@ -110,6 +112,7 @@ class Trainer:
     def _step(self, perm: np.ndarray, step: int, epoch: int) -> Any:
         """One optimizer step (``step`` of ``epoch``); returns this rank's mean loss."""
         run, cfg, dp = self.run, self.cfg, self.dp
+        self.signals.note_progress()
         self.hooks.before_step(self.global_step, run.rank)
         t0 = time.perf_counter()
         lr = run.schedule(self.global_step)
@@ -136,14 +139,17 @@ class Trainer:
 
     def _stop(self, epoch: int, step: int) -> int:
         """Every rank stops before ``step`` of ``epoch`` (a SIGTERM reached one of them): checkpoint it."""
+        self.signals.note_progress()
         path = self._save(epoch, step) if self.cfg.checkpoint_dir else None
         where = f"before step {self.global_step} (epoch {epoch + 1}, step {step} of {self.run.batches.steps_per_epoch})"
+        written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
+        code = EXIT_PREEMPTED if written else EXIT_TERMINATED  # 75 promises the checkpoint of this very step
         if self.run.is_root:
             saved = f"checkpoint {path} written; continue with --resume auto" if path else \
-                "no checkpoint (no --checkpoint-dir, or it could not be written): this run's work is lost"
-            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {EXIT_PREEMPTED})", file=sys.stderr,
-                  flush=True)
-        return EXIT_PREEMPTED
+                "no checkpoint of this step (no --checkpoint-dir, or it could not be written): the work since the " \
+                "last checkpoint is lost"
+            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
+        return code
 
     # -- checkpoints ----------------------------------------------------------------------
     def _save(self, epoch: int, step_in_epoch: int) -> Path | None:
@@ -188,6 +194,7 @@ class Trainer:
         correct, loss_sum, ce = 0, 0.0, SoftmaxCrossEntropy()
         b = run.batches.local_batch  # the training shape: the model's activation buffers are reused, not doubled
         for start in range(0, len(mine), b):
+            self.signals.note_progress()  # a long evaluation is not a stuck job
             x, y = loader.batch(mine[start:start + b])
             logits = run.model.forward(x)
             correct += accuracy_count(logits, y)

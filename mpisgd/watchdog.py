@@ -147,7 +147,12 @@ class Watchdog:
     def _run(self) -> None:
         MPI = self._MPI
         status = MPI.Status()
+        last = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - last > 1.0 + 5 * self._poll_s:  # this process was stopped (SIGSTOP) or starved meanwhile:
+                self._t_enter += now - last  # the time it did not run is not time it waited for its peers
+            last = now
             if self.threaded:
                 while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
                     self._receive(self.comm.recv(source=status.Get_source(), tag=TAG), status.Get_source())

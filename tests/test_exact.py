@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from mpisgd.exact import NO_EXPONENT, BlockNorms, FixedPoint, block_aligned_counts, exponent_of
+from mpisgd.exact import NO_EXPONENT, BlockNorms, FixedPoint, block_boundaries, exponent_of
+from mpisgd.sharded import partition
 
 OFFSETS = [0, 3000, 3010, 9000, 9100]  # four tensors: a big one, a small one, another big one, a bias
 
@@ -141,9 +142,7 @@ def test_block_norms_are_the_same_bits_however_the_tensors_are_cut():
     g = rng.standard_normal(big[-1]).astype(np.float32)
     whole = BlockNorms(big, [(0, big[-1])]).squared([g])
     for k in (2, 3, 5):
-        counts = block_aligned_counts(0, big[-1], big, k)
-        assert sum(counts) == big[-1]
-        bounds = np.cumsum([0, *counts])
+        bounds = partition(big[-1], k, block_boundaries(big))
         ranges = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:])]
         pieces = [[g[a:b].copy()] for a, b in ranges]  # each "rank" holds its chunk in a buffer of its own
         every = [BlockNorms(big, [r])._blocks(p) for r, p in zip(ranges, pieces)]
@@ -153,12 +152,14 @@ def test_block_norms_are_the_same_bits_however_the_tensors_are_cut():
                                rtol=1e-12)
 
 
-def test_block_aligned_counts_cut_only_on_block_boundaries():
+def test_the_sharded_parts_end_only_on_block_boundaries():
     offsets = [0, 5000, 5003, 20_000]
+    valid = {a + j for a, b in zip(offsets, offsets[1:]) for j in range(0, b - a, 1024)} | {20_000}
+    assert set(block_boundaries(offsets, block=1024)) == valid
     for k in (1, 2, 3, 4, 7):
-        counts = block_aligned_counts(0, 20_000, offsets, k, block=1024)
-        valid = {a + j for a, b in zip(offsets, offsets[1:]) for j in range(0, b - a, 1024)} | {20_000}
-        assert len(counts) == k and sum(counts) == 20_000
-        assert set(np.cumsum(counts).tolist()) <= valid, counts
+        bounds = partition(20_000, k, block_boundaries(offsets, block=1024))
+        parts = np.diff(bounds)
+        assert len(parts) == k and bounds[0] == 0 and bounds[-1] == 20_000 and (parts >= 0).all()
+        assert set(bounds) <= valid | {0}
         if k <= 4:  # near-equal where the blocks allow
-            assert max(counts) - min(counts) <= 2 * 1024 + 3
+            assert parts.max() - parts.min() <= 2 * 1024 + 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -373,10 +374,51 @@ def test_sigterm_mid_epoch_checkpoints_that_step_and_the_resumed_run_is_bitwise_
 
 
 def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_path: Path) -> None:
+    """75 promises a checkpoint of the interrupted step (the Slurm scripts requeue on it): without one, 143."""
     p = _start_long_run(2, tag, tmp_path)
     os.kill(_mpiexec_pid(p), signal.SIGTERM)
     out, err, _ = _wait_end(p, tag, limit_s=40)
-    assert p.returncode == 75 and "no checkpoint" in err, err[-2000:]
+    assert p.returncode == 143 and "no checkpoint of this step" in err and "(exit 143)" in err, err[-2000:]
+    assert_no_rank_left(tag)
+
+
+def test_sigterm_when_the_checkpoint_cannot_be_written_is_not_75(tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
+    shutil.rmtree(ck)  # the directory's name becomes a file: the next checkpoint cannot be written there
+    ck.write_text("not a directory any more")
+    os.kill(_mpiexec_pid(p), signal.SIGTERM)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 143 and "not written" in out + err, (p.returncode, (out + err)[-2000:])
+    assert_no_rank_left(tag)
+
+
+def test_a_second_sigterm_ends_the_job_with_143(tag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second SIGTERM arrives while the first is still waiting for the next step (rank 1's steps are made
+    slow): the job ends with 143, and no later clean stop turns that into 75."""
+    monkeypatch.setenv("MPISGD_DELAY_RANK", "1:800")
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(tmp_path / "ck"))
+    target = rank_pids(tag)[1]
+    os.kill(target, signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(target, signal.SIGTERM)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 143 and "a second SIGTERM" in err, (p.returncode, err[-2000:])
+    assert_no_rank_left(tag)
+
+
+def test_a_stopped_and_continued_rank_is_not_blamed_on_rank_0(tag: str, tmp_path: Path) -> None:
+    """SIGSTOP, then SIGCONT: rank 0 names the stopped rank while it is stopped; once it runs again, the job
+    goes on, and the resumed rank does not report rank 0's silence (the time it was stopped is not waiting)."""
+    p = _start_long_run(3, tag, tmp_path, "--stall-timeout-s", "2", "--max-steps", "1500")
+    victim = rank_pids(tag)[1]
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(7)
+    os.kill(victim, signal.SIGCONT)
+    out, err, _ = _wait_end(p, tag, limit_s=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "mpisgd: stall:" in err, err[-2000:]
+    assert "rank 0 has not reported" not in err, err[-2000:]
     assert_no_rank_left(tag)
 
 
