@@ -463,7 +463,7 @@ def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tag: str, tm
     warned = [line for line in r.stdout.splitlines() if line.startswith("warning: checkpoint of step")]
     assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.stdout
     assert "final test accuracy" in r.stdout
-    assert left == [".mpisgd.lock"]  # no checkpoint, no temporary
+    assert left == [".mpisgd.lock", "config.toml"]  # no checkpoint, no temporary (the effective configuration fit)
 
 
 # -- a checkpoint directory belongs to one run ----------------------------------------------------
