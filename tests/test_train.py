@@ -83,7 +83,8 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     lr = "lr: 0.1 for B0=256" if model == "mlp" else "lr: 0.02 for B0=256"  # the CNN's own default recipe
-    for needle in ("MPICH", "k=2 rank(s) on 1 node(s)", "device: cpu, NumPy", "B=128 |", lr,
+    assert out.startswith(("mpisgd | MPICH", "mpisgd | Open MPI")), out[:200]  # the MPI library, named first
+    for needle in ("k=2 rank(s) on 1 node(s)", "device: cpu, NumPy", "B=128 |", lr,
                    ": ranks 0-1", "all-reduce: node-shared buffer on this node", "final test accuracy", "wall time"):
         assert needle in out, f"{needle!r} missing from:\n{out}"
     assert out.count("final test accuracy") == 1  # rank 0 only
