@@ -24,17 +24,21 @@ apt_install() {  # Debian packages, quietly; the package lists are refreshed onl
 # first on PATH, `python`, `python3` and `mpiexec` are Open MPI's, also in the tests' own launches.
 OPENMPI_ENV=${MPISGD_OPENMPI_ENV:-$PWD/.openmpi-env}
 if [ "${1:-}" = openmpi ]; then
-  SUDO_APT || { echo "[install] the Open MPI environment needs root and apt-get (Debian)" >&2; exit 1; }
-  apt_install openmpi-bin python3-mpi4py python3-numpy libopenblas0-pthread python3-threadpoolctl \
-    python3-tqdm python3-pytest python3-pytest-mpi python3-venv
+  if SUDO_APT; then  # without root: what is already installed, checked below
+    apt_install openmpi-bin python3-mpi4py python3-numpy libopenblas0-pthread python3-threadpoolctl \
+      python3-tqdm python3-pytest python3-pytest-mpi python3-venv
+  fi
   /usr/bin/python3 -m venv --clear --without-pip "$OPENMPI_ENV"
   "$OPENMPI_ENV/bin/python" -c 'import site; print("/usr/lib/python3/dist-packages", file=open(site.getsitepackages()[0] + "/debian.pth", "w"))'
   ln -sf /usr/bin/mpiexec.openmpi "$OPENMPI_ENV/bin/mpiexec"
   ln -sf /usr/bin/mpirun.openmpi "$OPENMPI_ENV/bin/mpirun"
-  lib=$(PATH="$OPENMPI_ENV/bin:$PATH" python -c 'from mpi4py import MPI; print(MPI.Get_library_version().strip("\0").splitlines()[0])')
+  lib=$("$OPENMPI_ENV/bin/python" -c 'import numpy, pytest, pytest_mpi, threadpoolctl, tqdm
+from mpi4py import MPI; print(MPI.Get_library_version().strip("\0").splitlines()[0])' 2>&1) || lib="none: ${lib##*$'\n'}"
+  [ -x /usr/bin/mpiexec.openmpi ] || lib="no /usr/bin/mpiexec.openmpi"
   case $lib in
     "Open MPI"*) echo "[install] Open MPI environment ready in $OPENMPI_ENV: $lib" ;;
-    *) echo "[install] error: $OPENMPI_ENV/bin/python's mpi4py loads \"$lib\", not Open MPI" >&2; exit 1 ;;
+    *) echo "[install] error: $OPENMPI_ENV/bin/python runs no Open MPI ($lib); as root on Debian, this command" \
+            "installs openmpi-bin, python3-mpi4py, python3-numpy, python3-pytest-mpi and the rest" >&2; exit 1 ;;
   esac
   exit 0
 fi
