@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The MPI-marked tests again at k = 2 and 3, under Debian's Open MPI and its mpi4py 3.1 instead of MPICH,
-# then the serial tests whose jobs Open MPI runs differently (aborts, signals, MPMD launches). Open MPI
-# holds to the standard where MPICH lets code pass (the order of collectives, datatypes). scripts/test.sh
-# runs this after its MPICH passes; alone it installs only the Open MPI environment (scripts/install.sh
-# openmpi), not the package. Junit reports: results/tmp/openmpi{2,3,-serial}.xml. Exit 1 if any pass failed.
+# then a few serial tests whose jobs Open MPI runs differently (SERIAL below). Open MPI holds to the
+# standard where MPICH lets code pass (the order of collectives, datatypes). scripts/test.sh runs this
+# after its MPICH passes; alone it installs only the Open MPI environment (scripts/install.sh openmpi),
+# not the package. Junit reports: results/tmp/openmpi{2,3,-serial}.xml. Exit 1 if any pass failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -34,8 +34,9 @@ run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME
 }
 python -c 'from mpi4py import MPI; print("=== openmpi:", MPI.Get_library_version().strip("\0"))'
 for n in 2 3; do
+  # --color=no: Open MPI gives the ranks a terminal for stdout, and pytest would colour the log
   run "openmpi$n" timeout 1200 mpiexec --oversubscribe -n "$n" python -m pytest tests -q -p no:cacheprovider \
-      --with-mpi -m mpi -o junit_suite_name="openmpi$n" --junitxml="results/tmp/openmpi$n.xml"
+      --color=no --with-mpi -m mpi -o junit_suite_name="openmpi$n" --junitxml="results/tmp/openmpi$n.xml"
 done
 run openmpi-serial timeout 1800 python -m pytest "${SERIAL[@]}" -q -p no:cacheprovider \
     -o junit_suite_name=openmpi-serial --junitxml=results/tmp/openmpi-serial.xml
