@@ -148,7 +148,8 @@ class Trainer:
             saved = f"checkpoint {path} written; continue with --resume auto" if path else \
                 "no checkpoint of this step (no --checkpoint-dir, or it could not be written): the work since the " \
                 "last checkpoint is lost"
-            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
+            by = getattr(self.signals, "stop_signal", "SIGTERM")
+            print(f"mpisgd: stopped by {by} {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
         return code
 
     # -- checkpoints ----------------------------------------------------------------------

@@ -384,6 +384,18 @@ def test_sigterm_mid_epoch_checkpoints_that_step_and_the_resumed_run_is_bitwise_
     np.testing.assert_array_equal(np.load(resumed)["flat"], np.load(full)["flat"])
 
 
+def test_sigusr1_to_the_launcher_stops_like_sigterm(tag: str, tmp_path: Path) -> None:
+    """SIGUSR1 is the stop request that Open MPI's mpirun passes on without killing the ranks (it SIGKILLs
+    them a second after forwarding a SIGTERM); with either launcher the job stops with its checkpoint."""
+    ck = tmp_path / "ck"
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
+    os.kill(_mpiexec_pid(p), signal.SIGUSR1)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 75 and "stopped by SIGUSR1 before step" in err, (p.returncode, err[-2000:])
+    assert list(ck.glob("ckpt-*.npz"))
+    assert_no_rank_left(tag)
+
+
 def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_path: Path) -> None:
     """75 promises a checkpoint of the interrupted step (the Slurm scripts requeue on it): without one, 143."""
     if open_mpi_launcher():
