@@ -28,7 +28,7 @@ _LAZY = {
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
     "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
     "create_reducer": ("mpisgd.comm", "create_reducer"), "broadcast_": ("mpisgd.sync", "broadcast_"),
-    "GradientAverager": ("mpisgd.sync", "GradientAverager"),
+    "GradientAverager": ("mpisgd.sync", "GradientAverager"), "load_model": ("mpisgd.model_file", "load_model"),
 }
 
 
@@ -42,4 +42,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["LAMB", "LARS", "SGD", "AdamW", "Context", "DataParallel", "GradientAverager", "NonFiniteError",
            "ReplicaError", "Schedule", "__version__", "broadcast_", "create_reducer", "effective_batch", "guard",
-           "init", "nn", "scaled_lr"]
+           "init", "load_model", "nn", "scaled_lr"]

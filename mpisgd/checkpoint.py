@@ -66,17 +66,20 @@ def is_run_file(name: str) -> bool:
     return bool(_NAME.match(name.split(TMP_SUFFIX, 1)[0])) or name == LOCK
 
 
-def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike] = ()) -> str:
-    """Write the final parameters (the flat vector and each named parameter, as NumPy arrays) to ``path``;
+def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike] = (),
+                meta: dict[str, Any] | None = None) -> str:
+    """Write the final parameters (the flat vector and each named parameter, as NumPy arrays) and ``meta``,
+    what model it is (mpisgd.model_file.describe; the file mpisgd.load_model reads, docs/api.md), to ``path``;
     where that fails (a full disk, a directory gone), to the first of ``fallback_dirs`` that takes them,
     under the same file name (never replacing a file there). Returns where they went; SaveError, naming
     every place tried and why, when nowhere."""
     named = {name: to_numpy(p) for name, p in model.named_parameters()}
     flat = to_numpy(model.flat.params)
+    extra = {"meta": np.array(json.dumps(meta))} if meta else {}
     tried = []
     for target in [Path(path), *(_free_name(Path(d), Path(path).name) for d in fallback_dirs)]:
         try:
-            atomic_write(target, lambda f: np.savez(f, flat=flat, **named))
+            atomic_write(target, lambda f: np.savez(f, flat=flat, **named, **extra))
             return str(target)
         except OSError as exc:
             tried.append(f"{target} ({exc.strerror or exc}{_free(target)})")
@@ -128,6 +131,7 @@ class TrainState:
     environment: dict[str, Any] = field(default_factory=dict)  # what the bits depend on (BLAS, threads, CPU)
     structure: dict[str, Any] = field(default_factory=dict)  # model_structure(); {} in older checkpoints
     run_id: str = ""  # the run's identity (RunDirectory sets it); "" in older checkpoints
+    model: dict[str, Any] = field(default_factory=dict)  # what model it is (mpisgd.model_file.describe)
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -175,6 +179,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
         "data": np.array(json.dumps(state.data)), "structure": np.array(json.dumps(state.structure)),
         "run": np.array(state.run_id), **{BUFFER + name: buf for name, buf in state.buffers.items()},
     }
+    if state.model:
+        arrays["model"] = np.array(json.dumps(state.model))
     if state.grad_exponents is not None:
         arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
     if state.environment:
@@ -218,7 +224,8 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
                 grad_exponents=z["grad_exponents"] if "grad_exponents" in z.files else None,
                 environment=json.loads(str(z["environment"])) if "environment" in z.files else {},
                 structure=json.loads(str(z["structure"])) if "structure" in z.files else {},
-                run_id=str(z["run"]) if "run" in z.files else "")
+                run_id=str(z["run"]) if "run" in z.files else "",
+                model=json.loads(str(z["model"])) if "model" in z.files else {})
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:

@@ -56,6 +56,10 @@ class Config:
                                      "path)")
     limit_train: int | None = opt(None, "use only the first N training samples")
     limit_test: int | None = opt(None, "use only the first N test samples")
+    val_split: float = opt(0.0, "hold out this fraction of the training set (after --limit-train, chosen by --seed) "
+                                "for validation: each epoch reports validation loss and accuracy, the test set is "
+                                "scored once, at the end (0: no validation set, the test set every epoch)")
+    test_every_epoch: bool = opt(False, "with --val-split, score the test set at every epoch's end too")
     synthetic_samples: int = opt(8192, "training samples of the synthetic data set")
     # optimisation
     epochs: int = opt(12, "passes over the training set")
@@ -123,6 +127,8 @@ class Config:
     straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
     # files and output
     metrics_file: str | None = opt(None, "append JSON lines to this file, one per step and one per epoch (rank 0)")
+    tensorboard: str | None = opt(None, "write TensorBoard event files to this directory (rank 0; needs "
+                                        "pip install 'mpisgd[tensorboard]')")
     timeline: str | None = opt(None, "write a Chrome-trace JSON timeline, one file per rank (PATH.rankN.json)")
     save_model: str | None = opt(None, "write the final parameters to this .npz file (rank 0)")
     checkpoint_dir: str | None = opt(None, "directory of checkpoints (rank 0 writes)")
@@ -132,8 +138,8 @@ class Config:
     resume_allow: str = opt("", "comma-separated options a resumed run may change on purpose (e.g. lr,epochs); "
                                 "any other difference from the checkpoint's run is refused")
     overwrite_checkpoints: bool = opt(False, "a fresh run may delete another run's checkpoints in --checkpoint-dir")
-    progress: str = opt("auto", "progress bar on rank 0: auto (when stderr is a terminal; under mpiexec it is "
-                                "not), on, off", ("auto", "on", "off"))
+    progress: str = opt("auto", "progress bar on rank 0: auto (when it reaches a terminal: rank 0's stderr, or "
+                                "under mpiexec the launcher's), on, off", ("auto", "on", "off"))
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
@@ -154,6 +160,8 @@ class Config:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{name} must be >= 1, got {value}")
+        if not 0 <= self.val_split < 1:
+            raise UsageError(f"--val-split must be in [0, 1), got {self.val_split}")
         for name, value in {"max-steps": self.max_steps, "limit-train": self.limit_train,
                             "limit-test": self.limit_test, "threads": self.threads,
                             "global-batch": self.global_batch}.items():
@@ -252,7 +260,7 @@ class _Parser(argparse.ArgumentParser):
 # --help in groups, by concern; every field of Config is in exactly one (tests/test_config.py checks)
 GROUPS: dict[str, tuple[str, ...]] = {
     "model and data": ("model", "hidden", "dtype", "dataset", "data", "data_dir", "limit_train", "limit_test",
-                       "synthetic_samples", "seed"),
+                       "val_split", "test_every_epoch", "synthetic_samples", "seed"),
     "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "global_batch", "lr", "base_batch",
                            "lr_scaling", "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
     "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
@@ -261,8 +269,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
                                "overwrite_checkpoints", "save_model"),
-    "output and diagnostics": ("metrics_file", "timeline", "progress", "check_replicas", "stall_timeout_s",
-                               "stall_abort", "stall_abort_s", "noise_scale_every", "straggler_report"),
+    "output and diagnostics": ("metrics_file", "tensorboard", "timeline", "progress", "check_replicas",
+                               "stall_timeout_s", "stall_abort", "stall_abort_s", "noise_scale_every",
+                               "straggler_report"),
 }
 # earlier spellings still accepted
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}
@@ -279,6 +288,11 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         group = parser.add_argument_group(title)
         for name in names:
             _add_option(group, fields[name])
+    files = parser.add_argument_group("configuration file")
+    files.add_argument("--config", metavar="FILE.toml", help="read options from this TOML file, by their long "
+                       "names (limit-train = 4096); the command line overrides it (docs/api.md)")
+    files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
+                       "TOML that --config reads, and exit")
     return parser
 
 
@@ -311,19 +325,38 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay":
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
-    """Parse and validate the command line. Raises UsageError; prints --help unless quiet.
+    """Parse and validate the command line (and the --config file it names, which it overrides). Raises
+    UsageError; prints --help (and --print-config's TOML, then SystemExit) unless quiet.
 
-    ``cfg.given`` holds the fields set on the command line (a resumed run derives the others)."""
+    ``cfg.given`` holds the fields set on the command line or in the file (a resumed run derives the
+    others); ``cfg.config_file`` the file's path, or None."""
     parser = build_parser(quiet)
     ns = parser.parse_args(argv)
+    from_file: dict[str, Any] = {}
+    if ns.config:
+        from mpisgd.config_file import read_config  # noqa: PLC0415 - it imports this module
+
+        from_file = read_config(ns.config)
+        parser.set_defaults(**from_file)
+        ns = parser.parse_args(argv)
+    names = {f.name for f in dataclasses.fields(Config)}
     quiet_parser = build_parser(quiet=True)
-    quiet_parser.set_defaults(**{f.name: _UNSET for f in dataclasses.fields(Config)})
-    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET}
-    values = vars(ns)
+    quiet_parser.set_defaults(**dict.fromkeys(names, _UNSET))
+    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET and k in names}
+    given |= set(from_file)
+    values = {k: v for k, v in vars(ns).items() if k in names}
     values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
     cfg = Config(**values)
     cfg.validate()
     cfg.given = given  # type: ignore[attr-defined]
+    cfg.config_file = ns.config  # type: ignore[attr-defined]
+    if ns.print_config:
+        if not quiet:
+            from mpisgd.config_file import to_toml  # noqa: PLC0415
+
+            print(to_toml(cfg, "mpisgd's configuration: python -m mpisgd.train --config FILE.toml reads it (the "
+                                "command line overrides it)"), end="", flush=True)
+        raise SystemExit(0)
     return cfg
 
 

@@ -157,15 +157,17 @@ class Dataset:
     labels: np.ndarray
     scale: float = 1.0
     shift: float = 0.0
+    rows: np.ndarray | None = None  # the samples of the arrays this set uses (hold_out), None: all of them
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.labels) if self.rows is None else len(self.rows)
 
     def head(self, n: int) -> Dataset:
         """The first n samples, copied (so that a large set is freed, or not read, behind a view)."""
         if self.images.ndim == 0 or self.labels.ndim == 0:  # nothing to take from: validate() says why
             return self
-        return Dataset(np.array(self.images[:n]), np.array(self.labels[:n]), self.scale, self.shift)
+        pick = slice(None, n) if self.rows is None else self.rows[:n]
+        return Dataset(np.array(self.images[pick]), np.array(self.labels[pick]), self.scale, self.shift)
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, Path]:
@@ -481,6 +483,23 @@ def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, se
                    1.0 / (255.0 * PIXEL_STD), -PIXEL_MEAN / PIXEL_STD)  # scaled as Fashion-MNIST
 
 
+VAL_STREAM = 0x76616C  # the validation split's random stream: not one of the epoch orders' (seed, epoch)
+
+
+def hold_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(the rest, validation): ``fraction`` of the training samples, chosen by ``seed`` alone, before any
+    sharding, so every rank and every k hold out the same ones. The rest keeps the arrays (a memory-mapped
+    set stays mapped) and uses only its rows; the validation samples are copied (they are few)."""
+    n = len(train)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise DataError(f"--val-split {fraction:g} of {n} training samples leaves none to train on")
+    perm = np.random.default_rng([seed, VAL_STREAM]).permutation(n)
+    val, rest = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    held = Dataset(np.array(train.images[val]), np.array(train.labels[val]), train.scale, train.shift)
+    return Dataset(train.images, train.labels, train.scale, train.shift, rows=rest), held
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The sample order of ``epoch``: a pure function of (seed, epoch), shared by all ranks."""
     return np.random.default_rng([seed, epoch]).permutation(n)
@@ -536,6 +555,8 @@ class BatchLoader:
     def batch(self, idx: np.ndarray, slot: int = 0) -> tuple[Any, Any]:
         """Scaled inputs and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
         xp = self.xp
+        if self.data.rows is not None:  # a set with samples held out: idx counts its own samples
+            idx = self.data.rows[idx]
         n = len(idx)
         buf = self._bufs.get((n, slot))
         if buf is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -33,14 +34,56 @@ class _NoBar:
 
 
 def progress_bar(total: int, mode: str, desc: str) -> Any:
-    """A tqdm bar on stderr: with ``on`` always (under mpiexec rank 0's stderr is a pipe that the launcher
-    forwards, so only ``on`` shows one there), with ``auto`` only when stderr is a terminal."""
-    if mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+    """A tqdm bar on stderr: with ``on`` always, with ``auto`` when it reaches a terminal: stderr is one,
+    or, under mpiexec (where rank 0's stderr is a pipe the launcher forwards), the launcher's is. A log
+    redirected to a file gets no bar."""
+    direct = sys.stderr.isatty()
+    tty = None if direct or mode == "off" else launcher_terminal()
+    if mode == "off" or (mode == "auto" and not direct and tty is None):
         return _NoBar()
     from tqdm import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5,
-                dynamic_ncols=sys.stderr.isatty(), ncols=None if sys.stderr.isatty() else 100)
+                dynamic_ncols=direct, ncols=None if direct else _columns(tty))
+
+
+LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")  # process names (Linux's comm) of MPI launchers
+
+
+@functools.cache
+def launcher_terminal() -> str | None:
+    """The terminal (e.g. /dev/pts/3) that the MPI launcher which started this process writes its stderr
+    to; None when there is none: no launcher among the nearest ancestors (or no /proc to ask), or the
+    launcher's stderr is a file or a pipe (a redirected log, a test harness)."""
+    pid = os.getppid()
+    for _ in range(4):  # rank <- hydra_pmi_proxy <- mpiexec (hydra); rank <- mpirun (Open MPI)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(LAUNCHERS):
+                target = os.readlink(f"/proc/{pid}/fd/2")
+                return target if target.startswith(("/dev/pts/", "/dev/tty")) else None
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
+
+
+def _columns(tty: str | None) -> int:
+    """The width of terminal ``tty`` (100 where it cannot be read)."""
+    if tty:
+        try:
+            fd = os.open(tty, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+            try:
+                return os.get_terminal_size(fd).columns
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    return 100
 
 
 def fit(line: str) -> str:
@@ -64,10 +107,13 @@ def rank_map(places: list[tuple[str, int, int | None]]) -> str:
 
 
 def format_epoch(r: dict[str, Any], epochs: int) -> str:
-    """One epoch: loss, accuracy, speed, the share of the step spent waiting for communication, the
-    gradient noise scale (the batch beyond which a larger one stops paying, mpisgd.noise)."""
+    """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
+    waiting for communication, the gradient noise scale (the batch beyond which a larger one stops paying,
+    mpisgd.noise)."""
     noise = f"  noise scale {_samples(r['noise_scale'])}" if "noise_scale" in r else ""
-    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  test_acc {r['test_acc']:.4f}  "
+    held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
+        (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
+    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
             f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
             f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
 
@@ -126,14 +172,16 @@ def banner(run: Run) -> list[str]:
         f"device: {device}",
         f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
         f"{describe_model(run.model)}",
-        f"data: {run.data.source} | {len(train):,} train, {len(test):,} test | samples "
+        f"data: {run.data.source} | {len(train):,} train, " + (f"{len(run.data.val):,} validation (--val-split "
+                                                                f"{cfg.val_split:g}), " if run.data.val else "") +
+        f"{len(test):,} test | samples "
         f"{'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, {run.data.n_classes} classes",
         f"batch: b={cfg.batch_size} per rank x k={run.k} x m={cfg.accum_steps} accumulated = B={run.B} | "
         f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
         f"optimizer: {describe_optimizer(cfg)} | " + (
-            f"step sharded ({run.shard_why}): each rank updates 1/{run.k} of the parameters, then all-gather"
-            if dp.sharded else f"the same step on every rank ({run.shard_why})"),
+            f"step sharded ({run.shard_why}): each rank updates 1/{run.k}, then all-gather"
+            if dp.sharded else f"step replicated ({run.shard_why})"),
         f"all-reduce: {dp.describe()}",
     ]
     if cfg.reproducible:
@@ -173,14 +221,20 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
-def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float) -> list[str]:
-    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy, time, memory in parts."""
+def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float,
+                test: dict[str, Any] | None = None) -> list[str]:
+    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy (the last epoch's, or ``test``:
+    the test set scored once after training), time, memory in parts."""
     last = history[-1] if history else {}
     lines = []
     if run.k > 1 and last.get("bucket_busbw_gbps"):
         lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
                      f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
-    acc = f"{last['test_acc']:.4f}" if last else "n/a (no epoch finished)"
+    if last and "val_acc" in last:
+        lines.append(f"validation accuracy {last['val_acc']:.4f} (loss {last['val_loss']:.4f}) at the last epoch; "
+                     "the test set scored once, after training:")
+    acc = f"{test['test_acc']:.4f}" if test else f"{last['test_acc']:.4f}" if "test_acc" in last else \
+        "n/a (no epoch finished)"
     lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
     if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
         lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpisgd import data, preflight
+from mpisgd import data, preflight, run_files
 from mpisgd.adam import LAMB, AdamW
 from mpisgd.agreement import ReplicaError, agree
 from mpisgd.backend import environment as backend_environment
@@ -53,6 +53,7 @@ class RunData:
     source: str  # where it came from, for the banner
     identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
     warnings: list[str] = field(default_factory=list)  # e.g. classes without a sample
+    val: Dataset | None = None  # the validation samples held out of the training set (--val-split)
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -90,6 +91,7 @@ class Run:
     structure: dict[str, Any]  # the model's layers and shapes, kept in checkpoints (a resume must match)
     shard_why: str  # why the update is sharded or not, for the banner
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
+    val_loader: BatchLoader | None = None  # the validation set's (--val-split)
 
     @property
     def k(self) -> int:
@@ -143,6 +145,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     stage("the options", lambda: preflight.same_options(cfg, world), collective=True)
     stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
     stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank))  # a path that cannot be written fails now
+    stage("the configuration's copies and TensorBoard", lambda: run_files.check(cfg, ctx.rank))
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
@@ -165,8 +168,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
                         "--reproducible promises the same bits only on the same one")
     if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(run_data.train,
-                                                                                             run_data.test),
+        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(
+            run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
                                                      ctx.local_size))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
@@ -180,7 +183,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
-                          clip_grad_norm=cfg.clip_grad_norm,
+                          clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
@@ -192,10 +195,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings)
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
+              val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
             _restore(run, state)
+    if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
+        run.warnings += run_files.write_config(cfg, ctx.size)
     return run
 
 
@@ -210,8 +216,13 @@ def _load_data(cfg: Config) -> RunData:
     if cfg.limit_test:
         test = test.head(cfg.limit_test)
     classes = data.validate(train, test, dtype=cfg.dtype)
-    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes},
-                   data.label_warnings(train, test, classes))
+    identity = {**data.identity(name, train, test), "classes": classes}
+    warnings = data.label_warnings(train, test, classes)
+    if not cfg.val_split:
+        return RunData(train, test, source, identity, warnings)
+    train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k
+    identity.update(n_train=len(train), val_split=cfg.val_split, n_val=len(val))  # a resume keeps the split
+    return RunData(train, test, source, identity, warnings, val)
 
 
 def _build_model(cfg: Config, run_data: RunData) -> Sequential:
@@ -247,9 +258,9 @@ def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
         why = "--shard-optimizer" if asked else "--no-shard-optimizer"
         return asked and k > 1, why + (": nothing to split at k=1" if asked and k == 1 else "")
     if gpu:
-        return False, "default: not on a GPU"
+        return False, "default on a GPU"
     if k == 1:
-        return False, "default: nothing to split at k=1"
+        return False, "nothing to split at k=1"
     return True, "default at k >= 2 on host buffers"
 
 

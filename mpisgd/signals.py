@@ -9,7 +9,8 @@ mask), and one thread of ours waits for them (``sigwait``) and acts at once:
 - SIGINT: this rank prints one line and ends the whole job (``MPI_Abort``),
   exit 130. When every rank got it (Ctrl-C to mpiexec, which forwards it),
   rank 0 speaks and aborts first, the others a moment later, so one line shows.
-- SIGTERM: :attr:`Signals.stop_requested` is set; the per-step check-in tells
+- SIGTERM (or SIGUSR1, which Open MPI's mpirun forwards without killing the
+  ranks a second later): :attr:`Signals.stop_requested` is set; the per-step check-in tells
   every rank, and they stop together at the next step, write a checkpoint and
   exit with :data:`EXIT_PREEMPTED` (or 143 when no checkpoint of that step could
   be written). If the job makes no progress for ``TERM_GRACE_S`` (a peer stuck or
@@ -32,7 +33,10 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's code for Ctrl-C
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again with --resume auto
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM, and no clean stop was possible
 TERM_GRACE_S = 25.0  # inside Slurm's default KillWait (30 s) before SIGKILL
-WATCHED = {signal.SIGINT, signal.SIGTERM}
+# SIGUSR1 stops like SIGTERM: Open MPI's mpirun forwards a SIGTERM and SIGKILLs the ranks a second later,
+# but passes SIGUSR1 on and keeps their exit status (docs/failures.md)
+STOP = {signal.SIGTERM, signal.SIGUSR1}
+WATCHED = {signal.SIGINT, *STOP}
 
 
 class Signals:
@@ -40,6 +44,7 @@ class Signals:
 
     def __init__(self) -> None:
         self.stop_requested = False
+        self.stop_signal = "SIGTERM"  # which signal asked to stop (SIGTERM or SIGUSR1), for the message
         self.comm: Any = None
         self.exit_code: int | None = None  # set once this rank ends the job: what the process must exit with
         self._last_progress = time.monotonic()
@@ -60,12 +65,13 @@ class Signals:
     def _watch(self) -> None:
         while True:
             sig = signal.sigwait(WATCHED)
-            if sig == signal.SIGTERM and not self.stop_requested:
+            if sig in STOP and not self.stop_requested:
+                self.stop_signal = signal.Signals(sig).name
                 self._last_progress = time.monotonic()
                 self.stop_requested = True
                 threading.Thread(target=self._grace, name="mpisgd-term-grace", daemon=True).start()
-            elif sig == signal.SIGTERM:
-                self._end(EXIT_TERMINATED, "a second SIGTERM")
+            elif sig in STOP:
+                self._end(EXIT_TERMINATED, f"a second {signal.Signals(sig).name}")
             else:
                 self._end(EXIT_INTERRUPTED, "interrupted (SIGINT)")
 

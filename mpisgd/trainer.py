@@ -15,19 +15,20 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd import report
+from mpisgd import model_file, report
 from mpisgd.backend import to_numpy
 from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, model_fallbacks, save_params
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.inject import NoHooks
 from mpisgd.metrics import MetricsWriter
-from mpisgd.nn import accuracy_count
+from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.noise import estimate
 from mpisgd.run import Run
 from mpisgd.signals import EXIT_PREEMPTED, EXIT_TERMINATED
 from mpisgd.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.straggler import describe as describe_straggler
+from mpisgd.tensorboard import open_writer
 
 
 class NoSignals:
@@ -49,16 +50,23 @@ class Trainer:
         self.signals, self.hooks = signals or NoSignals(), hooks or NoHooks()
         self.comm = run.ctx.comm
         self.metrics = MetricsWriter(run.cfg.metrics_file, enabled=run.is_root)
+        self.tensorboard = open_writer(run.cfg.tensorboard, enabled=run.is_root)  # a no-op unless asked
         plan = run.resume
         self.global_step = plan.global_step if plan else 0
         self.start_epoch, self.start_step = (plan.epoch, plan.step_in_epoch) if plan else (0, 0)
         self.saved_at = plan.global_step if plan else -1  # the step of the newest checkpoint this run wrote
         self.clock = Clock(self.comm) if run.k > 1 and run.cfg.straggler_report else None  # the report's time base
         self.history: list[dict[str, Any]] = []
+        self.final_test: dict[str, Any] | None = None  # with --val-split: the test set, scored once at the end
 
     def log(self, msg: str) -> None:
         if self.run.is_root:
             print(msg, flush=True)
+
+    def record(self, record: dict[str, Any]) -> None:
+        """One record to the metrics file and to TensorBoard (rank 0; no-ops where not asked)."""
+        self.metrics.write(record)
+        self.tensorboard.write(record)
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> int:
@@ -94,6 +102,7 @@ class Trainer:
             self._end_epoch(epoch, steps, loss_sum, time.perf_counter() - t0)
         if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
             self._save(self.n_epochs - 1, spe)
+        self._test_once()
         return self._finish()
 
     @property
@@ -105,6 +114,7 @@ class Trainer:
         run, cfg, dp = self.run, self.cfg, self.dp
         self.signals.note_progress()
         self.hooks.before_step(self.global_step, run.rank)
+        t0 = time.perf_counter()
         lr = run.schedule(self.global_step)
         micro = [run.train_loader.batch(run.batches.indices(perm, step, i), slot=i) for i in range(cfg.accum_steps)]
         loss = dp.train_step(micro, lr)
@@ -112,9 +122,13 @@ class Trainer:
             self.log(f"warning: non-finite gradient at step {self.global_step}: step skipped "
                      f"(--on-nan skip; {dp.skipped_steps} skipped so far)")
         self.global_step += 1
-        if cfg.metrics_file:
-            self.metrics.write({"kind": "step", "step": self.global_step, "epoch": epoch + 1, "lr": lr,
-                                "loss": float(loss)})
+        if cfg.metrics_file or cfg.tensorboard:
+            record = {"kind": "step", "step": self.global_step, "epoch": epoch + 1, "lr": lr, "loss": float(loss),
+                      "step_ms": 1e3 * (time.perf_counter() - t0)}
+            grad_norm = getattr(dp, "last_grad_norm", None)  # the averaged gradient's, where DataParallel has it
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            self.record(record)
         if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
             dp.check_replicas()
         return loss
@@ -134,7 +148,8 @@ class Trainer:
             saved = f"checkpoint {path} written; continue with --resume auto" if path else \
                 "no checkpoint of this step (no --checkpoint-dir, or it could not be written): the work since the " \
                 "last checkpoint is lost"
-            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
+            by = getattr(self.signals, "stop_signal", "SIGTERM")
+            print(f"mpisgd: stopped by {by} {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
         return code
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -157,7 +172,7 @@ class Trainer:
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
             grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
-            environment=run.environment, structure=run.structure)
+            environment=run.environment, structure=run.structure, model=model_file.describe(run))
         try:
             return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
@@ -168,17 +183,48 @@ class Trainer:
 
     # -- the end of an epoch --------------------------------------------------------------
     def evaluate(self) -> float:
-        """Test accuracy: each rank scores a disjoint part of the test set, counts are summed."""
+        """Test accuracy (collective)."""
+        return self.score(self.run.test_loader)[0]
+
+    def score(self, loader: Any, loss: bool = False) -> tuple[float, float | None]:
+        """Accuracy, and with ``loss`` the mean loss, of the set ``loader`` holds (collective): each rank
+        scores a disjoint part of it, counts and sums are added."""
         run = self.run
-        n = len(run.data.test)
+        n = len(loader.data)
         mine = np.array_split(np.arange(n), run.k)[run.rank]
-        correct = 0
+        correct, loss_sum, ce = 0, 0.0, SoftmaxCrossEntropy()
         b = run.batches.local_batch  # the training shape: the model's activation buffers are reused, not doubled
         for start in range(0, len(mine), b):
             self.signals.note_progress()  # a long evaluation is not a stuck job
-            x, y = run.test_loader.batch(mine[start:start + b])
-            correct += accuracy_count(run.model.forward(x), y)
-        return self.comm.allreduce(correct) / n
+            x, y = loader.batch(mine[start:start + b])
+            logits = run.model.forward(x)
+            correct += accuracy_count(logits, y)
+            if loss:
+                loss_sum += float(ce.forward_array(logits, y)) * len(y)
+        if not loss:
+            return self.comm.allreduce(correct) / n, None
+        sums = np.array([correct, loss_sum], dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        return float(sums[0]) / n, float(sums[1]) / n
+
+    def _scores(self) -> dict[str, float]:
+        """What an epoch's end measures on held-out data: the test set's accuracy or, with --val-split,
+        the validation set's loss and accuracy (and the test set's with --test-every-epoch)."""
+        run = self.run
+        if run.val_loader is None:
+            return {"test_acc": self.evaluate()}
+        val_acc, val_loss = self.score(run.val_loader, loss=True)
+        return {"val_loss": val_loss, "val_acc": val_acc,
+                **({"test_acc": self.evaluate()} if self.cfg.test_every_epoch else {})}
+
+    def _test_once(self) -> None:
+        """With --val-split: the test set, scored once, after the training (collective)."""
+        if self.run.val_loader is None:
+            return
+        with self.dp.watchdog.watching("the test set, after training"):
+            acc, loss = self.score(self.run.test_loader, loss=True)
+        self.final_test = {"kind": "test", "step": self.global_step, "test_acc": acc, "test_loss": loss}
+        self.record(self.final_test)
 
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         run, t = self.run, self.dp.times
@@ -187,7 +233,7 @@ class Trainer:
         total = np.zeros_like(local)
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
             self.comm.Allreduce(local, total, op=MPI.SUM)
-            test_acc = self.evaluate()
+            scores = self._scores()
             # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
             mem = np.array([report.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
             self.comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
@@ -202,7 +248,7 @@ class Trainer:
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
             "lr": run.schedule(max(0, self.global_step - 1)),
-            "train_loss": mean[0] / max(1, steps), "test_acc": test_acc,
+            "train_loss": mean[0] / max(1, steps), **scores,
             "samples_per_s": steps * run.B / train_time if train_time > 0 else 0.0,
             "comm_frac": mean[2] / max(1e-12, train_time),
             "comm_exposed_ms": per_step * mean[2], "comm_total_ms": per_step * mean[3],
@@ -216,7 +262,7 @@ class Trainer:
             "allreduce": self.dp.describe(), **noise, **straggler,
         }
         self.history.append(record)
-        self.metrics.write(record)
+        self.record(record)
         self.log(report.format_epoch(record, self.n_epochs))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
@@ -261,7 +307,8 @@ class Trainer:
                 run.timeline.save(path)
             except OSError as exc:  # every rank writes its own: say which one failed, and go on
                 print(f"warning: rank {run.rank}: --timeline {path} not written ({exc.strerror or exc})", flush=True)
-        for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch):
+        for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch,
+                                       self.final_test):
             self.log(line)
         if where:  # the last line: where the model is, when not where asked
             print(where, file=sys.stderr if status else sys.stdout, flush=True)
@@ -274,7 +321,8 @@ class Trainer:
         if not (cfg.save_model and self.run.is_root):
             return 0, ""
         try:
-            where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir))
+            where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir),
+                                model_file.describe(self.run, self.global_step))
         except SaveError as exc:
             ckpt = checkpoint_path(cfg.checkpoint_dir, self.global_step) if cfg.checkpoint_dir else None
             kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""
@@ -287,6 +335,7 @@ class Trainer:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
         machinery, which every rank must do together (the watchdog waits for every rank's close)."""
         self.metrics.close()
+        self.tensorboard.close()
         if self.clock is not None and collective:
             self.clock.close()
         if self.run.run_dir is not None:

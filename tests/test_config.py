@@ -64,7 +64,7 @@ def changed(f: dataclasses.Field) -> Any:
     if choices:
         return next(c for c in choices if c != default)
     if default is None:  # an optional field: a value of its other type
-        return {"int | None": 1, "str | None": "changed"}[f.type]
+        return {"int | None": 1, "str | None": "changed", "bool | None": True}[f.type]
     for kind, change in ((bool, operator.not_), (int, lambda v: v + 1), (float, lambda v: v + 0.5),
                          (str, lambda v: v + "-changed"), (tuple, lambda v: (*v, 7))):
         if isinstance(default, kind):
