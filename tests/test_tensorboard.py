@@ -51,7 +51,9 @@ def test_a_run_writes_what_tensorboard_reads_on_rank_0_only(tmp_path):
         assert [v for _, v in got[f"epoch/{key}"]] == pytest.approx([e[key] for e in epochs], rel=1e-6), key
     assert got["test/acc"][0][0] == test["step"] and got["test/acc"][0][1] == pytest.approx(test["test_acc"])
     assert "epoch/test_acc" not in got  # with --val-split the test set is scored once, at the end
-    assert "step/grad_norm" not in got or len(got["step/grad_norm"]) == len(steps)
+    # --tensorboard asks DataParallel for the averaged gradient's norm every step (measure_grad_norm)
+    assert [v for _, v in got["step/grad_norm"]] == pytest.approx([s["grad_norm"] for s in steps], rel=1e-6)
+    assert all(s["grad_norm"] > 0 for s in steps)
 
 
 def test_scalars_of_each_kind_of_record(tmp_path):
