@@ -89,12 +89,12 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     """The comparison script end to end, small: interleaved launches, the table, the paired ratios."""
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
-                        "--baselines", "numpy-1t", "--sharded", "--apart", "--variant", "private=--no-shared-grads",
+                        "--baselines", "numpy-1t", "--replicated", "--apart", "--variant", "private=--no-shared-grads",
                         "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
-    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 sharded", "mpisgd k=2 apart",
+    assert set(data["summary"]) == {"mpisgd k=1", "mpisgd k=2", "mpisgd k=2 replicated", "mpisgd k=2 apart",
                                     "mpisgd k=2 private", "numpy-loop-1t"}
     assert len(data["ratios"]["k=2 private / k=2"]) == 2
     # the ceiling pairs each apart launch (two ranks' samples/s summed) with the k=1 launch of its repeat; no
@@ -106,7 +106,7 @@ def test_throughput_benchmark_smoke_run(tmp_path):
         [x["samples_per_s"] / (2 * one[x["repeat"]]) for x in apart])
     lo, hi = data["ratio_ci95"]["k=2 / k=2 apart"]
     assert lo <= statistics.median(data["ratios"]["k=2 / k=2 apart"]) <= hi
-    assert len(data["ratios"]["k=2 sharded / k=2"]) == 2
+    assert len(data["ratios"]["k=2 / k=2 replicated"]) == 2
     assert [x["repeat"] for x in data["runs"]["mpisgd k=2"]] == [0, 1]
     assert len(data["ratios"]["efficiency k=2 (>= 0.85)"]) == 2
     assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
