@@ -42,7 +42,7 @@ import numpy as np
 
 from mpisgd.backend import to_numpy
 from mpisgd.config import IDENTITY, OPTIMIZER_OPTIONS, STRUCTURE, Config, UsageError
-from mpisgd.files import TMP_SUFFIX, atomic_write, free_bytes, remove_stale_temporaries
+from mpisgd.files import TMP_SUFFIX, atomic_write, free_bytes, remove_stale_temporaries, write_npz
 
 FORMAT = 2
 READS = (1, 2)  # the formats this version loads
@@ -79,7 +79,7 @@ def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike
     tried = []
     for target in [Path(path), *(_free_name(Path(d), Path(path).name) for d in fallback_dirs)]:
         try:
-            atomic_write(target, lambda f: np.savez(f, flat=flat, **named, **extra))
+            atomic_write(target, lambda f: write_npz(f, {"flat": flat, **named, **extra}))
             return str(target)
         except OSError as exc:
             tried.append(f"{target} ({exc.strerror or exc}{_free(target)})")
@@ -185,7 +185,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
         arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
     if state.environment:
         arrays["environment"] = np.array(json.dumps(state.environment))
-    atomic_write(path, lambda f: np.savez(f, **arrays))
+    atomic_write(path, lambda f: write_npz(f, arrays))
     ours = lineage if lineage is not None else {state.run_id}
     mine = [p for p in list_checkpoints(directory) if _step(p) <= state.global_step and run_id_of(p) in ours]
     for old in mine[keep:]:

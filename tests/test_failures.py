@@ -412,7 +412,7 @@ def test_sigterm_when_the_checkpoint_cannot_be_written_is_not_75(tag: str, tmp_p
     p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
     shutil.rmtree(ck)  # the directory's name becomes a file: the next checkpoint cannot be written there
     ck.write_text("not a directory any more")
-    os.kill(_mpiexec_pid(p), signal.SIGTERM)
+    os.kill(rank_pids(tag)[1], signal.SIGTERM)  # to a rank: Open MPI's mpiexec would SIGKILL them a second later
     out, err, _ = _wait_end(p, tag, limit_s=40)
     assert p.returncode == 143 and "not written" in out + err, (p.returncode, (out + err)[-2000:])
     assert_no_rank_left(tag)
@@ -735,8 +735,10 @@ def test_ranks_with_another_test_set_are_refused(tag: str, tmp_path: Path) -> No
         (b / f.name).write_bytes(f.read_bytes())
     write_idx(b / "t10k-images-idx3-ubyte", np.zeros((50, 28, 28), np.uint8))
     train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
-    first = mpiexec_cmd(1, *train)[:1] + ["-n", "1", "-env", "MPISGD_DATA", str(a)] + mpiexec_cmd(1, *train)[3:]
-    second = ["-n", "1", "-env", "MPISGD_DATA", str(b)] + mpiexec_cmd(1, *train)[3:]
+    one = mpiexec_cmd(1, *train)
+    py = one.index(sys.executable)  # env(1) sets each rank's variable: MPICH's -env and Open MPI's -x differ
+    first = [*one[:py], "env", f"MPISGD_DATA={a}", *one[py:]]
+    second = [*one[1:py], "env", f"MPISGD_DATA={b}", *one[py:]]
     env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
     r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
     line = _one_error(r)
