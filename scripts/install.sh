@@ -79,6 +79,13 @@ else
   extras="mpich"
 fi
 [ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot,torch"  # torch: the baselines and examples that compare with it
+# PyPI's torch for x86-64 Linux is its CUDA build, ~5 GB with the NVIDIA libraries: on a machine without an NVIDIA
+# GPU, PyTorch's own index of CPU builds (~190 MB) first, where it is reachable; the extra then finds torch installed
+if [ "${1:-}" = test ] && ! python3 -c "import torch" >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null; then
+  echo "[install] PyTorch's CPU build from download.pytorch.org (no NVIDIA GPU here)"
+  $PIP --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu >/dev/null 2>&1 \
+    || echo "[install] PyTorch's CPU index is not reachable: PyPI's torch (its CUDA build, ~5 GB) instead"
+fi
 echo "[install] pip install -e .${extras:+[$extras]}"
 $PIP -e ".${extras:+[$extras]}"
 
