@@ -104,7 +104,7 @@ def test_failed_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", boom)
+    monkeypatch.setattr("mpisgd.checkpoint.write_npz", boom)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, state(20))
     assert good.read_bytes() == before

@@ -116,7 +116,8 @@ def test_older_files_still_load(tmp_path, name, in_shape):
 
 def test_an_older_checkpoint_of_an_mlp_loads(tmp_path):
     model = build_model("mlp", (784,), 10, (16, 8)).materialize(np, "float32", seed=0)
-    state = TrainState(params=model.flat.params.copy(), velocity=None, prev_lr=0.1, global_step=5, epoch=0,
+    state = TrainState(params=model.flat.params.copy(), buffers={}, optimizer_state={"prev_lr": 0.1}, global_step=5,
+                       epoch=0,
                        step_in_epoch=5, skipped_steps=0, world_size=2, effective_batch=64,
                        config={"model": "mlp", "hidden": [16, 8], "dtype": "float32"}, data={"classes": 10})
     path = save_checkpoint(tmp_path, state)

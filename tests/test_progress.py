@@ -18,7 +18,8 @@ from mpisgd.report import launcher_terminal
 
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
-TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "16",
+# an epoch of a few seconds: tqdm redraws every 0.5 s, so a shorter one might never draw past 0 %
+TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "16384", "--hidden", "16",
          "--batch-size", "8", "--epochs", "1"]
 BAR = ("it/s", "\u2588", "%|")  # what tqdm draws
 
