@@ -404,10 +404,11 @@ class DataParallel:
                 self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
             if flags[0]:
                 return loss_sum, False
-            codec.set_exponents(flags[2:])  # this step's own: the next step's scales, or this one's again
             if not (calibrate or flags[1]):
                 break
-        self.update.decode(codec, self.summed if not self.sharded else None)
+            codec.set_exponents(flags[2:])  # this step's own: compute it again at these scales
+        self.update.decode(codec, self.summed if not self.sharded else None)  # at the scales it was encoded with
+        codec.set_exponents(flags[2:])  # this step's own: the next step's scales
         if self._measure:
             self._local_sq = codec.sq_sum / m  # the mean over this rank's micro-batches (b samples each)
         return loss_sum, True

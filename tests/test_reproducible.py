@@ -98,6 +98,34 @@ def test_float64_too():
     assert all(comm.allgather(train(comm, 6, dtype="float64", shard=True) == one_rank(6, dtype="float64")))
 
 
+def test_it_computes_the_float_step_to_rounding():
+    """Same bits everywhere is worthless if the step is wrong: on one rank, float64, twenty steps over which
+    the gradients' norms cross powers of two (the exponents change), the reproducible parameters are the
+    plain float step's to within the fixed point's ~50 bits (a gradient decoded at another step's scale
+    would be off by a power of two)."""
+    from mpi4py import MPI
+
+    def params(reproducible: bool) -> np.ndarray:
+        data = synthetic(960, seed=5)
+        model = mlp((24, 16)).materialize(np, "float64", seed=0)
+        opt = SGD(model.flat, momentum=0.9, weight_decay=1e-3, level1=False)
+        dp = DataParallel(model, opt, MPI.COMM_SELF, reproducible=reproducible)
+        loader, batches = BatchLoader(data, np, "float64"), GlobalBatches(len(data), 48, 0, 1, 6)
+        seen = set()
+        for step in range(20):
+            perm = epoch_permutation(len(data), 0, step // batches.steps_per_epoch)
+            dp.train_step([loader.batch(batches.indices(perm, step % batches.steps_per_epoch, i), slot=i)
+                           for i in range(6)], lr=0.5)
+            if reproducible:
+                seen.add(tuple(dp.exponents))
+        out = dp.flat.params.copy()
+        dp.close()
+        assert not reproducible or len(seen) > 1, "the exponents never changed: the test would not test"
+        return out
+
+    np.testing.assert_allclose(params(True), params(False), rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_without_it_the_bits_depend_on_k():
     """The negative control: the plain float sums of k ranks are not one rank's bits (so the tests
