@@ -104,19 +104,28 @@ def same_data(identity: dict[str, Any], comm: Any) -> None:
         raise UsageError("ranks loaded different data (" + "; ".join(diffs) + "): give every rank the same data set")
 
 
-def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:
+def state_buffers(cfg: Config) -> float:
+    """Parameter-sized buffers of the run's training state, in units of one float buffer: parameters and
+    gradients, the optimizer's state (momentum; Adam's two moments), the reproducible mode's int64 sums."""
+    optimizer = 2 if cfg.optimizer in ("adamw", "lamb") else 1 if cfg.momentum else 0
+    exact = 2 * 8 / np.dtype(cfg.dtype).itemsize if cfg.reproducible else 0  # the sum and a micro-batch's
+    return 2 + optimizer + exact
+
+
+def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int, buffers: float = 3) -> None:
     """A model that cannot fit is refused with an estimate, not a MemoryError on every rank (host memory;
     before the model is materialised). ``data_nbytes``: the data this rank holds in its own memory
     (data.resident_nbytes: a memory-mapped set is the page cache's, shared by the node's ranks and read
-    as needed, so it does not count)."""
+    as needed, so it does not count); ``buffers``: parameter-sized buffers of state (state_buffers)."""
     n_params = sum(int(np.prod(shape)) for layer in model.layers for _, shape in layer.param_shapes)
-    state = 3 * n_params * np.dtype(dtype).itemsize  # parameters, gradients, momentum
+    state = int(buffers * n_params * np.dtype(dtype).itemsize)  # parameters, gradients, optimizer state
     need = state + data_nbytes
     available = available_bytes() / max(1, ranks_here)
     if need > 0.9 * available:
         data_part = f", {data_nbytes / 2**30:.1f} GiB for the data it holds" if data_nbytes >= 2**29 else ""
         raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
-                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations"
+                         f"{state / 2**30:.1f} GiB for them, their gradients and the optimizer's state, before "
+                         "activations"
                          f"{data_part}), but this node has {available / 2**30:.1f} GiB available per rank "
                          f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node"
                          + ("" if not data_part else ", or a directory of .npy files (memory-mapped, shared)"))

@@ -90,6 +90,19 @@ def fit(line: str) -> str:
     return line if len(line) <= MAX_WIDTH else line[:MAX_WIDTH - 3] + "..."
 
 
+def wrap(line: str) -> list[str]:
+    """A line too long for MAX_WIDTH, broken at spaces into lines that are not, the later ones indented
+    (for what must be read whole: the all-reduce's plan and where it came from)."""
+    out, current = [], ""
+    for word in line.split(" "):
+        if current and len(current) + 1 + len(word) > MAX_WIDTH:
+            out.append(current)
+            current = "  " + word
+        else:
+            current = f"{current} {word}" if current else word
+    return [*out, current]
+
+
 def rank_map(places: list[tuple[str, int, int | None]]) -> str:
     """'host-a: ranks 0-3 | host-b: ranks 4-7' (GPU ids when there are any), one group per host."""
     hosts: dict[str, list[tuple[int, int | None]]] = {}
@@ -182,18 +195,18 @@ def banner(run: Run) -> list[str]:
         f"optimizer: {describe_optimizer(cfg)} | " + (
             f"step sharded ({run.shard_why}): each rank updates 1/{run.k}, then all-gather"
             if dp.sharded else f"step replicated ({run.shard_why})"),
-        f"all-reduce: {dp.describe()}",
     ]
+    lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
+    lines += wrap(f"all-reduce: {dp.describe()}")  # its plan and where that came from, whole
     if cfg.reproducible:
         env = run.environment
-        lines.append(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
-                     f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))")
+        lines.append(fit(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
+                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))"))
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
-        lines.append(f"noise scale: {why}")
+        lines.append(fit(f"noise scale: {why}"))
     if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
-        lines.append(f"cuda-aware MPI: {dp.reducer.why}")
-    lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
+        lines.append(fit(f"cuda-aware MPI: {dp.reducer.why}"))
     plan = run.resume
     if plan is not None:  # not cut: a path is shown whole
         lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "

@@ -170,7 +170,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
-                                                     ctx.local_size))
+                                                     ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))

@@ -65,3 +65,14 @@ def test_nothing_lies_among_the_checkpoint_directorys_own_names(tmp_path):
     _refused(Config(dataset="synthetic", checkpoint_dir=str(ck), metrics_file=str(ck)), "is the --checkpoint-dir",
              tmp_path)
     outputs(Config(dataset="synthetic", checkpoint_dir=str(ck), save_model=str(ck / "model.npz")), 0)  # fine
+
+
+def test_the_memory_estimate_counts_each_optimizer_s_state():
+    """Adam keeps two moments, SGD with momentum one, plain SGD none; reproducible sums add int64 buffers."""
+    from mpisgd.config import Config
+    from mpisgd.preflight import state_buffers
+
+    assert state_buffers(Config(momentum=0.0)) == 2
+    assert state_buffers(Config()) == 3  # SGD with momentum 0.9, the default
+    assert state_buffers(Config(optimizer="adamw")) == 4
+    assert state_buffers(Config(reproducible=True)) == 3 + 4  # float32: two int64 buffers are four float ones
