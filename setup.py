@@ -15,8 +15,12 @@ setup(
         # CuPy for --device gpu, one wheel per CUDA major version (docs/gpu.md); never two in one environment
         "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13.x
         "gpu-cuda12": ["cupy-cuda12x>=13"],  # CUDA 12.x
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5"],
+        # --tensorboard's event files: tensorboardX is pure Python on protobuf (no TensorFlow, no PyTorch)
+        "tensorboard": ["tensorboardX>=2.6"],
+        # tensorboard: its EventAccumulator reads the events back in tests/test_tensorboard.py
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5", "tensorboardX>=2.6", "tensorboard>=2.14"],
         "torch": ["torch"],  # only for the comparison benchmark
     },
-    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-plan=mpisgd.plan:main"]},
+    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-evaluate=mpisgd.evaluate:main",
+                                      "mpisgd-plan=mpisgd.plan:main"]},
 )

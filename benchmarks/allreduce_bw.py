@@ -8,7 +8,8 @@ busbw = algbw * 2(k-1)/k in GB/s (1e9 bytes/s), and #wrong, the elements that
 differ from the exact sum after a checked run (values are small integers, exact
 in every dtype). Warm-up calls (where ``auto`` measures a new size class) and a
 barrier precede each timing. ``shared`` reduces its own node-shared buffer (in
-place only; out of place it is ``mpi``). Exit status 1 if anything was wrong.
+place only; out of place it is ``mpi``). Exit status 1 if anything was wrong;
+2 for bad input (one line from rank 0, on every rank before any measurement).
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from mpisgd.backend import Backend, select_backend, sync, to_numpy, xp_of  # noqa: E402
-from mpisgd.comm import create_reducer  # noqa: E402
+from mpisgd.comm import STRATEGIES, create_reducer  # noqa: E402
 from mpisgd.comm.base import Reducer, node_layout  # noqa: E402
+from mpisgd.config import UsageError  # noqa: E402
+from mpisgd.context import AgreedError, agree  # noqa: E402
+from mpisgd.data import available_bytes  # noqa: E402
+from mpisgd.files import check_output_file  # noqa: E402
 
 CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "shared")
 GPU_BACKENDS = ("nccl", "mpi", "ring", "auto")
@@ -122,8 +127,27 @@ def measure_all(reducers: dict[str, Reducer], bufs: dict[str, Any], comm: Any, c
     return {name: (float(pick(blocks[name])) * 1e6, wrong[name]) for name in reducers}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class BenchError(ValueError):
+    """Bad input to the benchmark: one line from rank 0, exit 2 on every rank."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises BenchError rather than printing usage on every rank and exiting."""
+
+    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise BenchError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def parse_args(argv: list[str] | None = None, quiet: bool = False) -> argparse.Namespace:
+    p = _Parser(description=__doc__.splitlines()[0], quiet=quiet)
     p.add_argument("--min-bytes", type=parse_size, default=4, help="smallest size (e.g. 4, 1K)")
     p.add_argument("--max-bytes", type=parse_size, default=256 << 20, help="largest size (e.g. 256M)")
     p.add_argument("--step-factor", type=int, default=2, help="multiply the size by this each row")
@@ -148,17 +172,85 @@ def main(argv: list[str] | None = None) -> int:
                         "ratio to the better of mpi and ring in each run, side by side, and the worst")
     args = p.parse_args(argv)
     if args.summarize:
+        return args
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.step_factor < 2 or args.trials < 1:
+        raise BenchError("need 1 <= --min-bytes <= --max-bytes, --step-factor >= 2 and --trials >= 1")
+    if args.iters < 0 or args.warmup < 0:
+        raise BenchError(f"--iters and --warmup must be >= 0, got {args.iters} and {args.warmup}")
+    if not (math.isfinite(args.block_ms) and args.block_ms > 0):
+        raise BenchError(f"--block-ms must be a positive number, got {args.block_ms}")
+    try:
+        dtype = np.dtype(args.dtype)
+    except TypeError:
+        raise BenchError(f"--dtype {args.dtype!r} is not a NumPy dtype; use float16, float32, float64, int32 "
+                         "or int64") from None
+    if dtype.kind not in "fiu":
+        raise BenchError(f"--dtype must be a number type (float16, float32, float64, int32, int64), got {dtype}")
+    args.names = [b for b in args.backends.split(",") if b] or \
+        list(GPU_BACKENDS if args.device == "gpu" else CPU_BACKENDS)
+    unknown = [b for b in args.names if b not in STRATEGIES]
+    if unknown:
+        raise BenchError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    if len(set(args.names)) != len(args.names):
+        raise BenchError(f"--backends names one twice: {args.backends}")
+    return args
+
+
+def check_before_any_work(args: argparse.Namespace, comm: Any, local_size: int, rank: int) -> None:
+    """What differs by node or rank: the memory the buffers need here, and rank 0's output files
+    (BenchError)."""
+    need = (len(args.names) + 1) * args.max_bytes
+    available = available_bytes() / max(1, local_size)
+    if need > 0.8 * available:
+        raise BenchError(f"--max-bytes {args.max_bytes:,} needs {need / 2**30:.1f} GiB per rank ({len(args.names)} "
+                         f"backend buffer(s) and one destination), this node has {available / 2**30:.1f} GiB "
+                         f"available per rank ({local_size} here): lower --max-bytes or name fewer --backends")
+    if rank == 0:
+        for what, path in (("--json", args.json), ("--plot", args.plot)):
+            if path is not None:
+                try:
+                    check_output_file(str(path), what)
+                except UsageError as exc:
+                    raise BenchError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD
+    k, rank = comm.Get_size(), comm.Get_rank()
+    try:
+        return _main(argv, comm, k, rank)
+    except AgreedError as exc:  # every rank raised it together: rank 0 says why, every rank exits 2
+        if rank == 0:
+            print(f"allreduce_bw: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: list[str] | None, comm: Any, k: int, rank: int) -> int:
+    error, args = None, None
+    try:
+        args = parse_args(argv, quiet=rank != 0)
+    except SystemExit as exc:  # --help: printed by rank 0
+        return int(exc.code or 0)
+    except BenchError as exc:
+        error = exc
+    agree(comm, error)  # argv is every rank's: all refuse it alike, before any other collective
+    assert args is not None
+    if args.summarize:
         runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in args.summarize]
         print(summarize(runs[0]) if len(runs) == 1 else summarize_auto(runs))
         return 0
-    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.step_factor < 2 or args.trials < 1:
-        p.error("need 1 <= --min-bytes <= --max-bytes, --step-factor >= 2 and --trials >= 1")
 
-    comm = MPI.COMM_WORLD
-    k, rank = comm.Get_size(), comm.Get_rank()
-    backend, _ = select_backend(args.device, local_rank=node_layout(comm)[0])  # GPU local_rank % GPUs
+    local_rank, local_size = node_layout(comm)[:2]
+    backend, error = None, None
+    try:
+        check_before_any_work(args, comm, local_size, rank)
+        backend, _ = select_backend(args.device, local_rank=local_rank)  # GPU local_rank % GPUs
+    except (BenchError, UsageError) as exc:
+        error = exc
+    agree(comm, error)
+    assert backend is not None
     dtype = np.dtype(args.dtype)
-    names = [b for b in args.backends.split(",") if b] or list(GPU_BACKENDS if backend.is_gpu else CPU_BACKENDS)
+    names = args.names
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.inplace]
     sizes = []
     s = args.min_bytes
@@ -166,7 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(max(dtype.itemsize, s // dtype.itemsize * dtype.itemsize))
         s *= args.step_factor
 
-    reducers = {name: make_reducer(name, comm, backend, args) for name in names}
+    reducers, error = {}, None
+    try:
+        for name in names:  # a strategy that cannot run here raises alike on every rank, before its collectives
+            reducers[name] = make_reducer(name, comm, backend, args)
+    except ValueError as exc:
+        error = exc
+    agree(comm, error)
     bufs = buffers(reducers, backend.xp, dtype, sizes[-1] // dtype.itemsize)
     out = print if rank == 0 else (lambda *a, **kw: None)
     library = MPI.Get_library_version().splitlines()[0].strip()

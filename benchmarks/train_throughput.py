@@ -17,10 +17,11 @@ and compares with PyTorch in one process at k=1 and DDP (gloo) at the largest
 k; the hand-written NumPy loop is the MLP only. The speed
 issues' targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
-machine drifts. `--sharded` adds, interleaved, mpisgd with `--shard-optimizer`
-at each k > 1 ("mpisgd k=2 sharded"), with its own efficiency and DDP ratios.
+machine drifts. mpisgd's default at k >= 2 is the sharded step; `--replicated`
+adds, interleaved, mpisgd with `--no-shard-optimizer` at each k > 1 ("mpisgd k=2
+replicated"), with its own efficiency and its ratio to the default.
 `--variant 'NAME=OPTIONS'` (repeatable) adds, interleaved, mpisgd at the largest k
-with those extra options, and its paired ratio to plain mpisgd (to the sharded
+with those extra options, and its paired ratio to plain mpisgd (to the replicated
 one when its options shard): an A/B of one option under the same noise.
 `--apart` adds the machine's own ceiling: k single-rank trainings started
 together, each its own `mpiexec -n 1` with no communication between them
@@ -58,7 +59,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-       "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT)}
+       "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT),
+       # every launch measures auto's choices afresh: a plan from another run must not decide a comparison
+       "MPISGD_PLAN_FILE": os.environ.get("MPISGD_PLAN_FILE", "off")}
 BASELINES = ("numpy-1t", "numpy-2t", "torch", "torch-ddp")
 DEFAULT_BASELINES = {"mlp": "numpy-1t,numpy-2t,torch-ddp", "cnn": "torch,torch-ddp"}
 WORKLOADS = {"cnn": "LeNet-5 (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool 2, 120, 84, 10, ReLU)"}
@@ -71,11 +74,11 @@ def mpiexec(k: int) -> list[str]:
     return [exe, "-n", str(k), sys.executable]
 
 
-def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False, variant: str = "") -> dict:
+def run_mpisgd(k: int, train_args: list[str], tmp: str, replicated: bool = False, variant: str = "") -> dict:
     """One launch; ``variant`` is a --variant's "NAME=OPTIONS" (its options added, its name in the label)."""
     metrics = os.path.join(tmp, f"m{k}.jsonl")
-    if sharded:
-        train_args = [*train_args, "--shard-optimizer"]
+    if replicated:
+        train_args = [*train_args, "--no-shard-optimizer"]
     name, _, extra = variant.partition("=")
     train_args = [*train_args, *shlex.split(extra)]
     if os.path.exists(metrics):
@@ -87,7 +90,7 @@ def run_mpisgd(k: int, train_args: list[str], tmp: str, sharded: bool = False, v
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
     last = epochs[-1]
-    impl = f"mpisgd k={k}" + (" sharded" if sharded else "") + (f" {name}" if name else "")
+    impl = f"mpisgd k={k}" + (" replicated" if replicated else "") + (f" {name}" if name else "")
     return {"impl": impl, "k": k, "samples_per_s": last["samples_per_s"], **{key: last[key] for key in SPLIT},
             **{key: last.get(key, float("nan")) for key in MEMORY}, "options": extra}
 
@@ -185,7 +188,8 @@ def main() -> None:
     parser.add_argument("--baselines", default=None,
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated; default "
                              f"{DEFAULT_BASELINES['mlp']} for the MLP, {DEFAULT_BASELINES['cnn']} for the CNN)")
-    parser.add_argument("--sharded", action="store_true", help="add mpisgd --shard-optimizer at each k > 1")
+    parser.add_argument("--replicated", action="store_true",
+                        help="add mpisgd --no-shard-optimizer (the replicated step) at each k > 1")
     parser.add_argument("--apart", action="store_true",
                         help="add k single-rank trainings run together with no communication (the ceiling)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
@@ -212,11 +216,11 @@ def main() -> None:
     hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
-    if args.sharded:
-        jobs += [("mpisgd-sharded", k, 1) for k in ks if k > 1]
+    if args.replicated:
+        jobs += [("mpisgd-replicated", k, 1) for k in ks if k > 1]
     for v in args.variant:
-        if "=" not in v or v.partition("=")[0].strip() in ("", "sharded", "apart"):
-            parser.error(f"--variant {v!r}: expected NAME=OPTIONS, NAME neither empty nor sharded nor apart")
+        if "=" not in v or v.partition("=")[0].strip() in ("", "replicated", "apart"):
+            parser.error(f"--variant {v!r}: expected NAME=OPTIONS, NAME neither empty nor replicated nor apart")
         jobs.append((f"variant:{v}", max(ks), 1))
     if args.apart:
         jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
@@ -247,7 +251,7 @@ def main() -> None:
                     if impl.startswith("variant:"):
                         return run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
                     if impl.startswith("mpisgd"):
-                        return run_mpisgd(k, train_args, tmp, impl == "mpisgd-sharded")
+                        return run_mpisgd(k, train_args, tmp, impl == "mpisgd-replicated")
                     return run_baseline(impl, k, threads, hidden, batch, args.device, model)
 
                 for attempt in range(4 if args.max_others is not None else 1):
@@ -307,30 +311,28 @@ def paired_ratios(runs: dict[str, list[dict]], k: int, model: str = "mlp") -> di
     single = next((name for name in runs if name in ("torch-cpu", "torch-cuda")), "torch-cpu")
     ddp_bound = {"mlp": 1.6, "cnn": 1.2}[model]
     targets = [  # (label, numerator, denominator, key, factor): value = factor * num[key] / den[key]
-        (f"efficiency k={k} (>= 0.85)", f"mpisgd k={k}", "mpisgd k=1", "samples_per_s", 1 / k),
+        (f"efficiency k={k} (>= 0.93)", f"mpisgd k={k}", "mpisgd k=1", "samples_per_s", 1 / k),
         (f"k=1 step / {loop} step (<= 1.05)", "mpisgd k=1", loop, "step_ms", 1.0),
         (f"k={k} / NumPy loop on 2 BLAS threads (>= 1.0)", f"mpisgd k={k}", "numpy-loop-2t", "samples_per_s", 1.0),
         (f"k=1 / PyTorch {single[6:]} k=1" + (" (>= 0.8)" if model == "cnn" else ""), "mpisgd k=1", single,
          "samples_per_s", 1.0),
         (f"k={k} / PyTorch DDP {ddp[10:]} k={k} (>= {ddp_bound})", f"mpisgd k={k}", ddp, "samples_per_s", 1.0),
     ]
-    if f"mpisgd k={k} sharded" in runs:
+    if f"mpisgd k={k} replicated" in runs:
         targets += [
-            (f"efficiency k={k} sharded (>= 0.85)", f"mpisgd k={k} sharded", "mpisgd k=1", "samples_per_s", 1 / k),
-            (f"k={k} sharded / k={k}", f"mpisgd k={k} sharded", f"mpisgd k={k}", "samples_per_s", 1.0),
-            (f"k={k} sharded / PyTorch DDP {ddp[10:]} k={k} (>= 1.6)", f"mpisgd k={k} sharded", ddp,
-             "samples_per_s", 1.0),
+            (f"efficiency k={k} replicated", f"mpisgd k={k} replicated", "mpisgd k=1", "samples_per_s", 1 / k),
+            (f"k={k} / k={k} replicated", f"mpisgd k={k}", f"mpisgd k={k} replicated", "samples_per_s", 1.0),
         ]
-    for name, rs in runs.items():  # each --variant against plain mpisgd (sharded, if it shards and that ran)
+    for name, rs in runs.items():  # each --variant against plain mpisgd (replicated, if it does not shard)
         if name.startswith(f"mpisgd k={k} ") and rs[0].get("options"):
-            den = f"mpisgd k={k} sharded" if "--shard-optimizer" in rs[0]["options"].split() \
-                and f"mpisgd k={k} sharded" in runs else f"mpisgd k={k}"
+            den = f"mpisgd k={k} replicated" if "--no-shard-optimizer" in rs[0]["options"].split() \
+                and f"mpisgd k={k} replicated" in runs else f"mpisgd k={k}"
             targets.append((f"{name[7:]} / {den[7:]}", name, den, "samples_per_s", 1.0))
     if f"mpisgd k={k} apart" in runs:  # the ceiling, and how much of it each synchronised run reaches
         targets += [(f"ceiling: k={k} apart / ({k} x k=1)", f"mpisgd k={k} apart", "mpisgd k=1", "samples_per_s",
                      1 / k)]
         targets += [(f"{name[7:]} / k={k} apart", name, f"mpisgd k={k} apart", "samples_per_s", 1.0)
-                    for name in (f"mpisgd k={k}", f"mpisgd k={k} sharded") if name in runs]
+                    for name in (f"mpisgd k={k}", f"mpisgd k={k} replicated") if name in runs]
     out = {}
     for label, num, den, key, factor in targets:
         if num == den or num not in by_rep or den not in by_rep:

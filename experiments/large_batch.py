@@ -1,4 +1,4 @@
-"""Test error against effective batch size for learning-rate recipes (Goyal et al. 2017, Fig. 1) and LARS.
+"""Test error against effective batch size for learning-rate recipes (Goyal et al. 2017, Fig. 1), LARS and LAMB.
 
 The experiment behind docs/large_batch.md; its runs are in results/large_batch/.
 
@@ -12,6 +12,8 @@ Every point is one real training run, ``mpiexec -n K python -m mpisgd.train ...
                  over --warmup-epochs (the same number of epochs for every B)
   lars+warmup    LARS (--optimizer lars, --trust-coef), its own base rate --lars-lr scaled by
                  --lars-scaling, with the same warmup
+  lamb+warmup    LAMB (--optimizer lamb: Adam's update with the layer-wise trust ratio), its own base
+                 rate --lamb-lr scaled by --lamb-scaling, with the same warmup
 
 Everything else is the same for every point (model, epochs, momentum, weight
 decay, cosine decay, seed): nothing is tuned per point. A run that stops on a
@@ -51,10 +53,13 @@ RECIPES = {  # name -> train flags; the only thing that differs between the line
     "linear": ["--lr-scaling", "linear"],
     "linear+warmup": ["--lr-scaling", "linear"],  # + --warmup-epochs, added in point_command
     "lars+warmup": ["--optimizer", "lars"],  # + its scaling, trust coefficient and rate, from the --lars-* flags
+    "lamb+warmup": ["--optimizer", "lamb"],  # + its scaling and rate, from the --lamb-* flags
 }
 CHANCE_ERROR = 0.9  # 10 classes
 # the LARS recipe, chosen by the grid at one large B in docs/large_batch.md ("LARS"), then fixed for every B
 LARS_LR, LARS_SCALING, TRUST_COEF = 0.014142, "sqrt", 0.1
+# the LAMB recipe, chosen by the grid at B = 2048 ... 8192 in docs/large_batch.md ("LAMB")
+LAMB_LR, LAMB_SCALING = 0.0070711, "sqrt"
 
 
 def split_batch(batch: int, ranks: int, max_micro: int) -> tuple[int, int]:
@@ -72,11 +77,12 @@ def point_command(batch: int, recipe: str, args: argparse.Namespace, metrics: st
     """The train flags of one point (without the mpiexec prefix)."""
     b, m = split_batch(batch, args.ranks, args.max_micro)
     warmup = args.warmup_epochs if recipe.endswith("+warmup") else 0
-    lars = recipe.startswith("lars")
-    flags = RECIPES[recipe] + (["--lr-scaling", args.lars_scaling, "--trust-coef", str(args.trust_coef)]
-                               if lars else [])
+    lars, lamb = recipe.startswith("lars"), recipe.startswith("lamb")
+    flags = RECIPES[recipe] + (["--lr-scaling", args.lars_scaling, "--trust-coef", str(args.trust_coef)] if lars
+                               else ["--lr-scaling", args.lamb_scaling] if lamb else [])
+    lr = args.lars_lr if lars else args.lamb_lr if lamb else args.lr
     return ["-m", "mpisgd.train", *args.train_args, *flags,
-            "--lr", str(args.lars_lr if lars else args.lr), "--base-batch", str(args.base_batch),
+            "--lr", str(lr), "--base-batch", str(args.base_batch),
             "--batch-size", str(b), "--accum-steps", str(m), "--epochs", str(args.epochs),
             "--warmup-epochs", str(warmup), "--progress", "off", "--metrics-file", metrics]
 
@@ -206,6 +212,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lars-scaling", default=LARS_SCALING, choices=("linear", "sqrt", "none"),
                    help="how the LARS recipe's rate follows B")
     p.add_argument("--trust-coef", type=float, default=TRUST_COEF, help="the LARS recipe's trust coefficient")
+    p.add_argument("--lamb-lr", type=float, default=LAMB_LR, help="eta0 of the LAMB recipe (docs/large_batch.md)")
+    p.add_argument("--lamb-scaling", default=LAMB_SCALING, choices=("linear", "sqrt", "none"),
+                   help="how the LAMB recipe's rate follows B")
     p.add_argument("--base-batch", type=int, default=256, help="B0 that eta0 belongs to")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks k")
     p.add_argument("--max-micro", type=int, default=512, help="largest per-rank micro-batch b")

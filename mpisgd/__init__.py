@@ -21,13 +21,14 @@ from typing import Any
 # which importing mpi4py.MPI (through context/parallel) does.
 _LAZY = {
     "nn": ("mpisgd.nn", None), "Context": ("mpisgd.context", "Context"), "init": ("mpisgd.context", "init"),
-    "SGD": ("mpisgd.optim", "SGD"), "LARS": ("mpisgd.lars", "LARS"),
+    "SGD": ("mpisgd.optim", "SGD"), "LARS": ("mpisgd.lars", "LARS"), "AdamW": ("mpisgd.adam", "AdamW"),
+    "LAMB": ("mpisgd.adam", "LAMB"),
     "DataParallel": ("mpisgd.parallel", "DataParallel"),
     "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
     "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
     "create_reducer": ("mpisgd.comm", "create_reducer"), "broadcast_": ("mpisgd.sync", "broadcast_"),
-    "GradientAverager": ("mpisgd.sync", "GradientAverager"),
+    "GradientAverager": ("mpisgd.sync", "GradientAverager"), "load_model": ("mpisgd.model_file", "load_model"),
 }
 
 
@@ -39,6 +40,6 @@ def __getattr__(name: str) -> Any:
     return value if attr is None else getattr(value, attr)
 
 
-__all__ = ["LARS", "SGD", "Context", "DataParallel", "GradientAverager", "NonFiniteError", "ReplicaError",
-           "Schedule", "__version__", "broadcast_", "create_reducer", "effective_batch", "guard", "init", "nn",
-           "scaled_lr"]
+__all__ = ["LAMB", "LARS", "SGD", "AdamW", "Context", "DataParallel", "GradientAverager", "NonFiniteError",
+           "ReplicaError", "Schedule", "__version__", "broadcast_", "create_reducer", "effective_batch", "guard",
+           "init", "load_model", "nn", "scaled_lr"]

@@ -24,8 +24,15 @@ class UsageError(ValueError):
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
             "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
-            "momentum_correction", "weight_decay", "max_steps", "reproducible")
+            "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "reproducible", "beta1",
+            "beta2", "eps", "clip_grad_norm")
 STRUCTURE = ("model", "hidden", "dtype")
+OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
+# The options only some update rules read, and which: the others ignore them, so a resumed run of
+# those may change them freely (mpisgd.checkpoint.identity_changes).
+OPTIMIZER_OPTIONS = {"momentum": ("sgd", "lars"), "nesterov": ("sgd", "lars"), "momentum_correction": ("sgd", "lars"),
+                     "trust_coef": ("lars",), "beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"),
+                     "eps": ("adamw", "lamb")}
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -49,6 +56,10 @@ class Config:
                                      "path)")
     limit_train: int | None = opt(None, "use only the first N training samples")
     limit_test: int | None = opt(None, "use only the first N test samples")
+    val_split: float = opt(0.0, "hold out this fraction of the training set (after --limit-train, chosen by --seed) "
+                                "for validation: each epoch reports validation loss and accuracy, the test set is "
+                                "scored once, at the end (0: no validation set, the test set every epoch)")
+    test_every_epoch: bool = opt(False, "with --val-split, score the test set at every epoch's end too")
     synthetic_samples: int = opt(8192, "training samples of the synthetic data set")
     # optimisation
     epochs: int = opt(12, "passes over the training set")
@@ -66,14 +77,24 @@ class Config:
     decay: str = opt("cosine", "decay after warmup", ("none", "step", "cosine"))
     decay_epochs: tuple[int, ...] = opt((), "epochs at which --decay step multiplies the rate by --decay-factor")
     decay_factor: float = opt(0.1, "factor of each step decay")
-    momentum: float = opt(0.9, "SGD momentum mu")
-    nesterov: bool = opt(False, "Nesterov momentum")
-    momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1)")
-    weight_decay: float = opt(0.0, "L2 weight decay, added to the averaged gradient")
-    optimizer: str = opt("sgd", "update rule: sgd, or lars (SGD with a layer-wise trust ratio, You et al. 2017; "
-                                "docs/large_batch.md)", ("sgd", "lars"))
+    momentum: float = opt(0.9, "momentum mu of sgd and lars")
+    nesterov: bool = opt(False, "Nesterov momentum (sgd, lars)")
+    momentum_correction: bool = opt(False, "eta-in-velocity SGD with Goyal et al.'s correction eta_t/eta_(t-1) "
+                                           "(sgd, lars)")
+    weight_decay: float = opt(0.0, "weight decay: sgd, lars: L2, added to the averaged gradient; adamw: decoupled, "
+                                   "w *= 1 - lr*wd; lamb: inside the trust-scaled update")
+    optimizer: str = opt("sgd", "update rule: sgd; lars (SGD with a layer-wise trust ratio, You et al. 2017); adamw "
+                                "(Adam with decoupled weight decay, Loshchilov & Hutter); lamb (Adam's update with "
+                                "LARS's layer-wise trust ratio, You et al. 2019), which want Adam-sized rates (--lr "
+                                "0.001-0.01); docs/api.md, docs/large_batch.md",
+                         OPTIMIZERS)
     trust_coef: float = opt(0.1, "LARS trust coefficient c: each weight tensor steps about c*lr*||w|| (why 0.1, "
                                  "not the paper's 0.001: docs/large_batch.md, Tuning LARS)")
+    beta1: float = opt(0.9, "adamw, lamb: decay rate of the gradient's running mean (first moment)")
+    beta2: float = opt(0.999, "adamw, lamb: decay rate of the squared gradient's running mean (second moment)")
+    eps: float = opt(1e-8, "adamw, lamb: added to the second moment's square root (the update's denominator)")
+    clip_grad_norm: float = opt(0.0, "clip the averaged gradient to this global L2 norm before the update, with "
+                                     "any --optimizer (0: off)")
     seed: int = opt(0, "seed of initialisation and data order (shared by all ranks)")
     # distribution
     device: str = opt("auto", "auto, cpu or gpu", ("auto", "cpu", "gpu"))
@@ -87,8 +108,9 @@ class Config:
                                      "bucket sizes and strategies")
     reproducible: bool = opt(False, "the same parameter bits for any k dividing B/b, any strategy, bucket size "
                                     "and sharding: exact fixed-point gradient sums (docs/reproducible.md)")
-    shard_optimizer: bool = opt(False, "reduce-scatter the gradient, update 1/k of the parameters on each rank, "
-                                       "all-gather them (same result; CPU only)")
+    shard_optimizer: bool | None = opt(None, "reduce-scatter the gradient, update 1/k of the parameters on each "
+                                             "rank, all-gather them (the same result); default: on for host buffers "
+                                             "at k >= 2 (docs/benchmarks.md), off on a GPU")
     shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
                                    "memory that peers reduce in place")
     cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "
@@ -97,12 +119,16 @@ class Config:
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
     stall_timeout_s: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
                                         "reached it (0: no watchdog)")
-    stall_abort: bool = opt(False, "abort the job when the stall check fires")
+    stall_abort: bool = opt(False, "abort the job as soon as the stall check fires")
+    stall_abort_s: float = opt(1800.0, "abort the job when a collective has waited this many seconds, reported or "
+                                       "not: the bound on every wait (0: never)")
     noise_scale_every: int = opt(4, "measure the gradient noise scale every N steps (0: never; "
                                     "docs/large_batch.md)")
     straggler_report: bool = opt(True, "at each epoch's end, which rank the others waited for (docs/concepts.md)")
     # files and output
     metrics_file: str | None = opt(None, "append JSON lines to this file, one per step and one per epoch (rank 0)")
+    tensorboard: str | None = opt(None, "write TensorBoard event files to this directory (rank 0; needs "
+                                        "pip install 'mpisgd[tensorboard]')")
     timeline: str | None = opt(None, "write a Chrome-trace JSON timeline, one file per rank (PATH.rankN.json)")
     save_model: str | None = opt(None, "write the final parameters to this .npz file (rank 0)")
     checkpoint_dir: str | None = opt(None, "directory of checkpoints (rank 0 writes)")
@@ -112,11 +138,14 @@ class Config:
     resume_allow: str = opt("", "comma-separated options a resumed run may change on purpose (e.g. lr,epochs); "
                                 "any other difference from the checkpoint's run is refused")
     overwrite_checkpoints: bool = opt(False, "a fresh run may delete another run's checkpoints in --checkpoint-dir")
-    progress: str = opt("auto", "progress bar on rank 0: auto (when stderr is a terminal; under mpiexec it is "
-                                "not), on, off", ("auto", "on", "off"))
+    progress: str = opt("auto", "progress bar on rank 0: auto (when it reaches a terminal: rank 0's stderr, or "
+                                "under mpiexec the launcher's), on, off", ("auto", "on", "off"))
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
+        for name in ("data", "data_dir", "checkpoint_dir", "save_model", "metrics_file", "timeline", "resume"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():  # an unset shell variable
+                raise UsageError(f"--{name.replace('_', '-')} is empty: give a path (an unset shell variable?)")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -131,6 +160,8 @@ class Config:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{name} must be >= 1, got {value}")
+        if not 0 <= self.val_split < 1:
+            raise UsageError(f"--val-split must be in [0, 1), got {self.val_split}")
         for name, value in {"max-steps": self.max_steps, "limit-train": self.limit_train,
                             "limit-test": self.limit_test, "threads": self.threads,
                             "global-batch": self.global_batch}.items():
@@ -146,6 +177,17 @@ class Config:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
             raise UsageError(f"--trust-coef must be > 0, got {self.trust_coef}")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0 <= beta < 1:
+                raise UsageError(f"--{name} must be in [0, 1), got {beta}")
+        if not self.eps > 0:
+            raise UsageError(f"--eps must be > 0, got {self.eps}")
+        if self.clip_grad_norm < 0:
+            raise UsageError(f"--clip-grad-norm must be >= 0 (0: off), got {self.clip_grad_norm}")
+        for name in ("nesterov", "momentum_correction"):
+            if getattr(self, name) and self.optimizer not in OPTIMIZER_OPTIONS[name]:
+                raise UsageError(f"--{name.replace('_', '-')} is for --optimizer sgd or lars, not "
+                                 f"{self.optimizer} (its momentum is --beta1)")
         if self.warmup_epochs < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise UsageError("warmup length must be >= 0")
         if self.warmup_steps is None and self.warmup_epochs > self.epochs:
@@ -169,8 +211,9 @@ class Config:
                             "noise-scale-every": self.noise_scale_every}.items():
             if value < 0:
                 raise UsageError(f"--{name} must be >= 0, got {value}")
-        if self.stall_timeout_s < 0:
-            raise UsageError(f"--stall-timeout-s must be >= 0, got {self.stall_timeout_s}")
+        if self.stall_timeout_s < 0 or self.stall_abort_s < 0:
+            raise UsageError(f"--stall-timeout-s and --stall-abort-s must be >= 0, got {self.stall_timeout_s} and "
+                             f"{self.stall_abort_s}")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
         for name in self.allowed_changes():
@@ -217,17 +260,18 @@ class _Parser(argparse.ArgumentParser):
 # --help in groups, by concern; every field of Config is in exactly one (tests/test_config.py checks)
 GROUPS: dict[str, tuple[str, ...]] = {
     "model and data": ("model", "hidden", "dtype", "dataset", "data", "data_dir", "limit_train", "limit_test",
-                       "synthetic_samples", "seed"),
+                       "val_split", "test_every_epoch", "synthetic_samples", "seed"),
     "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "global_batch", "lr", "base_batch",
                            "lr_scaling", "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
     "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
-                  "on_nan"),
+                  "beta1", "beta2", "eps", "clip_grad_norm", "on_nan"),
     "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "reproducible", "deterministic",
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
                                "overwrite_checkpoints", "save_model"),
-    "output and diagnostics": ("metrics_file", "timeline", "progress", "check_replicas", "stall_timeout_s",
-                               "stall_abort", "noise_scale_every", "straggler_report"),
+    "output and diagnostics": ("metrics_file", "tensorboard", "timeline", "progress", "check_replicas",
+                               "stall_timeout_s", "stall_abort", "stall_abort_s", "noise_scale_every",
+                               "straggler_report"),
 }
 # earlier spellings still accepted
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}
@@ -244,6 +288,11 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         group = parser.add_argument_group(title)
         for name in names:
             _add_option(group, fields[name])
+    files = parser.add_argument_group("configuration file")
+    files.add_argument("--config", metavar="FILE.toml", help="read options from this TOML file, by their long "
+                       "names (limit-train = 4096); the command line overrides it (docs/api.md)")
+    files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
+                       "TOML that --config reads, and exit")
     return parser
 
 
@@ -254,7 +303,7 @@ def _add_option(parser: Any, f: dataclasses.Field) -> None:
                                       + "".join(f"; {_show(d[f.name])} for --model {m}"
                                                 for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
     kind = f.type if isinstance(f.type, str) else str(f.type)
-    if kind == "bool":
+    if kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
     elif kind.startswith("tuple"):
         parser.add_argument(*flags, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
@@ -276,19 +325,38 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay":
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
-    """Parse and validate the command line. Raises UsageError; prints --help unless quiet.
+    """Parse and validate the command line (and the --config file it names, which it overrides). Raises
+    UsageError; prints --help (and --print-config's TOML, then SystemExit) unless quiet.
 
-    ``cfg.given`` holds the fields set on the command line (a resumed run derives the others)."""
+    ``cfg.given`` holds the fields set on the command line or in the file (a resumed run derives the
+    others); ``cfg.config_file`` the file's path, or None."""
     parser = build_parser(quiet)
     ns = parser.parse_args(argv)
+    from_file: dict[str, Any] = {}
+    if ns.config:
+        from mpisgd.config_file import read_config  # noqa: PLC0415 - it imports this module
+
+        from_file = read_config(ns.config)
+        parser.set_defaults(**from_file)
+        ns = parser.parse_args(argv)
+    names = {f.name for f in dataclasses.fields(Config)}
     quiet_parser = build_parser(quiet=True)
-    quiet_parser.set_defaults(**{f.name: _UNSET for f in dataclasses.fields(Config)})
-    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET}
-    values = vars(ns)
+    quiet_parser.set_defaults(**dict.fromkeys(names, _UNSET))
+    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET and k in names}
+    given |= set(from_file)
+    values = {k: v for k, v in vars(ns).items() if k in names}
     values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
     cfg = Config(**values)
     cfg.validate()
     cfg.given = given  # type: ignore[attr-defined]
+    cfg.config_file = ns.config  # type: ignore[attr-defined]
+    if ns.print_config:
+        if not quiet:
+            from mpisgd.config_file import to_toml  # noqa: PLC0415
+
+            print(to_toml(cfg, "mpisgd's configuration: python -m mpisgd.train --config FILE.toml reads it (the "
+                                "command line overrides it)"), end="", flush=True)
+        raise SystemExit(0)
     return cfg
 
 

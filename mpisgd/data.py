@@ -6,7 +6,12 @@
   node share one copy through the page cache; a set larger than a rank's
   memory still trains). Any per-sample shape; inputs uint8 (scaled to [0, 1])
   or floating point (used as they are); integer labels 0..C-1, C inferred.
-  :func:`validate` refuses what cannot train, naming the array and the problem.
+  Only regular files are opened (a FIFO would block); anything that is not
+  one of these formats is refused saying which are read, and nothing is ever
+  unpickled. :func:`validate` refuses what cannot train, naming the array,
+  the sample and the problem (finiteness in the model's dtype);
+  :func:`label_warnings` says when classes have no sample; :func:`identity`
+  fingerprints both sets in bounded time.
 * :func:`read_idx` reads MNIST-format IDX files (optionally gzipped) and rejects
   bad ones with a message naming the file and the problem.
 * :func:`load_fashion_mnist` finds the four files in ``--data-dir``, then
@@ -24,7 +29,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import math
+import mmap
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +114,16 @@ def _find(directory: Path, stem: str) -> Path | None:
     return None
 
 
+def _lacks(directory: Path) -> list[str]:
+    """The IDX files ``directory`` lacks, each as it will be named in a message."""
+    missing = []
+    for stem in FILES.values():
+        if _find(directory, stem) is None:
+            odd = any((directory / n).exists() for n in (stem, stem + ".gz"))  # a FIFO, a directory...
+            missing.append(f"{stem}[.gz]" + (" (not a regular file)" if odd else ""))
+    return missing
+
+
 def find_data_dir(data_dir: str | None) -> Path:
     """The first of --data-dir, $MPISGD_DATA, the Debian path that holds all four files."""
     candidates: list[tuple[str, str]] = []
@@ -118,9 +135,12 @@ def find_data_dir(data_dir: str | None) -> Path:
     tried = []
     for source, d in candidates:
         directory = Path(d)
-        missing = [stem for stem in FILES.values() if _find(directory, stem) is None]
+        missing = _lacks(directory)
         if not missing:
             return directory
+        if source == "--data-dir" and directory.is_dir():  # the user's own directory: say what it lacks
+            raise DataError(f"--data-dir {d} lacks {', '.join(missing)}: an IDX directory needs "
+                            f"{', '.join(FILES.values())} (each plain or .gz)")
         why = "does not exist" if not directory.is_dir() else "lacks " + ", ".join(missing)
         tried.append(f"{d} ({source}: {why})")
         if source == "--data-dir":  # an explicit directory that is wrong is an error, not a hint
@@ -137,13 +157,17 @@ class Dataset:
     labels: np.ndarray
     scale: float = 1.0
     shift: float = 0.0
+    rows: np.ndarray | None = None  # the samples of the arrays this set uses (hold_out), None: all of them
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.labels) if self.rows is None else len(self.rows)
 
     def head(self, n: int) -> Dataset:
         """The first n samples, copied (so that a large set is freed, or not read, behind a view)."""
-        return Dataset(np.array(self.images[:n]), np.array(self.labels[:n]), self.scale, self.shift)
+        if self.images.ndim == 0 or self.labels.ndim == 0:  # nothing to take from: validate() says why
+            return self
+        pick = slice(None, n) if self.rows is None else self.rows[:n]
+        return Dataset(np.array(self.images[pick]), np.array(self.labels[pick]), self.scale, self.shift)
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, Path]:
@@ -162,27 +186,100 @@ def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, P
 
 
 ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+FORMATS = ("mpisgd reads an .npz holding x_train, y_train, x_test, y_test (numpy.savez), a directory of those "
+           "four .npy files, or a directory of IDX files (docs/data.md)")
+_ZIP, _NPY = b"PK\x03\x04", b"\x93NUMPY"
+
+
+def available_bytes() -> float:
+    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    """(shape, dtype) from the header of an .npy stream, read without its data (None: not readable)."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = fmt.read_array_header_2_0(f)
+        else:
+            return None
+    except (ValueError, OSError, EOFError, SyntaxError):
+        return None
+    return tuple(shape), np.dtype(dtype)
+
+
+def _check_header(where: str, name: str, header: tuple[tuple[int, ...], np.dtype] | None) -> int:
+    """Refuse an array mpisgd would have to unpickle; returns its size in bytes (0 if unknown)."""
+    if header is None:
+        return 0
+    shape, dtype = header
+    if dtype.hasobject:
+        raise DataError(f"--data {where}: {name} holds Python objects (a pickled array), which mpisgd never "
+                        "loads: save numeric arrays (uint8 or float inputs, integer labels)")
+    return math.prod(shape) * dtype.itemsize
+
+
+def _sniff(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read(6)
 
 
 def load_arrays(path: str) -> tuple[Dataset, Dataset]:
-    """An ``.npz`` with the four arrays, or a directory of ``x_train.npy`` ... (memory-mapped)."""
+    """An ``.npz`` with the four arrays, or a directory of ``x_train.npy`` ... (memory-mapped).
+
+    Only regular files are opened (a FIFO would block the rank for ever); an .npz's arrays are read
+    whole, so one larger than the memory available is refused from its header, before any is read."""
     p = Path(path)
     try:
         if p.is_dir():
-            missing = [name for name in ARRAYS if not (p / f"{name}.npy").is_file()]
+            missing = [f"{name}.npy" + ("" if not (p / f"{name}.npy").exists() else " (not a regular file)")
+                       for name in ARRAYS if not (p / f"{name}.npy").is_file()]
             if missing:
-                raise DataError(f"--data {path}: missing {', '.join(f'{m}.npy' for m in missing)} (a directory "
-                                "needs x_train.npy, y_train.npy, x_test.npy, y_test.npy)")
+                raise DataError(f"--data {path}: missing {', '.join(missing)} (a directory needs x_train.npy, "
+                                "y_train.npy, x_test.npy, y_test.npy)")
+            for name in ARRAYS:
+                with open(p / f"{name}.npy", "rb") as f:
+                    _check_header(path, f"{name}.npy", _npy_header(f))
             arrays = {name: np.load(p / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in ARRAYS}
         else:
+            if not p.is_file():
+                raise DataError(f"--data {path} is not a regular file or a directory (a FIFO or a device is "
+                                f"never opened): {FORMATS}")
+            magic = _sniff(p)
+            if magic == _NPY:
+                raise DataError(f"--data {path} is a single .npy array; {FORMATS}")
+            if magic[:4] != _ZIP:
+                raise DataError(f"--data {path} is not an .npz (a zip of .npy arrays); {FORMATS}")
             with np.load(p, allow_pickle=False) as z:
                 missing = [name for name in ARRAYS if name not in z.files]
                 if missing:
                     raise DataError(f"--data {path}: missing {', '.join(missing)} (it holds {', '.join(z.files)})")
+                need, members = 0, set(z.zip.namelist())
+                for name in ARRAYS:
+                    with z.zip.open(f"{name}.npy" if f"{name}.npy" in members else name) as f:
+                        need += _check_header(path, name, _npy_header(f))
+                if need > available_bytes():
+                    raise DataError(f"--data {path}: its arrays need {need / 2**30:.1f} GiB, more than this node's "
+                                    f"{available_bytes() / 2**30:.1f} GiB available (an .npz is read whole): save "
+                                    "them as .npy files in a directory, which is memory-mapped")
                 arrays = {name: z[name] for name in ARRAYS}
     except DataError:
         raise
-    except (OSError, ValueError, EOFError) as exc:
+    except MemoryError:
+        raise DataError(f"--data {path}: its arrays do not fit in memory (an .npz is read whole): save them as "
+                        ".npy files in a directory, which is memory-mapped") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"--data {path}: cannot read it ({type(exc).__name__}: {exc})") from None
     sets = []
     for split in ("train", "test"):
@@ -204,6 +301,9 @@ def load_data(path: str | None, data_dir: str | None) -> tuple[Dataset, Dataset,
             raise DataError(f"--data {path}: no such file or directory")
         train, test = load_arrays(path)
         return train, test, Path(path).name, str(path)
+    if path and _lacks(Path(path)):  # some IDX files but not all four: say which, not how to install Fashion-MNIST
+        raise DataError(f"--data {path}: an IDX directory needs {', '.join(FILES.values())} (each plain or .gz); "
+                        f"it lacks {', '.join(_lacks(Path(path)))}")
     train, test, directory = load_fashion_mnist(path or data_dir)
     if path:  # an IDX directory of the user's (the MNIST family): scaled to [0, 1], not by Fashion-MNIST's statistics
         train.scale = test.scale = 1.0 / 255.0
@@ -212,42 +312,159 @@ def load_data(path: str | None, data_dir: str | None) -> tuple[Dataset, Dataset,
     return train, test, "fashion-mnist", f"Fashion-MNIST from {directory}"
 
 
-def validate(train: Dataset, test: Dataset, global_batch: int | None = None) -> int:
+def input_files(path: str | None, data_dir: str | None) -> list[Path]:
+    """The files a run with ``--data path`` / ``--data-dir data_dir`` reads (those that exist): outputs
+    are checked against them, so that no output replaces its own input."""
+    if path:
+        p = Path(path)
+        if not p.is_dir():
+            return [p] if p.exists() else []
+        dirs = [p]
+        names = [f"{a}.npy" for a in ARRAYS]
+    else:
+        dirs = [Path(d) for d in (data_dir, os.environ.get("MPISGD_DATA"), DEBIAN_DIR) if d]
+        names = []
+    names += [n for stem in FILES.values() for n in (stem, stem + ".gz")]
+    return [d / n for d in dirs for n in names if (d / n).exists()]
+
+
+def resident_nbytes(*sets: Dataset) -> int:
+    """Bytes of these sets' arrays held in this process's own memory: a memory-mapped array is the page
+    cache's, shared by the ranks of a node and evicted under pressure, so it is not counted."""
+    return sum(int(a.nbytes) for d in sets for a in (d.images, d.labels) if not _mapped(a))
+
+
+def _mapped(a: Any) -> bool:
+    while a is not None:
+        if isinstance(a, np.memmap | mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+MAX_CLASSES = 1 << 16  # more classes than this, most of them empty, is a stray label, not a data set
+CHECK_PIECE_BYTES = 16 << 20  # the finiteness scan reads this much at a time
+FINGERPRINT_BYTES = 8 << 20  # inputs hashed per set by identity(), at least FINGERPRINT_MIN_SAMPLES samples
+FINGERPRINT_MIN_SAMPLES = 64
+
+
+def validate(train: Dataset, test: Dataset, global_batch: int | None = None, dtype: str | np.dtype | None = None
+             ) -> int:
     """Refuse what cannot train, naming the array and the problem; returns the number of classes C
-    (labels 0..C-1, inferred). Checks: non-empty, one label per sample, the same per-sample shape in
-    both sets, integer labels >= 0, finite inputs (checked in pieces: a memory-mapped set is read
-    once, never held), and at least one global batch of training samples."""
+    (labels 0..C-1, inferred). Checks: one input per sample and inputs with values, non-empty, one label
+    per sample, the same per-sample shape in both sets, integer labels >= 0 and not absurdly many classes,
+    inputs finite in ``dtype``, the model's (NaN, inf, or a float64 value that overflows float32; checked in
+    pieces: a memory-mapped set is read once, never held), and at least one global batch of training samples."""
     for what, d in (("training", train), ("test", test)):
-        if len(d) == 0 or d.images.shape[0] == 0:
+        if d.images.ndim == 0 or d.labels.ndim == 0:
+            raise DataError(f"the {what} {'inputs' if d.images.ndim == 0 else 'labels'} are a single number (a 0-d "
+                            "array): they must hold one entry per sample")
+        if d.images.shape[0] == 0 or len(d) == 0:
             raise DataError(f"the {what} set is empty")
+        if 0 in d.images.shape[1:]:
+            raise DataError(f"the {what} samples have shape {d.images.shape[1:]}: no input values")
         if d.images.shape[0] != d.labels.shape[0] or d.labels.ndim != 1:
             raise DataError(f"the {what} set has {d.images.shape[0]} inputs but labels of shape {d.labels.shape}")
         if d.labels.dtype.kind not in "iu":
             raise DataError(f"{what} labels must be integers, got {d.labels.dtype}")
         if int(d.labels.min()) < 0:
-            raise DataError(f"{what} labels must be >= 0 (classes 0..C-1); the smallest is {int(d.labels.min())}")
-        if d.images.dtype.kind == "f":
-            for lo in range(0, len(d), 4096):
-                if not np.isfinite(d.images[lo:lo + 4096]).all():
-                    raise DataError(f"{what} inputs hold NaN or inf (first among samples {lo}..{lo + 4095})")
+            at = int(np.argmin(d.labels))
+            raise DataError(f"{what} labels must be >= 0 (classes 0..C-1); the smallest is {int(d.labels.min())} "
+                            f"({what} sample {at})")
+        _check_finite(what, d, np.dtype(dtype) if dtype is not None else None)
     if train.images.shape[1:] != test.images.shape[1:]:
         raise DataError(f"training samples are {train.images.shape[1:]}, test samples {test.images.shape[1:]}: "
                         "they must have one shape")
     if global_batch is not None and len(train) < global_batch:
         raise DataError(f"the training set has {len(train)} samples, fewer than one global batch B = {global_batch}")
-    return int(max(train.labels.max(), test.labels.max())) + 1
+    what, d = max((("training", train), ("test", test)), key=lambda p: int(p[1].labels.max()))
+    top = int(d.labels.max())
+    classes = top + 1
+    if classes > MAX_CLASSES:
+        present = _present(train, test, classes)
+        if present < classes // 2:
+            raise DataError(f"{what} label {top} (sample {int(np.argmax(d.labels))}) makes {classes:,} classes "
+                            f"(labels are 0..C-1), and {classes - present:,} of them have no sample: a stray label? "
+                            "Relabel the classes 0..C-1")
+    return classes
+
+
+def _counts(labels: np.ndarray, classes: int) -> np.ndarray | None:
+    """Samples per class 0..classes-1 (None where that table would be large: count distinct labels then)."""
+    if classes > 1 << 22:
+        return None
+    return np.bincount(labels.astype(np.int64, copy=False), minlength=classes)[:classes]
+
+
+def _present(train: Dataset, test: Dataset, classes: int) -> int:
+    """How many of the classes 0..classes-1 have a sample (training or test)."""
+    a, b = _counts(train.labels, classes), _counts(test.labels, classes)
+    if a is None or b is None:
+        return len(np.union1d(np.unique(train.labels), np.unique(test.labels)))
+    return int(np.count_nonzero(a + b))
+
+
+def label_warnings(train: Dataset, test: Dataset, classes: int) -> list[str]:
+    """What looks wrong in labels that validate() accepts: classes 0..C-1 of which some have no training
+    sample (one stray label, 200 among 0..9, makes a 201-class model)."""
+    counts = _counts(train.labels, classes)
+    if counts is None:
+        empty = classes - len(np.unique(train.labels))
+        examples = ""
+    else:
+        missing = np.flatnonzero(counts == 0)
+        empty = len(missing)
+        examples = " (" + ", ".join(map(str, missing[:5])) + (", ..." if empty > 5 else "") + ")"
+    if not empty:
+        return []
+    d, what = (train, "training") if int(train.labels.max()) + 1 == classes else (test, "test")
+    return [f"labels 0..{classes - 1} make {classes} classes, but {empty} of them have no training sample{examples}; "
+            f"the largest label, {classes - 1}, is {what} sample {int(np.argmax(d.labels))}: if it is a stray, "
+            "fix the data (the model gets one output per class)"]
+
+
+def _check_finite(what: str, d: Dataset, dtype: np.dtype | None) -> None:
+    """NaN or inf in the float inputs, or values that become inf in ``dtype``: refused, naming the sample."""
+    if d.images.dtype.kind != "f":
+        return
+    n = len(d)
+    rows = max(1, CHECK_PIECE_BYTES // max(1, d.images[:1].nbytes))
+    for lo in range(0, n, rows):
+        x = np.asarray(d.images[lo:lo + rows])
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = x if dtype is None or dtype == x.dtype else (x * d.scale + d.shift).astype(dtype)
+        finite = np.isfinite(y).reshape(len(y), -1).all(axis=1)
+        if finite.all():
+            continue
+        i = int(np.argmin(finite))
+        j = int(np.argmin(np.isfinite(y[i]).ravel()))
+        value = x[i].ravel()[j]
+        if np.isfinite(value):
+            raise DataError(f"{what} inputs hold {float(value):g} (sample {lo + i}), which overflows {dtype}, the "
+                            "model's dtype: scale the inputs, or pass --dtype float64")
+        raise DataError(f"{what} inputs hold {'NaN' if np.isnan(value) else 'inf'} (sample {lo + i}, the first)")
 
 
 def identity(name: str, train: Dataset, test: Dataset) -> dict[str, Any]:
     """The data set in a few fields, to compare across ranks and with a checkpoint's run: its name, its
-    sizes and a fingerprint (a hash of the shapes, every label and 256 evenly spaced training samples)."""
+    sizes and a fingerprint: a hash of both sets' shapes, every label, and for each set the inputs of
+    about FINGERPRINT_BYTES of samples, one drawn at random from each of as many equal strata (every
+    part of the set is probed, in bounded time even for a memory-mapped set larger than memory)."""
     h = hashlib.blake2b(digest_size=8)
     for d in (train, test):
-        h.update(repr((d.images.shape, d.images.dtype.str)).encode())
+        h.update(repr((d.images.shape, d.images.dtype.str, d.labels.dtype.str)).encode())
         h.update(np.ascontiguousarray(d.labels).tobytes())
-    picks = np.linspace(0, len(train) - 1, num=min(256, len(train)), dtype=np.int64)
-    h.update(np.ascontiguousarray(train.images[picks]).tobytes())
-    return {"name": name, "n_train": len(train), "n_test": len(test), "fingerprint": h.hexdigest()}
+        h.update(np.ascontiguousarray(d.images[_probes(len(d), d.images[:1].nbytes)]).tobytes())
+    return {"name": name, "n_train": len(train), "n_test": len(test), "fingerprint": h.hexdigest(),
+            "fingerprint_version": 2}
+
+
+def _probes(n: int, row_bytes: int) -> np.ndarray:
+    """Sorted distinct sample indices, one at a random place in each of ``count`` equal strata of 0..n-1
+    (the same on every rank: a fixed seed)."""
+    count = min(n, max(FINGERPRINT_MIN_SAMPLES, FINGERPRINT_BYTES // max(1, row_bytes)))
+    edges = (np.arange(count + 1, dtype=np.int64) * n) // count
+    return edges[:-1] + (np.random.default_rng(0).random(count) * (edges[1:] - edges[:-1])).astype(np.int64)
 
 
 def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, separation: float = 0.15,
@@ -264,6 +481,23 @@ def synthetic(n: int, seed: int = 0, n_classes: int = 10, noise: float = 0.3, se
     images = 0.5 + separation * (templates[labels] - 0.5) + noise * rng.standard_normal((n, 1, 28, 28))
     return Dataset(np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.int64),
                    1.0 / (255.0 * PIXEL_STD), -PIXEL_MEAN / PIXEL_STD)  # scaled as Fashion-MNIST
+
+
+VAL_STREAM = 0x76616C  # the validation split's random stream: not one of the epoch orders' (seed, epoch)
+
+
+def hold_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(the rest, validation): ``fraction`` of the training samples, chosen by ``seed`` alone, before any
+    sharding, so every rank and every k hold out the same ones. The rest keeps the arrays (a memory-mapped
+    set stays mapped) and uses only its rows; the validation samples are copied (they are few)."""
+    n = len(train)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise DataError(f"--val-split {fraction:g} of {n} training samples leaves none to train on")
+    perm = np.random.default_rng([seed, VAL_STREAM]).permutation(n)
+    val, rest = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    held = Dataset(np.array(train.images[val]), np.array(train.labels[val]), train.scale, train.shift)
+    return Dataset(train.images, train.labels, train.scale, train.shift, rows=rest), held
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -321,6 +555,8 @@ class BatchLoader:
     def batch(self, idx: np.ndarray, slot: int = 0) -> tuple[Any, Any]:
         """Scaled inputs and labels of samples ``idx``; ``slot`` keeps micro-batches apart."""
         xp = self.xp
+        if self.data.rows is not None:  # a set with samples held out: idx counts its own samples
+            idx = self.data.rows[idx]
         n = len(idx)
         buf = self._bufs.get((n, slot))
         if buf is None:

@@ -57,7 +57,7 @@ class FixedPoint:
         self.exponents: np.ndarray | None = None  # E_t, agreed; None before the first step
         self.needed = np.full(self.n_tensors, NO_EXPONENT, dtype=np.int64)  # this step's own, on this rank
         self.overflow = False  # some micro-batch on this rank exceeded the bound
-        self.nonfinite = False  # some micro-batch on this rank held NaN or Inf
+        self.bad = np.zeros(self.n_tensors, dtype=bool)  # tensors that held NaN or Inf in some micro-batch
         self.sq_sum = 0.0  # this step's sum over micro-batches of the squared norm (noise-scale statistics)
 
     def set_terms(self, terms: int) -> None:
@@ -69,8 +69,14 @@ class FixedPoint:
 
     def start_step(self) -> None:
         self.needed[:] = NO_EXPONENT
-        self.overflow = self.nonfinite = False
+        self.overflow = False
+        self.bad[:] = False
         self.sq_sum = 0.0
+
+    @property
+    def nonfinite(self) -> bool:
+        """Some micro-batch on this rank held NaN or Inf."""
+        return bool(self.bad.any())
 
     def set_exponents(self, exponents: np.ndarray) -> None:
         """The exponents every rank agreed (the MAX over the ranks of :attr:`needed`)."""
@@ -93,12 +99,16 @@ class FixedPoint:
         xp = xp_of(g)
         tensors = self.tensors_in(lo, hi)
         pieces = [g[self.offsets[t] - lo:self.offsets[t + 1] - lo] for t in tensors]
-        sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
+        tiny = math.sqrt(float(np.finfo(g.dtype).tiny))  # below it, squares may have underflowed
         for t, piece, s in zip(tensors, pieces, sq):
             if not math.isfinite(s):  # NaN or Inf, or a finite gradient so large its squares overflow
                 if not bool(xp.isfinite(piece).all()):
-                    self.nonfinite = True
+                    self.bad[t] = True
                     continue
+                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
+            elif s < tiny:  # a vanishing gradient: its squares in its own dtype may have been lost
                 s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
             e = exponent_of(math.sqrt(s))
             self.needed[t] = max(int(self.needed[t]), e)
@@ -113,7 +123,7 @@ class FixedPoint:
         for t in self.tensors_in(lo, hi):
             a, b = self.offsets[t] - lo, self.offsets[t + 1] - lo
             x, factor = g[a:b], self.scale(t)  # a power of two: x * factor is exact
-            if math.isfinite(float(g.dtype.type(factor))):
+            if factor <= float(np.finfo(g.dtype).max):
                 factor = g.dtype.type(factor)
             else:  # beyond the dtype's range (a vanishing gradient): scale in float64
                 x = x.astype(np.float64)
@@ -137,7 +147,7 @@ class BlockNorms:
     is cut into blocks of ``BLOCK`` elements from its start, each block's squared norm is computed from
     that block alone (the same bits wherever it is computed), and a tensor's norm is the exactly
     rounded sum of its blocks' (``math.fsum``: independent of their order). The sharded step's chunks
-    must begin and end on block boundaries (:func:`block_aligned_counts`)."""
+    must begin and end on block boundaries (:func:`block_boundaries`)."""
 
     BLOCK = 4096
 
@@ -186,15 +196,8 @@ class BlockNorms:
         return out
 
 
-def block_aligned_counts(start: int, stop: int, offsets: Sequence[int], k: int, block: int = BlockNorms.BLOCK
-                         ) -> list[int]:
-    """k near-equal chunk sizes of [start, stop) (a bucket of whole tensors) whose boundaries fall on
-    block boundaries of the tensors (blocks counted from each tensor's start)."""
-    cuts = sorted({p for t in range(len(offsets) - 1) if start <= offsets[t] < stop
-                   for p in range(offsets[t], offsets[t + 1], block)} | {stop})
-    bounds = [start]
-    for c in range(1, k):
-        target = start + (stop - start) * c / k
-        bounds.append(max(bounds[-1], min(cuts, key=lambda p: (abs(p - target), p))))
-    bounds.append(stop)
-    return [bounds[c + 1] - bounds[c] for c in range(k)]
+def block_boundaries(offsets: Sequence[int], block: int = BlockNorms.BLOCK) -> list[int]:
+    """Where the sharded step's parts may begin and end in the reproducible mode: every block boundary
+    of every tensor (blocks counted from each tensor's start), so that no block is cut between ranks."""
+    return sorted({p for t in range(len(offsets) - 1) for p in range(offsets[t], offsets[t + 1], block)}
+                  | {offsets[-1]})

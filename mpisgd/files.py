@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import numpy as np
 
 from mpisgd.config import UsageError
 
@@ -73,6 +76,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.fsync(fd)  # make the rename itself durable
     finally:
         os.close(fd)
+
+
+def write_npz(f: IO[bytes], arrays: dict[str, Any]) -> None:
+    """``numpy.savez`` into ``f``, but closing its zip archive even when a write fails: numpy leaves it to
+    the garbage collector then (a full disk), whose late close writes to a file already closed and prints
+    a traceback ("Exception ignored in ZipFile.__del__") after the failure was reported. np.load reads it."""
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in arrays.items():
+            with archive.open(f"{name}.npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
 
 
 def remove_stale_temporaries(directory: str | os.PathLike, pattern: str = r".*") -> list[Path]:

@@ -20,22 +20,48 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; a no-op on ranks other than 0 or without a path."""
+    """Appends one JSON object per line; a no-op on ranks other than 0 or without a path.
+
+    A write that fails (a full disk, the file system gone) warns once, on stdout, and the run goes on
+    without metrics: the lines already written stay, the training is not lost for its log. ``failed``
+    then says why (None while every write succeeded)."""
 
     def __init__(self, path: str | None, enabled: bool = True) -> None:
         self.path = path if enabled else None
-        self._f = None
+        self._f: Any = None
+        self.failed: str | None = None
         if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._f = open(self.path, "a", buffering=1)  # line-buffered: a crash keeps finished lines
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - line-buffered: a crash keeps lines
+            except OSError as exc:
+                self._fail(exc)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(_clean(record), separators=(",", ":"), allow_nan=False) + "\n")
+            try:
+                self._f.write(json.dumps(_clean(record), separators=(",", ":"), allow_nan=False) + "\n")
+            except OSError as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self.failed = f"{exc.strerror or exc}"
+        print(f"warning: --metrics-file {self.path}: write failed ({self.failed}); no more metrics are written, "
+              "training goes on", flush=True)
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # the unwritten tail is lost; what was written stays
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError as exc:
+                self._f = None
+                self._fail(exc)
             self._f = None
 
 

@@ -1,9 +1,18 @@
-"""The local SGD update, on whole flat buffers: identical inputs give identical steps on every rank."""
+"""The local update rules' common ground, and SGD: on whole flat buffers, identical inputs give identical
+steps on every rank.
+
+Every update rule (SGD, mpisgd.lars.LARS, mpisgd.adam.AdamW and LAMB) offers the :class:`Optimizer`
+protocol: ``step``/``step_shards`` for the replicated and the sharded update, and its state split in two
+so that data parallelism and checkpoints need not know which rule runs — ``state_buffers()``, the
+parameter-sized buffers (SGD's momentum, Adam's two moments), which DataParallel broadcasts and, in
+the sharded step, gathers; and ``state()``, the scalars (the previous rate, Adam's step count).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +55,53 @@ class TensorNorms:
     def squared(self, *quantities: Sequence[Any]) -> np.ndarray:
         """The whole tensors' squared norms (here: this rank's pieces are the whole)."""
         return self.partial(*quantities)
+
+
+class Optimizer(Protocol):
+    """What DataParallel, the checkpoints and the CLI use of an update rule."""
+
+    flat: FlatBuffer
+
+    def step(self, lr: float) -> None:
+        """Update every parameter from the (averaged) gradient buffer ``flat.grads``."""
+
+    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+        """Update only the ranges ``[lo, hi)`` of ``shards``, each from its own gradient piece; whole-tensor
+        norms, where the rule needs them, come from ``norms`` (every rank's pieces in the sharded step)."""
+
+    def state_buffers(self) -> dict[str, Any]:
+        """The parameter-sized state by name: the live flat buffers (``flat.size`` elements of its dtype,
+        element i belonging to parameter i), not copies. The sharded step keeps only this rank's chunks
+        of each current; DataParallel broadcasts and gathers them all."""
+
+    def state(self) -> dict[str, float]:
+        """The scalar state, JSON numbers (with :meth:`state_buffers`: what resuming bitwise needs)."""
+
+    def load_state(self, state: Mapping[str, float], buffers: Mapping[str, Any] | None = None) -> None:
+        """Continue from :meth:`state`'s scalars and the named buffers (None: keep this rank's, e.g. where
+        rank 0's are broadcast next)."""
+
+    def buffer_nbytes(self) -> int:
+        """Bytes of the rule's own buffers (state and scratch)."""
+
+
+def grad_norm(shards: Shards, norms: TensorNorms) -> float:
+    """The global L2 norm of a gradient held as ``shards`` (lo, hi, g): every piece ``norms`` adds up."""
+    return math.sqrt(float(norms.squared([g for _, _, g in shards]).sum()))
+
+
+def clip_grad_norm_(shards: Shards, norms: TensorNorms, max_norm: float | None) -> float:
+    """Scale the gradient pieces in place so that the global L2 norm is at most ``max_norm`` (None or 0:
+    no clipping), as ``torch.nn.utils.clip_grad_norm_`` does: factor max_norm / (norm + 1e-6) where that
+    is below 1. Returns the norm before clipping. Every rank that holds the same norms clips alike. A
+    norm that overflows the dtype (inf) leaves the gradient as it is."""
+    total = grad_norm(shards, norms)
+    if max_norm and math.isfinite(total):
+        factor = max_norm / (total + 1e-6)
+        if factor < 1.0:
+            for _, _, g in shards:
+                g *= factor
+    return total
 
 
 class SGD:
@@ -171,13 +227,30 @@ class SGD:
                 xp.multiply(v, lr, out=tmp)
             w -= tmp
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint must keep to resume bitwise."""
-        return {"velocity": self.velocity, "prev_lr": -1.0 if self.prev_lr is None else self.prev_lr}
+    def state_buffers(self) -> dict[str, Any]:
+        """The momentum buffer, when there is momentum (the Optimizer protocol)."""
+        return {} if self.velocity is None else {"velocity": self.velocity}
 
-    def load_state(self, velocity: Any, prev_lr: float) -> None:
-        """Continue from :meth:`state`'s values (``velocity`` None: keep this buffer, e.g. on ranks that
-        take rank 0's by a broadcast next)."""
-        if self.velocity is not None and velocity is not None:
-            self.velocity[...] = self.flat.xp.asarray(velocity)
+    def state(self) -> dict[str, float]:
+        """The rate of the last step (-1.0: none yet), for the momentum correction."""
+        return {"prev_lr": -1.0 if self.prev_lr is None else self.prev_lr}
+
+    def load_state(self, state: Mapping[str, float], buffers: Mapping[str, Any] | None = None) -> None:
+        """Continue from :meth:`state` and :meth:`state_buffers`' values. ``buffers`` None keeps this
+        rank's (ranks that take rank 0's by a broadcast next); a buffer it lacks stays as it is (zero
+        momentum: a run resumed with momentum switched on), one this optimizer lacks is ignored."""
+        load_buffers(self, buffers)
+        prev_lr = state.get("prev_lr", -1.0)
         self.prev_lr = None if prev_lr < 0 else float(prev_lr)
+
+
+def load_buffers(optimizer: Optimizer, buffers: Mapping[str, Any] | None) -> None:
+    """Copy each of ``buffers`` into the optimizer's state buffer of that name (same size, any array
+    module), those it has; ValueError for a size that does not fit."""
+    for name, mine in optimizer.state_buffers().items():
+        theirs = None if buffers is None else buffers.get(name)
+        if theirs is None:
+            continue
+        if theirs.shape != mine.shape:
+            raise ValueError(f"optimizer state {name!r}: {theirs.shape} elements for a buffer of {mine.shape}")
+        mine[...] = optimizer.flat.xp.asarray(theirs)

@@ -9,7 +9,8 @@
   3. reduces gradients in buckets (contiguous slices of the flat gradient
      buffer, filled in reverse layer order) and, with ``overlap``, starts each
      bucket's all-reduce as soon as backward has produced its last gradient;
-  4. waits for all buckets, then applies the identical optimizer step.
+  4. waits for all buckets, then (optionally) clips the averaged gradient by its global norm and
+     applies the identical optimizer step.
 
 With ``shard_optimizer`` (k > 1) the update is split across ranks instead (mpisgd.sharded): each
 bucket is reduce-scattered, each rank updates its chunk, the parameters are all-gathered.
@@ -18,6 +19,7 @@ bucket is reduce-scattered, each rank updates its chunk, the parameters are all-
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,10 +35,10 @@ from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.exact import BlockNorms, FixedPoint
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
-from mpisgd.optim import SGD, TensorNorms
+from mpisgd.optim import Optimizer, Shards, TensorNorms, clip_grad_norm_
 from mpisgd.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
-from mpisgd.watchdog import NullWatchdog
+from mpisgd.watchdog import default_watchdog
 
 FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
 CHECK_IN = 0x6D70_7367_645F_636B  # first word of a step check-in, so a peer in another collective shows
@@ -107,12 +109,18 @@ def model_layout(model: Sequential) -> str:
     return f"{model!r} {model.flat.shapes} {model.flat.dtype}"
 
 
+def optimizer_layout(optimizer: Optimizer) -> str:
+    """What every rank's optimizer must share: its kind and its state buffers (broadcast and gathered
+    by name, so a rank with other buffers would mismatch those collectives)."""
+    return f" {type(optimizer).__name__} {sorted(optimizer.state_buffers())}"
+
+
 class ReplicatedStep:
     """The plain update: every bucket all-reduced in place, every rank updating every parameter."""
 
     def __init__(self, flat: Any, reducer: Reducer, norms: Any = None) -> None:
         self.flat, self.reducer = flat, reducer
-        self.norms = norms or TensorNorms(flat.offsets, [(0, flat.size)])
+        self._norms = norms or TensorNorms(flat.offsets, [(0, flat.size)])
 
     def start(self, index: int, grads: Any) -> Handle:
         return self.reducer.start(grads)
@@ -129,8 +137,18 @@ class ReplicatedStep:
         """|G|^2 / k of the averaged gradient (summed over the ranks: |G|^2)."""
         return finite_sq_norm(self.flat.grads, self.flat.xp)[1] / k
 
+    @property
+    def shards(self) -> Shards:
+        """The averaged gradient as (lo, hi, g) pieces: here all of it, on every rank."""
+        return [(0, self.flat.size, self.flat.grads)]
+
+    def norms(self, watchdog: Any, step: int) -> Any:
+        """Whole-tensor norms of the averaged gradient (what an update rule, or clipping, is given): this
+        rank holds every tensor whole."""
+        return self._norms
+
     def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
-        optimizer.step_shards(lr, [(0, self.flat.size, self.flat.grads)], self.norms)
+        optimizer.step_shards(lr, self.shards, self._norms)
 
     def nbytes(self) -> int:
         return 0
@@ -148,15 +166,24 @@ class DataParallel:
     ``reproducible``: gradients summed exactly in fixed point (mpisgd.exact), so that the parameters
     are the same bits for any number of ranks, strategy and bucket layout given the same micro-batches.
     ``noise_every``: measure the gradient-noise statistics every that many steps (0: never).
+    ``clip_grad_norm``: clip the averaged gradient to this global L2 norm before the optimizer's step
+    (None or 0: off); ``measure_grad_norm``: compute that norm (:attr:`last_grad_norm`) even without.
+    ``watchdog``: the stall watchdog its collectives report to (DataParallel closes it); without one, its
+    own: a wait of ``stall_timeout_s`` names the ranks that have not arrived, one of ``stall_abort_s``
+    ends the job (0: never; both 0: no watchdog).
     """
 
-    def __init__(self, model: Sequential, optimizer: SGD, comm: Any, *, reducer: Reducer | None = None,
+    def __init__(self, model: Sequential, optimizer: Optimizer, comm: Any, *, reducer: Reducer | None = None,
                  loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
                  timeline: Any = None, check_in: bool = True, reproducible: bool = False,
-                 noise_every: int = 0) -> None:
+                 noise_every: int = 0, stall_timeout_s: float = 300.0, stall_abort_s: float = 1800.0,
+                 clip_grad_norm: float | None = None, measure_grad_norm: bool = False) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
+        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
+            raise ValueError(f"clip_grad_norm must be a finite number >= 0 (0 or None: no clipping), got "
+                             f"{clip_grad_norm}")
         if model.flat is None:
             raise ValueError("materialize() the model before wrapping it")
         if noise_every < 0:
@@ -176,11 +203,14 @@ class DataParallel:
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.overlap, self.on_nan, self.check_in = overlap, on_nan, check_in
         self.noise_every = noise_every
+        self.clip_grad_norm = clip_grad_norm or None  # the averaged gradient's largest global L2 norm
+        self.measure_grad_norm = measure_grad_norm  # compute last_grad_norm even without clipping
+        self._grad_norm: float | None = None
         self.skipped_steps = 0
         self.step_skipped = False  # whether the last train_step skipped its update (--on-nan skip)
         self.step_count = 0
         self.timeline = timeline or NullTimeline()
-        self.watchdog = watchdog or NullWatchdog()
+        self.watchdog = watchdog or default_watchdog(comm, stall_timeout_s, stall_abort_s)
         self.reducer = reducer if reducer is not None else create_reducer("auto", self.comm, device=device)
         self.buckets = make_buckets(model, self.flat.dtype.itemsize, bucket_cap_mb)
         self._bucket_of_layer = {b.first_layer: b for b in self.buckets}
@@ -192,7 +222,8 @@ class DataParallel:
         self._measure = False  # this step's noise statistics are being gathered
         self._local_sq = 0.0
         self._micro = 0  # the micro-batch whose backward is running
-        verify_same(self.comm, layout_digest(model_layout(model)), "the model (layers, shapes or dtype)")
+        verify_same(self.comm, layout_digest(model_layout(model) + optimizer_layout(optimizer)),
+                    "the model (layers, shapes or dtype) or the optimizer (its kind and state buffers)")
         # same shapes everywhere: the reduced buffer (the gradients, or their fixed-point integers) into
         # memory the reducer reads in place, where it has any (auto or shared, one node: mpisgd.comm.shared)
         red_dtype = self.flat.dtype if self.exact is None else np.dtype(np.int64)
@@ -212,15 +243,15 @@ class DataParallel:
             ShardedStep(self.flat, ranges, self.comm, self.reducer, exact=self.exact is not None) \
             if self.sharded else ReplicatedStep(self.flat, self.reducer, norms)
         self.broadcast_parameters()
-        if self.k > 1 and not self.sharded:  # auto picks its strategy for these sizes now, not mid-step
-            self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets])
+        if self.k > 1:  # auto picks its strategy for these sizes now, not mid-step
+            self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets], reduce_scatter=self.sharded)
 
     # -- start identical, check identical, continue -----------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Every rank takes ``root``'s parameters (and momentum, if any)."""
+        """Every rank takes ``root``'s parameters and optimizer state buffers (momentum, moments)."""
         bcast_(self.comm, self.flat.params, root)
-        if self.optimizer.velocity is not None:
-            bcast_(self.comm, self.optimizer.velocity, root)
+        for _, buf in sorted(self.optimizer.state_buffers().items()):
+            bcast_(self.comm, buf, root)
 
     def replica_checksums(self) -> list[str]:
         """Every rank's parameter digest (collective)."""
@@ -279,8 +310,9 @@ class DataParallel:
                 share = sq / self.k
             else:
                 share = self.update.sq_norm_share(self.k) if finite and self._measure else 0.0
+            self._grad_norm = None
             if finite:
-                self.update.apply(self.optimizer, lr, self.watchdog, self.step_count)
+                self._update(lr)
             elif self.on_nan == "stop":
                 raise NonFiniteError(f"non-finite gradient at step {self.step_count} (after the all-reduce); "
                                      "lower --lr, or pass --on-nan skip to skip such steps")
@@ -294,6 +326,22 @@ class DataParallel:
         self.times.steps += 1
         self.step_count += 1
         return loss_sum / m
+
+    def _update(self, lr: float) -> None:
+        """The step on the averaged gradient: first its global norm, when clipping or asked (from the
+        step's TensorNorms: sharded, every rank's pieces, so every rank clips alike; reproducible, block
+        norms, so the clipping does not depend on k), then the optimizer."""
+        if self.clip_grad_norm or self.measure_grad_norm:
+            norms = self.update.norms(self.watchdog, self.step_count)
+            self._grad_norm = clip_grad_norm_(self.update.shards, norms, self.clip_grad_norm)
+        self.update.apply(self.optimizer, lr, self.watchdog, self.step_count)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's averaged gradient, before clipping (the same on every
+        rank); None where it was not computed: neither clipping nor ``measure_grad_norm``, or a step
+        skipped for a non-finite gradient."""
+        return self._grad_norm
 
     def _forward_backward(self, x: Any, y: Any, scale: float, hook: Any) -> Any:
         t0 = time.perf_counter()
@@ -356,10 +404,11 @@ class DataParallel:
                 self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
             if flags[0]:
                 return loss_sum, False
-            codec.set_exponents(flags[2:])  # this step's own: the next step's scales, or this one's again
             if not (calibrate or flags[1]):
                 break
-        self.update.decode(codec, self.summed if not self.sharded else None)
+            codec.set_exponents(flags[2:])  # this step's own: compute it again at these scales
+        self.update.decode(codec, self.summed if not self.sharded else None)  # at the scales it was encoded with
+        codec.set_exponents(flags[2:])  # this step's own: the next step's scales
         if self._measure:
             self._local_sq = codec.sq_sum / m  # the mean over this rank's micro-batches (b samples each)
         return loss_sum, True
@@ -484,15 +533,16 @@ class DataParallel:
         self.times.comm_total_s += elapsed
 
     def gather_optimizer_state(self) -> None:
-        """Collective: make the momentum buffer whole on every rank (sharded: each rank updated only its
-        chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
-        if self.sharded and self.optimizer.velocity is not None:
-            self._gather(self.optimizer.velocity, f"momentum all-gather at step {self.step_count}")
+        """Collective: make every optimizer state buffer whole on every rank (sharded: each rank updated
+        only its chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
+        if self.sharded:
+            for name, buf in sorted(self.optimizer.state_buffers().items()):
+                self._gather(buf, f"optimizer state ({name}) all-gather at step {self.step_count}")
 
     # -- what it holds, what it runs ---------------------------------------------------------
     def buffer_nbytes(self) -> int:
-        """Bytes of this rank's training state: parameters, gradients, momentum and, sharded, the chunk
-        of the averaged gradient it receives; reproducible, the integers."""
+        """Bytes of this rank's training state: parameters, gradients, the optimizer's buffers and, sharded,
+        the chunk of the averaged gradient it receives; reproducible, the integers."""
         held = {id(b): int(b.nbytes) for b in (self.flat.params, self.flat.grads, self.summed, self._scratch)
                 if b is not None}
         return sum(held.values()) + self.update.nbytes() + self.optimizer.buffer_nbytes()

@@ -6,13 +6,18 @@ Each check raises UsageError naming the problem; set-up (mpisgd.run) runs it on 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mpisgd.agreement import name_differences
+from mpisgd.agreement import differing_ranks, name_differences
+from mpisgd.checkpoint import is_run_file, structure_difference
 from mpisgd.config import Config, UsageError
+from mpisgd.data import available_bytes, input_files
 from mpisgd.files import check_output_dir, check_output_file
 
 
@@ -31,7 +36,11 @@ def device_options(cfg: Config, gpu: bool) -> None:
 
 
 def outputs(cfg: Config, rank: int) -> None:
-    """Every file this rank will write can be written: found now, not after the training."""
+    """Every file this rank will write can be written: found now, not after the training. On rank 0,
+    first: no output is an input (the data, the checkpoint to resume) or another output, none lies among
+    the checkpoint directory's own names, and none is one of the timeline's files."""
+    if rank == 0:
+        _no_collisions(cfg)
     if cfg.timeline:
         check_output_file(f"{cfg.timeline}.rank{rank}.json", "--timeline")
     if rank != 0:
@@ -43,6 +52,49 @@ def outputs(cfg: Config, rank: int) -> None:
             check_output_file(path, what)
 
 
+def _same(a: str | Path, b: str | Path) -> bool:
+    """The same file: one inode (a hard link, another spelling), or one resolved path (not yet there)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _no_collisions(cfg: Config) -> None:
+    """UsageError where an output would replace an input or another output (compared as resolved paths
+    and inodes)."""
+    outs = [(what, p) for what, p in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)) if p]
+    ins = [] if cfg.dataset == "synthetic" else [("--data", str(p)) for p in input_files(cfg.data, cfg.data_dir)]
+    if cfg.resume not in ("no", "auto"):
+        ins.append(("--resume", cfg.resume))
+    for what, p in outs:
+        for src, q in ins:
+            if _same(p, q):
+                raise UsageError(f"{what} {p} is the file {src} reads ({q}): the run would write over its own "
+                                 "input; choose another path")
+    if len(outs) == 2 and _same(outs[0][1], outs[1][1]):
+        raise UsageError(f"--save-model and --metrics-file name the same file ({outs[0][1]}): one would replace "
+                         "the other; give each its own path")
+    if cfg.timeline:
+        base = Path(cfg.timeline)
+        ours = re.compile(re.escape(base.name) + r"\.rank\d+\.json")
+        for what, p in outs + ins:
+            if ours.fullmatch(Path(p).name) and _same(Path(p).parent, base.parent or "."):
+                raise UsageError(f"{what} {p} is one of the files --timeline {cfg.timeline} writes "
+                                 f"({base.name}.rankN.json): give them different paths")
+    if cfg.checkpoint_dir:
+        ck = Path(cfg.checkpoint_dir)
+        for what, p in outs + [(w, q) for w, q in ins if w == "--data"]:
+            if _same(p, ck):
+                raise UsageError(f"{what} {p} is the --checkpoint-dir: choose another path")
+            if is_run_file(Path(p).name) and _same(Path(p).parent, ck):
+                raise UsageError(f"{what} {p} lies in --checkpoint-dir {ck} under a name of the checkpoints' (or "
+                                 "their lock's): a checkpoint would replace it, or pruning delete it; choose "
+                                 "another path")
+
+
 def same_data(identity: dict[str, Any], comm: Any) -> None:
     """Every rank trains on the same data (collective): different sets would end one rank's epoch
     early and leave the others waiting in a collective."""
@@ -52,27 +104,40 @@ def same_data(identity: dict[str, Any], comm: Any) -> None:
         raise UsageError("ranks loaded different data (" + "; ".join(diffs) + "): give every rank the same data set")
 
 
-def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int) -> None:
+def state_buffers(cfg: Config) -> float:
+    """Parameter-sized buffers of the run's training state, in units of one float buffer: parameters and
+    gradients, the optimizer's state (momentum; Adam's two moments), the reproducible mode's int64 sums."""
+    optimizer = 2 if cfg.optimizer in ("adamw", "lamb") else 1 if cfg.momentum else 0
+    exact = 2 * 8 / np.dtype(cfg.dtype).itemsize if cfg.reproducible else 0  # the sum and a micro-batch's
+    return 2 + optimizer + exact
+
+
+def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int, buffers: float = 3) -> None:
     """A model that cannot fit is refused with an estimate, not a MemoryError on every rank (host memory;
-    before the model is materialised)."""
+    before the model is materialised). ``data_nbytes``: the data this rank holds in its own memory
+    (data.resident_nbytes: a memory-mapped set is the page cache's, shared by the node's ranks and read
+    as needed, so it does not count); ``buffers``: parameter-sized buffers of state (state_buffers)."""
     n_params = sum(int(np.prod(shape)) for layer in model.layers for _, shape in layer.param_shapes)
-    state = 3 * n_params * np.dtype(dtype).itemsize  # parameters, gradients, momentum
+    state = int(buffers * n_params * np.dtype(dtype).itemsize)  # parameters, gradients, optimizer state
     need = state + data_nbytes
-    available = _available_bytes() / max(1, ranks_here)
+    available = available_bytes() / max(1, ranks_here)
     if need > 0.9 * available:
+        data_part = f", {data_nbytes / 2**30:.1f} GiB for the data it holds" if data_nbytes >= 2**29 else ""
         raise UsageError(f"the run needs at least {need / 2**30:.1f} GiB per rank ({n_params:,} parameters: "
-                         f"{state / 2**30:.1f} GiB for them, their gradients and momentum, before activations), "
-                         f"but this node has {available / 2**30:.1f} GiB available per rank "
-                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node")
+                         f"{state / 2**30:.1f} GiB for them, their gradients and the optimizer's state, before "
+                         "activations"
+                         f"{data_part}), but this node has {available / 2**30:.1f} GiB available per rank "
+                         f"({ranks_here} rank(s) here); use a smaller model or fewer ranks per node"
+                         + ("" if not data_part else ", or a directory of .npy files (memory-mapped, shared)"))
 
 
-def _available_bytes() -> float:
-    """Memory the node can still give (MemAvailable), or all of it where /proc does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+def same_model(structure: dict[str, Any], comm: Any) -> None:
+    """Every rank built the same layers (collective): a factory whose output depends on the rank (or the
+    host) is refused naming the layer and the ranks, before any buffer is compared or broadcast."""
+    every = comm.allgather(structure)
+    odd = differing_ranks([json.dumps(s, sort_keys=True) for s in every])
+    if odd:
+        usual = next(r for r in range(len(every)) if r not in odd)
+        diff = structure_difference(every[usual], every[odd[0]]).replace("the checkpoint's", f"on rank {usual}")
+        raise UsageError(f"ranks {odd} built another model than rank {usual} ({diff} on rank {odd[0]}): the model "
+                         "factory must build the same layers on every rank")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -33,18 +34,73 @@ class _NoBar:
 
 
 def progress_bar(total: int, mode: str, desc: str) -> Any:
-    """A tqdm bar on stderr: with ``on`` always (under mpiexec rank 0's stderr is a pipe that the launcher
-    forwards, so only ``on`` shows one there), with ``auto`` only when stderr is a terminal."""
-    if mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+    """A tqdm bar on stderr: with ``on`` always, with ``auto`` when it reaches a terminal: stderr is one,
+    or, under mpiexec (where rank 0's stderr is a pipe the launcher forwards), the launcher's is. A log
+    redirected to a file gets no bar."""
+    direct = sys.stderr.isatty()
+    tty = None if direct or mode == "off" else launcher_terminal()
+    if mode == "off" or (mode == "auto" and not direct and tty is None):
         return _NoBar()
     from tqdm import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5,
-                dynamic_ncols=sys.stderr.isatty(), ncols=None if sys.stderr.isatty() else 100)
+                dynamic_ncols=direct, ncols=None if direct else _columns(tty))
+
+
+LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")  # process names (Linux's comm) of MPI launchers
+
+
+@functools.cache
+def launcher_terminal() -> str | None:
+    """The terminal (e.g. /dev/pts/3) that the MPI launcher which started this process writes its stderr
+    to; None when there is none: no launcher among the nearest ancestors (or no /proc to ask), or the
+    launcher's stderr is a file or a pipe (a redirected log, a test harness)."""
+    pid = os.getppid()
+    for _ in range(4):  # rank <- hydra_pmi_proxy <- mpiexec (hydra); rank <- mpirun (Open MPI)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(LAUNCHERS):
+                target = os.readlink(f"/proc/{pid}/fd/2")
+                return target if target.startswith(("/dev/pts/", "/dev/tty")) else None
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
+
+
+def _columns(tty: str | None) -> int:
+    """The width of terminal ``tty`` (100 where it cannot be read)."""
+    if tty:
+        try:
+            fd = os.open(tty, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+            try:
+                return os.get_terminal_size(fd).columns
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    return 100
 
 
 def fit(line: str) -> str:
     return line if len(line) <= MAX_WIDTH else line[:MAX_WIDTH - 3] + "..."
+
+
+def wrap(line: str) -> list[str]:
+    """A line too long for MAX_WIDTH, broken at spaces into lines that are not, the later ones indented
+    (for what must be read whole: the all-reduce's plan and where it came from)."""
+    out, current = [], ""
+    for word in line.split(" "):
+        if current and len(current) + 1 + len(word) > MAX_WIDTH:
+            out.append(current)
+            current = "  " + word
+        else:
+            current = f"{current} {word}" if current else word
+    return [*out, current]
 
 
 def rank_map(places: list[tuple[str, int, int | None]]) -> str:
@@ -64,10 +120,13 @@ def rank_map(places: list[tuple[str, int, int | None]]) -> str:
 
 
 def format_epoch(r: dict[str, Any], epochs: int) -> str:
-    """One epoch: loss, accuracy, speed, the share of the step spent waiting for communication, the
-    gradient noise scale (the batch beyond which a larger one stops paying, mpisgd.noise)."""
+    """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
+    waiting for communication, the gradient noise scale (the batch beyond which a larger one stops paying,
+    mpisgd.noise)."""
     noise = f"  noise scale {_samples(r['noise_scale'])}" if "noise_scale" in r else ""
-    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  test_acc {r['test_acc']:.4f}  "
+    held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
+        (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
+    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
             f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
             f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
 
@@ -93,10 +152,18 @@ def describe_model(model: Any) -> str:
 
 
 def describe_optimizer(cfg: Config) -> str:
-    """The update rule's settings, as given."""
-    name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
-    parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
-                       else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
+    """The update rule's settings, as given (those it reads)."""
+    if cfg.optimizer in ("adamw", "lamb"):
+        parts = ["AdamW" if cfg.optimizer == "adamw" else "LAMB",
+                 f"betas {cfg.beta1:g}, {cfg.beta2:g}, eps {cfg.eps:g}"]
+        if cfg.weight_decay:
+            parts.append(f"weight decay {cfg.weight_decay:g}" + (" (decoupled)" if cfg.optimizer == "adamw" else ""))
+    else:
+        name = f"LARS, trust coefficient {cfg.trust_coef:g}" if cfg.optimizer == "lars" else "SGD"
+        parts = [name] + ([f"momentum {cfg.momentum:g}" + (" (Nesterov)" if cfg.nesterov else "")] if cfg.momentum
+                           else []) + ([f"weight decay {cfg.weight_decay:g}"] if cfg.weight_decay else [])
+    if cfg.clip_grad_norm:
+        parts.append(f"gradient clipped to norm {cfg.clip_grad_norm:g}")
     return ", ".join(parts)
 
 
@@ -118,27 +185,28 @@ def banner(run: Run) -> list[str]:
         f"device: {device}",
         f"model: {cfg.model} | {flat.size:,} parameters, {flat.nbytes / 2**20:.2f} MiB {flat.dtype} | "
         f"{describe_model(run.model)}",
-        f"data: {run.data.source} | {len(train):,} train, {len(test):,} test | samples "
+        f"data: {run.data.source} | {len(train):,} train, " + (f"{len(run.data.val):,} validation (--val-split "
+                                                                f"{cfg.val_split:g}), " if run.data.val else "") +
+        f"{len(test):,} test | samples "
         f"{'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, {run.data.n_classes} classes",
         f"batch: b={cfg.batch_size} per rank x k={run.k} x m={cfg.accum_steps} accumulated = B={run.B} | "
         f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
         f"optimizer: {describe_optimizer(cfg)} | " + (
-            f"step sharded: each rank updates 1/{run.k} of the parameters, then all-gather" if dp.sharded else
-            "step not sharded (--shard-optimizer has nothing to split at k=1)" if cfg.shard_optimizer else
-            "the same step on every rank"),
-        f"all-reduce: {dp.describe()}",
+            f"step sharded ({run.shard_why}): each rank updates 1/{run.k}, then all-gather"
+            if dp.sharded else f"step replicated ({run.shard_why})"),
     ]
+    lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
+    lines += wrap(f"all-reduce: {dp.describe()}")  # its plan and where that came from, whole
     if cfg.reproducible:
         env = run.environment
-        lines.append(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
-                     f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))")
+        lines.append(fit(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
+                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))"))
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
-        lines.append(f"noise scale: {why}")
+        lines.append(fit(f"noise scale: {why}"))
     if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
-        lines.append(f"cuda-aware MPI: {dp.reducer.why}")
-    lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
+        lines.append(fit(f"cuda-aware MPI: {dp.reducer.why}"))
     plan = run.resume
     if plan is not None:  # not cut: a path is shown whole
         lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "
@@ -166,14 +234,20 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
-def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float) -> list[str]:
-    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy, time, memory in parts."""
+def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float,
+                test: dict[str, Any] | None = None) -> list[str]:
+    """The closing lines (rank 0): the bucket bandwidth achieved, accuracy (the last epoch's, or ``test``:
+    the test set scored once after training), time, memory in parts."""
     last = history[-1] if history else {}
     lines = []
     if run.k > 1 and last.get("bucket_busbw_gbps"):
         lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
                      f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
-    acc = f"{last['test_acc']:.4f}" if last else "n/a (no epoch finished)"
+    if last and "val_acc" in last:
+        lines.append(f"validation accuracy {last['val_acc']:.4f} (loss {last['val_loss']:.4f}) at the last epoch; "
+                     "the test set scored once, after training:")
+    acc = f"{test['test_acc']:.4f}" if test else f"{last['test_acc']:.4f}" if "test_acc" in last else \
+        "n/a (no epoch finished)"
     lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
     if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
         lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))

@@ -16,11 +16,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpisgd import data, preflight
+from mpisgd import data, preflight, run_files
+from mpisgd.adam import LAMB, AdamW
 from mpisgd.agreement import ReplicaError, agree
 from mpisgd.backend import environment as backend_environment
 from mpisgd.backend import set_threads
-from mpisgd.checkpoint import CheckpointError, ResumePlan, RunDirectory, TrainState, find_resume, plan_resume
+from mpisgd.checkpoint import (
+    CheckpointError,
+    ResumePlan,
+    RunDirectory,
+    TrainState,
+    find_resume,
+    model_structure,
+    plan_resume,
+)
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config, UsageError
 from mpisgd.context import Context, blas_threads, init
@@ -28,7 +37,7 @@ from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, syntheti
 from mpisgd.lars import LARS
 from mpisgd.nn import Sequential, build_model
 from mpisgd.nn.models import check_output
-from mpisgd.optim import SGD
+from mpisgd.optim import SGD, Optimizer
 from mpisgd.parallel import DataParallel
 from mpisgd.report import peak_rss_mib
 from mpisgd.schedule import Schedule, accum_steps_for, effective_batch
@@ -43,6 +52,8 @@ class RunData:
     test: Dataset
     source: str  # where it came from, for the banner
     identity: dict[str, Any]  # name, sizes, fingerprint, classes: compared across ranks and with checkpoints
+    warnings: list[str] = field(default_factory=list)  # e.g. classes without a sample
+    val: Dataset | None = None  # the validation samples held out of the training set (--val-split)
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -64,7 +75,7 @@ class Run:
     threads_from: str
     data: RunData
     model: Sequential
-    optimizer: SGD
+    optimizer: Optimizer
     dp: DataParallel
     batches: GlobalBatches
     schedule: Schedule
@@ -77,7 +88,10 @@ class Run:
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
     environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
+    structure: dict[str, Any]  # the model's layers and shapes, kept in checkpoints (a resume must match)
+    shard_why: str  # why the update is sharded or not, for the banner
     warnings: list[str] = field(default_factory=list)  # for rank 0 to print after the banner
+    val_loader: BatchLoader | None = None  # the validation set's (--val-split)
 
     @property
     def k(self) -> int:
@@ -112,14 +126,17 @@ def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective:
     return result
 
 
-def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
+def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], None] | None = None) -> Run:
     """Every set-up stage, in order (collective). ``watchdog`` watches their agreements, then the
-    training's collectives (DataParallel closes it)."""
+    training's collectives (DataParallel closes it); ``progress()`` is called after each stage."""
     t_launch = time.perf_counter()
     wd = watchdog
 
     def stage(what: str, fn: Callable[[], T], collective: bool = False) -> T:
-        return agreed(world, fn, wd, what, collective)
+        result = agreed(world, fn, wd, what, collective)
+        if progress is not None:
+            progress()
+        return result
 
     with wd.watching("set-up: finding the nodes and the device"):
         ctx = init(world, cfg.device)  # every rank ends on one kind of device, or all raise
@@ -128,6 +145,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     stage("the options", lambda: preflight.same_options(cfg, world), collective=True)
     stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
     stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank))  # a path that cannot be written fails now
+    stage("the configuration's copies and TensorBoard", lambda: run_files.check(cfg, ctx.rank))
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
@@ -137,29 +155,35 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
+    model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
+    structure = model_structure(model)
+    stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
-        resume, state, warnings = _plan_resume(cfg, world, run_data.identity)
+        resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
+    warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
     environment = backend_environment(ctx.backend, threads)
     if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
         differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
                             if resume.environment.get(k) != v)
         warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
                         "--reproducible promises the same bits only on the same one")
-    model = stage("building the model", lambda: _build_model(cfg, run_data))
     if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(model, cfg.dtype, run_data.train.images.nbytes +
-                                                     run_data.test.images.nbytes, ctx.local_size))
+        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(
+            run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
+                                                     ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
     model.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
+    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu)
     with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
-                          shard_optimizer=cfg.shard_optimizer, shared_grads=cfg.shared_grads,
+                          shard_optimizer=shard, shared_grads=cfg.shared_grads,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
+                          clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
@@ -171,10 +195,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any) -> Run:
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
               total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, environment, warnings)
+              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
+              val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
         with wd.watching("set-up: restoring the checkpoint"):
             _restore(run, state)
+    if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
+        run.warnings += run_files.write_config(cfg, ctx.size)
     return run
 
 
@@ -188,8 +215,14 @@ def _load_data(cfg: Config) -> RunData:
         train = train.head(cfg.limit_train)
     if cfg.limit_test:
         test = test.head(cfg.limit_test)
-    classes = data.validate(train, test)
-    return RunData(train, test, source, {**data.identity(name, train, test), "classes": classes})
+    classes = data.validate(train, test, dtype=cfg.dtype)
+    identity = {**data.identity(name, train, test), "classes": classes}
+    warnings = data.label_warnings(train, test, classes)
+    if not cfg.val_split:
+        return RunData(train, test, source, identity, warnings)
+    train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k
+    identity.update(n_train=len(train), val_split=cfg.val_split, n_val=len(val))  # a resume keeps the split
+    return RunData(train, test, source, identity, warnings, val)
 
 
 def _build_model(cfg: Config, run_data: RunData) -> Sequential:
@@ -206,12 +239,29 @@ def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunDa
         raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
-def _optimizer(cfg: Config, model: Sequential) -> SGD:
+def _optimizer(cfg: Config, model: Sequential) -> Optimizer:
+    if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
+        rule = AdamW if cfg.optimizer == "adamw" else LAMB
+        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
                     cfg.trust_coef, level1=level1)
     return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+
+
+def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
+    """Whether to shard the update, and why: as asked, else on for host buffers at k >= 2, where it is the
+    faster of the two with the same bits (docs/benchmarks.md, "The sharded step by default"); off on a GPU,
+    where it has not been measured."""
+    if asked is not None:
+        why = "--shard-optimizer" if asked else "--no-shard-optimizer"
+        return asked and k > 1, why + (": nothing to split at k=1" if asked and k == 1 else "")
+    if gpu:
+        return False, "default on a GPU"
+    if k == 1:
+        return False, "nothing to split at k=1"
+    return True, "default at k >= 2 on host buffers"
 
 
 def _global_batch(cfg: Config, k: int) -> None:
@@ -233,18 +283,19 @@ def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None,
-                                                                          list[str]]:
+def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any], run_dir: RunDirectory | None,
+                 structure: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None, list[str]]:
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
     plan, state, warnings, error = None, None, [], None
     if world.Get_rank() == 0 and cfg.resume != "no":
         try:
-            state, path, warnings = find_resume(cfg.resume, cfg.checkpoint_dir)
+            state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
+                find_resume(cfg.resume, cfg.checkpoint_dir)
             if state is not None:
                 plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
-                                   world.Get_size(), identity)
+                                   world.Get_size(), identity, structure=structure)
         except CheckpointError as exc:
             error = exc
     agree(world, error)
@@ -269,7 +320,7 @@ def _restore(run: Run, state: TrainState | None) -> None:
         else:
             model.flat.params[...] = run.ctx.xp.asarray(state.params)
     agree(run.ctx.comm, error)
-    # rank 0's momentum (the others' is broadcast next), every rank's rate of the last step
-    optimizer.load_state(state.velocity if state is not None else None, plan.prev_lr)
-    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole momentum)
+    # rank 0's state buffers (the others' are broadcast next), every rank's scalars (the plan's)
+    optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)

@@ -1,17 +1,18 @@
 """The sharded step: each rank updates 1/k of the parameters (ZeRO stage 1's split of the update).
 
-Each bucket of the flat gradient is reduce-scattered instead of all-reduced: rank r receives chunk r
-of the bucket's sum (``chunk_counts``: near-equal, in rank order) into its shard buffer, checks it,
-updates those parameters and their momentum, and an all-gather of the parameters, bucket by bucket,
-gives every rank the same new replica. The momentum buffer stays whole-sized (each rank keeps its
-own chunks current), so checkpoints do not change; :meth:`ShardedStep.gather_state` makes it whole
-before one is written. Element by element the update is the replicated one.
+Rank r owns one contiguous part of the flat buffer. Each bucket of the gradient is reduce-scattered
+instead of all-reduced, every rank receiving the sum over its part's overlap with the bucket; each rank
+checks its part, updates those parameters and their momentum, and an all-gather of the parameters,
+bucket by bucket, gives every rank the same new replica. The optimizer's state buffers (momentum, Adam's
+moments) stay whole-sized, each rank keeping its own part current, so checkpoints do not change;
+DataParallel gathers them before one is written. Element by element, and call by call, the update is
+the replicated one.
 
-Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
-one small ``allreduce(LAND)`` makes it every rank's verdict), and the whole-tensor norms some update
-rules ask for (LARS): :class:`RankNorms` all-gathers each rank's partial squared norms and sums them
-in rank order, so every rank applies the same ratios, bitwise, whatever the MPI library's reduction
-order.
+Two things need every rank: whether the averaged gradient is finite (each rank sees only its part:
+one small all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask
+for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms` all-gathers each
+rank's partial squared norms and sums them in rank order, so every rank applies the same ratios,
+bitwise, whatever the MPI library's reduction order.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpisgd.blas import finite_sq_norm
-from mpisgd.comm.base import Handle, Reducer, chunk_counts
-from mpisgd.exact import BlockNorms, block_aligned_counts
+from mpisgd.comm.base import Handle, Reducer
+from mpisgd.exact import BlockNorms, block_boundaries
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim import TensorNorms
 
@@ -45,12 +46,33 @@ class RankNorms(TensorNorms):
         return every.sum(axis=0)  # rank order, the same on every rank
 
 
+ALIGN = 256  # partition boundaries on multiples of this many elements (see ShardedStep)
+
+
+def partition(n: int, k: int, cuts: list[int]) -> list[int]:
+    """k + 1 bounds splitting [0, n) into k near-equal contiguous parts, each bound chosen among ``cuts``
+    (and 0, n); parts may be empty when n is small."""
+    allowed = sorted({0, n, *cuts})
+    bounds = [0]
+    for r in range(1, k):
+        target = n * r / k
+        bounds.append(max(bounds[-1], min(allowed, key=lambda p: (abs(p - target), p))))
+    return [*bounds, n]
+
+
 class ShardedStep:
     """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges.
 
+    Rank r owns one contiguous part of the flat buffer (ZeRO's flat partition), [bounds[r], bounds[r+1]);
+    each bucket is reduce-scattered with every rank's share its part's overlap with the bucket, so this
+    rank's gradient arrives contiguous and its update is one call per buffer, as in the replicated step.
+    The bounds fall on multiples of ``ALIGN`` elements, so that a BLAS kernel, which may round the last
+    elements of a call (its scalar tail) differently from the others, splits every element alike in
+    both: the sharded step gives the replicated step's bits (with one BLAS thread per rank).
+
     ``exact`` (the reproducible mode, mpisgd.exact): the buckets hold fixed-point integers, reduce-
-    scattered into an int64 buffer and converted into this rank's float chunks; chunks begin and end
-    on the blocks of :class:`~mpisgd.exact.BlockNorms`, so whole-tensor norms do not depend on k."""
+    scattered into an int64 buffer and converted into this rank's floats; the bounds fall on the blocks
+    of :class:`~mpisgd.exact.BlockNorms` instead, so whole-tensor norms do not depend on k."""
 
     def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
                  exact: bool = False) -> None:
@@ -59,30 +81,27 @@ class ShardedStep:
             raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
         self.flat, self.comm, self.reducer, self.exact = flat, comm, reducer, exact
         self.k, self.rank = comm.Get_size(), comm.Get_rank()
-        # per bucket, each rank's chunk size
-        self.counts = [block_aligned_counts(a, b, flat.offsets, self.k) if exact else chunk_counts(b - a, self.k)
-                       for a, b in buckets]
-        self.own: list[tuple[int, int]] = []  # per bucket, this rank's chunk [lo, hi) of the flat buffer
-        for (a, _), counts in zip(buckets, self.counts):
-            lo = a + sum(counts[:self.rank])
-            self.own.append((lo, lo + counts[self.rank]))
-        # this rank's chunks of the averaged gradient, back to back
-        self.grads = flat.xp.empty(sum(hi - lo for lo, hi in self.own), dtype=flat.dtype)
-        self.shards: list[tuple[int, int, Any]] = []  # (lo, hi, its gradient): what step_shards takes
-        offset = 0
-        for lo, hi in self.own:
-            self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
-            offset += hi - lo
+        n = flat.size
+        cuts = block_boundaries(flat.offsets) if exact else list(range(0, n, ALIGN))
+        self.bounds = partition(n, self.k, cuts)
+        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        self.grads = flat.xp.empty(hi - lo, dtype=flat.dtype)  # this rank's part of the averaged gradient
+        self.shards: list[tuple[int, int, Any]] = [(lo, hi, self.grads)]  # what step_shards takes
+        # what the buckets reduce-scatter into: the part itself, or (exact) its integers
+        self.recv = flat.xp.empty(hi - lo, dtype=np.int64) if exact else self.grads
         self.ranges = list(buckets)
-        # what the buckets reduce-scatter into: the chunks themselves, or (exact) their integers
-        self.recv = self.flat.xp.empty(self.grads.size, dtype=np.int64) if exact else self.grads
+        self.counts = [[max(0, min(b, self.bounds[c + 1]) - max(a, self.bounds[c])) for c in range(self.k)]
+                       for a, b in buckets]  # per bucket, every rank's share of it
+        self._out = [self.recv[max(a, lo) - lo:max(min(b, hi), a, lo) - lo] for a, b in buckets]
+
+    @property
+    def own(self) -> list[tuple[int, int]]:
+        """This rank's part of the flat buffer, as [(lo, hi)]."""
+        return [(lo, hi) for lo, hi, _ in self.shards]
 
     def start(self, index: int, summed: Any) -> Handle:
-        """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
-        lo, hi, g = self.shards[index]
-        offset = sum(h - lo_ for lo_, h, _ in self.shards[:index])
-        out = g if not self.exact else self.recv[offset:offset + hi - lo]
-        return self.reducer.start_reduce_scatter(summed, out, self.counts[index])
+        """Begin bucket ``index``'s reduce-scatter: this rank's share of the sum into its part."""
+        return self.reducer.start_reduce_scatter(summed, self._out[index], self.counts[index])
 
     def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
         """Whether the whole averaged gradient is finite, and its squared norm: this rank's chunks, then
@@ -94,11 +113,9 @@ class ShardedStep:
         return bool(votes[0] == 0), float(votes[1])
 
     def decode(self, codec: Any, summed: Any) -> None:
-        """Exact: this rank's integer chunks to its float chunks."""
-        offset = 0
-        for lo, hi, g in self.shards:
-            codec.decode(self.recv[offset:offset + hi - lo], g, lo, hi)
-            offset += hi - lo
+        """Exact: this rank's integers to its floats."""
+        lo, hi, g = self.shards[0]
+        codec.decode(self.recv, g, lo, hi)
 
     def sq_norm_share(self, k: int) -> float:
         """This rank's part of |G|^2 (summed over the ranks: |G|^2)."""
@@ -131,5 +148,5 @@ class ShardedStep:
         return time.perf_counter() - t0
 
     def nbytes(self) -> int:
-        """The shard buffers' bytes (what this rank holds beyond the replicated step's state)."""
+        """The part's buffers' bytes (what this rank holds beyond the replicated step's state)."""
         return int(self.grads.nbytes) + (int(self.recv.nbytes) if self.exact else 0)

@@ -9,10 +9,14 @@ mask), and one thread of ours waits for them (``sigwait``) and acts at once:
 - SIGINT: this rank prints one line and ends the whole job (``MPI_Abort``),
   exit 130. When every rank got it (Ctrl-C to mpiexec, which forwards it),
   rank 0 speaks and aborts first, the others a moment later, so one line shows.
-- SIGTERM: :attr:`Signals.stop_requested` is set; the per-step check-in tells
+- SIGTERM (or SIGUSR1, which Open MPI's mpirun forwards without killing the
+  ranks a second later): :attr:`Signals.stop_requested` is set; the per-step check-in tells
   every rank, and they stop together at the next step, write a checkpoint and
-  exit with :data:`EXIT_PREEMPTED`. If the job has not ended ``TERM_GRACE_S``
-  later (a peer stuck or gone), or on a second SIGTERM, the rank aborts it (143).
+  exit with :data:`EXIT_PREEMPTED` (or 143 when no checkpoint of that step could
+  be written). If the job makes no progress for ``TERM_GRACE_S`` (a peer stuck or
+  gone: the loop calls :meth:`Signals.note_progress` at each step, evaluation
+  batch and set-up stage, so a long evaluation is not "stuck"), or on a second
+  SIGTERM, the rank aborts it, and the job's exit status is 143.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's code for Ctrl-C
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again with --resume auto
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM, and no clean stop was possible
 TERM_GRACE_S = 25.0  # inside Slurm's default KillWait (30 s) before SIGKILL
-WATCHED = {signal.SIGINT, signal.SIGTERM}
+# SIGUSR1 stops like SIGTERM: Open MPI's mpirun forwards a SIGTERM and SIGKILLs the ranks a second later,
+# but passes SIGUSR1 on and keeps their exit status (docs/failures.md)
+STOP = {signal.SIGTERM, signal.SIGUSR1}
+WATCHED = {signal.SIGINT, *STOP}
 
 
 class Signals:
@@ -37,7 +44,14 @@ class Signals:
 
     def __init__(self) -> None:
         self.stop_requested = False
+        self.stop_signal = "SIGTERM"  # which signal asked to stop (SIGTERM or SIGUSR1), for the message
         self.comm: Any = None
+        self.exit_code: int | None = None  # set once this rank ends the job: what the process must exit with
+        self._last_progress = time.monotonic()
+
+    def note_progress(self) -> None:
+        """The job is moving (a step, an evaluation batch, a set-up stage): a SIGTERM's grace restarts."""
+        self._last_progress = time.monotonic()
 
     @classmethod
     def block(cls) -> Signals:
@@ -51,18 +65,27 @@ class Signals:
     def _watch(self) -> None:
         while True:
             sig = signal.sigwait(WATCHED)
-            if sig == signal.SIGTERM and not self.stop_requested:
+            if sig in STOP and not self.stop_requested:
+                self.stop_signal = signal.Signals(sig).name
+                self._last_progress = time.monotonic()
                 self.stop_requested = True
-                timer = threading.Timer(TERM_GRACE_S, self._end, args=(
-                    EXIT_TERMINATED, f"SIGTERM: the job did not stop within {TERM_GRACE_S:g} s"))
-                timer.daemon = True
-                timer.start()
-            elif sig == signal.SIGTERM:
-                self._end(EXIT_TERMINATED, "a second SIGTERM")
+                threading.Thread(target=self._grace, name="mpisgd-term-grace", daemon=True).start()
+            elif sig in STOP:
+                self._end(EXIT_TERMINATED, f"a second {signal.Signals(sig).name}")
             else:
                 self._end(EXIT_INTERRUPTED, "interrupted (SIGINT)")
 
+    def _grace(self) -> None:
+        """After a SIGTERM: end the job once it has made no progress for TERM_GRACE_S."""
+        while True:
+            idle = time.monotonic() - self._last_progress
+            if idle > TERM_GRACE_S:
+                self._end(EXIT_TERMINATED, f"SIGTERM: the job made no progress for {TERM_GRACE_S:g} s")
+                return
+            time.sleep(min(1.0, TERM_GRACE_S - idle + 0.01))
+
     def _end(self, code: int, why: str) -> None:
+        self.exit_code = code
         rank = self.comm.Get_rank()
         if rank != 0:
             time.sleep(0.3)  # if rank 0 got the signal too, its abort ends us before we speak

@@ -1,17 +1,19 @@
 """A Chrome-trace timeline (chrome://tracing, Perfetto): complete events per rank.
 
-Disabled timelines cost one attribute check per span.
+Disabled timelines cost one attribute check per span. ``save`` writes all or nothing (OSError on a
+full disk, and no temporary file left behind).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from mpisgd.files import atomic_write
 
 
 class Timeline:
@@ -57,10 +59,8 @@ class Timeline:
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}}]
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        text = json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}).encode()
+        atomic_write(path, lambda f: f.write(text))  # all or nothing: a full disk leaves no temporary file
 
 
 class NullTimeline:

@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
         agree(world, error)
         assert cfg is not None
-        return run(cfg, world, signals)
+        status = run(cfg, world, signals)
     except BaseException as exc:  # whatever ends this rank must end the job, not leave the others waiting
-        return _report(exc, world)
+        status = _report(exc, world)
+    # a second SIGTERM (or no progress after the first) ends the job with 143, even if the loop got further
+    return signals.exit_code if signals.exit_code is not None else status
 
 
 def _report(exc: BaseException, world: Any) -> int:
@@ -77,7 +79,7 @@ def run(cfg: Config, world: Any, signals: Any = None) -> int:
 
     watchdog = _watchdog(cfg, world)
     try:
-        setup = build_run(cfg, world, watchdog)
+        setup = build_run(cfg, world, watchdog, progress=signals.note_progress if signals else None)
     except _errors_every_rank_raises():
         watchdog.close()  # every rank failed set-up together: a collective shutdown is safe
         raise
@@ -101,7 +103,7 @@ def _watchdog(cfg: Config, world: Any) -> Any:
 
     if not cfg.stall_timeout_s or world.Get_size() == 1:
         return NullWatchdog()
-    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world)
+    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world, abort_after_s=cfg.stall_abort_s)
 
 
 if __name__ == "__main__":

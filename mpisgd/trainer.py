@@ -15,25 +15,28 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd import report
+from mpisgd import model_file, report
 from mpisgd.backend import to_numpy
-from mpisgd.checkpoint import TrainState, save_checkpoint, save_params
+from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, model_fallbacks, save_params
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.inject import NoHooks
 from mpisgd.metrics import MetricsWriter
-from mpisgd.nn import accuracy_count
+from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.noise import estimate
 from mpisgd.run import Run
-from mpisgd.signals import EXIT_PREEMPTED
+from mpisgd.signals import EXIT_PREEMPTED, EXIT_TERMINATED
 from mpisgd.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.straggler import describe as describe_straggler
+from mpisgd.tensorboard import open_writer
 
 
 class NoSignals:
     """For a Trainer driven without the CLI's signal thread: nobody asks it to stop."""
 
     stop_requested = False
+
+    def note_progress(self) -> None: ...
 
 
 class Trainer:
@@ -47,16 +50,23 @@ class Trainer:
         self.signals, self.hooks = signals or NoSignals(), hooks or NoHooks()
         self.comm = run.ctx.comm
         self.metrics = MetricsWriter(run.cfg.metrics_file, enabled=run.is_root)
+        self.tensorboard = open_writer(run.cfg.tensorboard, enabled=run.is_root)  # a no-op unless asked
         plan = run.resume
         self.global_step = plan.global_step if plan else 0
         self.start_epoch, self.start_step = (plan.epoch, plan.step_in_epoch) if plan else (0, 0)
         self.saved_at = plan.global_step if plan else -1  # the step of the newest checkpoint this run wrote
         self.clock = Clock(self.comm) if run.k > 1 and run.cfg.straggler_report else None  # the report's time base
         self.history: list[dict[str, Any]] = []
+        self.final_test: dict[str, Any] | None = None  # with --val-split: the test set, scored once at the end
 
     def log(self, msg: str) -> None:
         if self.run.is_root:
             print(msg, flush=True)
+
+    def record(self, record: dict[str, Any]) -> None:
+        """One record to the metrics file and to TensorBoard (rank 0; no-ops where not asked)."""
+        self.metrics.write(record)
+        self.tensorboard.write(record)
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> int:
@@ -66,9 +76,10 @@ class Trainer:
             self.log(line)
         if self.global_step >= run.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {run.total_steps}); nothing to train")
-            if cfg.save_model and run.is_root:
-                save_params(cfg.save_model, run.model)
-            return 0
+            status, where = self._save_model()
+            if where:
+                print(where, file=sys.stderr if status else sys.stdout, flush=True)
+            return status
         spe = run.batches.steps_per_epoch
         for epoch in range(self.start_epoch, self.n_epochs):
             perm = epoch_permutation(len(run.data.train), cfg.seed, epoch)
@@ -91,8 +102,8 @@ class Trainer:
             self._end_epoch(epoch, steps, loss_sum, time.perf_counter() - t0)
         if cfg.checkpoint_dir and self.saved_at != self.global_step:  # the last step, whatever --checkpoint-every
             self._save(self.n_epochs - 1, spe)
-        self._finish()
-        return 0
+        self._test_once()
+        return self._finish()
 
     @property
     def n_epochs(self) -> int:
@@ -101,7 +112,9 @@ class Trainer:
     def _step(self, perm: np.ndarray, step: int, epoch: int) -> Any:
         """One optimizer step (``step`` of ``epoch``); returns this rank's mean loss."""
         run, cfg, dp = self.run, self.cfg, self.dp
+        self.signals.note_progress()
         self.hooks.before_step(self.global_step, run.rank)
+        t0 = time.perf_counter()
         lr = run.schedule(self.global_step)
         micro = [run.train_loader.batch(run.batches.indices(perm, step, i), slot=i) for i in range(cfg.accum_steps)]
         loss = dp.train_step(micro, lr)
@@ -109,9 +122,13 @@ class Trainer:
             self.log(f"warning: non-finite gradient at step {self.global_step}: step skipped "
                      f"(--on-nan skip; {dp.skipped_steps} skipped so far)")
         self.global_step += 1
-        if cfg.metrics_file:
-            self.metrics.write({"kind": "step", "step": self.global_step, "epoch": epoch + 1, "lr": lr,
-                                "loss": float(loss)})
+        if cfg.metrics_file or cfg.tensorboard:
+            record = {"kind": "step", "step": self.global_step, "epoch": epoch + 1, "lr": lr, "loss": float(loss),
+                      "step_ms": 1e3 * (time.perf_counter() - t0)}
+            grad_norm = getattr(dp, "last_grad_norm", None)  # the averaged gradient's, where DataParallel has it
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            self.record(record)
         if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
             dp.check_replicas()
         return loss
@@ -122,19 +139,23 @@ class Trainer:
 
     def _stop(self, epoch: int, step: int) -> int:
         """Every rank stops before ``step`` of ``epoch`` (a SIGTERM reached one of them): checkpoint it."""
+        self.signals.note_progress()
         path = self._save(epoch, step) if self.cfg.checkpoint_dir else None
         where = f"before step {self.global_step} (epoch {epoch + 1}, step {step} of {self.run.batches.steps_per_epoch})"
+        written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
+        code = EXIT_PREEMPTED if written else EXIT_TERMINATED  # 75 promises the checkpoint of this very step
         if self.run.is_root:
             saved = f"checkpoint {path} written; continue with --resume auto" if path else \
-                "no checkpoint (no --checkpoint-dir, or it could not be written): this run's work is lost"
-            print(f"mpisgd: stopped by SIGTERM {where}: {saved} (exit {EXIT_PREEMPTED})", file=sys.stderr,
-                  flush=True)
-        return EXIT_PREEMPTED
+                "no checkpoint of this step (no --checkpoint-dir, or it could not be written): the work since the " \
+                "last checkpoint is lost"
+            by = getattr(self.signals, "stop_signal", "SIGTERM")
+            print(f"mpisgd: stopped by {by} {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
+        return code
 
     # -- checkpoints ----------------------------------------------------------------------
     def _save(self, epoch: int, step_in_epoch: int) -> Path | None:
         """Checkpoint of the state before step ``step_in_epoch`` of ``epoch`` (collective: the sharded step
-        gathers its momentum first). A write that fails (a full disk) warns and training goes on; the
+        gathers the optimizer's state first). A write that fails (a full disk) warns and training goes on; the
         checkpoints already written stay as they were."""
         run, cfg = self.run, self.cfg
         if step_in_epoch >= run.batches.steps_per_epoch:
@@ -143,17 +164,17 @@ class Trainer:
         self.saved_at = self.global_step
         if not run.is_root:  # only rank 0 writes; no collective, so nothing waits on it
             return None
-        opt = run.optimizer.state()
+        opt = run.optimizer
         state = TrainState(
             params=to_numpy(run.model.flat.params),
-            velocity=None if opt["velocity"] is None else to_numpy(opt["velocity"]), prev_lr=opt["prev_lr"],
+            buffers={name: to_numpy(buf) for name, buf in opt.state_buffers().items()}, optimizer_state=opt.state(),
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
             grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
-            environment=run.environment)
+            environment=run.environment, structure=run.structure, model=model_file.describe(run))
         try:
-            return save_checkpoint(cfg.checkpoint_dir, state, keep=cfg.checkpoint_keep)  # type: ignore[arg-type]
+            return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
@@ -162,16 +183,48 @@ class Trainer:
 
     # -- the end of an epoch --------------------------------------------------------------
     def evaluate(self) -> float:
-        """Test accuracy: each rank scores a disjoint part of the test set, counts are summed."""
+        """Test accuracy (collective)."""
+        return self.score(self.run.test_loader)[0]
+
+    def score(self, loader: Any, loss: bool = False) -> tuple[float, float | None]:
+        """Accuracy, and with ``loss`` the mean loss, of the set ``loader`` holds (collective): each rank
+        scores a disjoint part of it, counts and sums are added."""
         run = self.run
-        n = len(run.data.test)
+        n = len(loader.data)
         mine = np.array_split(np.arange(n), run.k)[run.rank]
-        correct = 0
+        correct, loss_sum, ce = 0, 0.0, SoftmaxCrossEntropy()
         b = run.batches.local_batch  # the training shape: the model's activation buffers are reused, not doubled
         for start in range(0, len(mine), b):
-            x, y = run.test_loader.batch(mine[start:start + b])
-            correct += accuracy_count(run.model.forward(x), y)
-        return self.comm.allreduce(correct) / n
+            self.signals.note_progress()  # a long evaluation is not a stuck job
+            x, y = loader.batch(mine[start:start + b])
+            logits = run.model.forward(x)
+            correct += accuracy_count(logits, y)
+            if loss:
+                loss_sum += float(ce.forward_array(logits, y)) * len(y)
+        if not loss:
+            return self.comm.allreduce(correct) / n, None
+        sums = np.array([correct, loss_sum], dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        return float(sums[0]) / n, float(sums[1]) / n
+
+    def _scores(self) -> dict[str, float]:
+        """What an epoch's end measures on held-out data: the test set's accuracy or, with --val-split,
+        the validation set's loss and accuracy (and the test set's with --test-every-epoch)."""
+        run = self.run
+        if run.val_loader is None:
+            return {"test_acc": self.evaluate()}
+        val_acc, val_loss = self.score(run.val_loader, loss=True)
+        return {"val_loss": val_loss, "val_acc": val_acc,
+                **({"test_acc": self.evaluate()} if self.cfg.test_every_epoch else {})}
+
+    def _test_once(self) -> None:
+        """With --val-split: the test set, scored once, after the training (collective)."""
+        if self.run.val_loader is None:
+            return
+        with self.dp.watchdog.watching("the test set, after training"):
+            acc, loss = self.score(self.run.test_loader, loss=True)
+        self.final_test = {"kind": "test", "step": self.global_step, "test_acc": acc, "test_loss": loss}
+        self.record(self.final_test)
 
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         run, t = self.run, self.dp.times
@@ -180,7 +233,7 @@ class Trainer:
         total = np.zeros_like(local)
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
             self.comm.Allreduce(local, total, op=MPI.SUM)
-            test_acc = self.evaluate()
+            scores = self._scores()
             # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
             mem = np.array([report.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
             self.comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
@@ -195,7 +248,7 @@ class Trainer:
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
             "lr": run.schedule(max(0, self.global_step - 1)),
-            "train_loss": mean[0] / max(1, steps), "test_acc": test_acc,
+            "train_loss": mean[0] / max(1, steps), **scores,
             "samples_per_s": steps * run.B / train_time if train_time > 0 else 0.0,
             "comm_frac": mean[2] / max(1e-12, train_time),
             "comm_exposed_ms": per_step * mean[2], "comm_total_ms": per_step * mean[3],
@@ -209,7 +262,7 @@ class Trainer:
             "allreduce": self.dp.describe(), **noise, **straggler,
         }
         self.history.append(record)
-        self.metrics.write(record)
+        self.record(record)
         self.log(report.format_epoch(record, self.n_epochs))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
@@ -244,19 +297,45 @@ class Trainer:
             run.test_loader.buffer_nbytes()
         return held / 2**20
 
-    def _finish(self) -> None:
+    def _finish(self) -> int:
+        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
         run, cfg = self.run, self.cfg
-        if cfg.save_model and run.is_root:
-            save_params(cfg.save_model, run.model)
+        status, where = self._save_model()
         if cfg.timeline:
-            run.timeline.save(f"{cfg.timeline}.rank{run.rank}.json")
-        for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch):
+            path = f"{cfg.timeline}.rank{run.rank}.json"
+            try:
+                run.timeline.save(path)
+            except OSError as exc:  # every rank writes its own: say which one failed, and go on
+                print(f"warning: rank {run.rank}: --timeline {path} not written ({exc.strerror or exc})", flush=True)
+        for line in report.final_lines(run, self.history, self.global_step, time.perf_counter() - run.t_launch,
+                                       self.final_test):
             self.log(line)
+        if where:  # the last line: where the model is, when not where asked
+            print(where, file=sys.stderr if status else sys.stdout, flush=True)
+        return status
+
+    def _save_model(self) -> tuple[int, str]:
+        """Rank 0 writes --save-model, or where that fails beside the checkpoints or in the temporary
+        directory: (0, "") as asked; (0, a warning saying where) elsewhere; (1, an error line) nowhere."""
+        cfg = self.cfg
+        if not (cfg.save_model and self.run.is_root):
+            return 0, ""
+        try:
+            where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir),
+                                model_file.describe(self.run, self.global_step))
+        except SaveError as exc:
+            ckpt = checkpoint_path(cfg.checkpoint_dir, self.global_step) if cfg.checkpoint_dir else None
+            kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""
+            return 1, f"mpisgd: error: {exc}{kept}"
+        if where == cfg.save_model:
+            return 0, ""
+        return 0, f"warning: --save-model {cfg.save_model} could not be written; the final model is in {where}"
 
     def close(self, collective: bool = True) -> None:
         """Flush and close the metrics file; with ``collective`` also shut down the data-parallel
         machinery, which every rank must do together (the watchdog waits for every rank's close)."""
         self.metrics.close()
+        self.tensorboard.close()
         if self.clock is not None and collective:
             self.clock.close()
         if self.run.run_dir is not None:

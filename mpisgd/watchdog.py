@@ -44,11 +44,17 @@ PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
 
 
 class Watchdog:
-    def __init__(self, comm: Any, timeout_s: float, abort: bool = False, abort_comm: Any = None) -> None:
-        """``abort_comm``: what to MPI_Abort (the application's world communicator). Aborting a
+    def __init__(self, comm: Any, timeout_s: float, abort: bool = False, abort_comm: Any = None,
+                 abort_after_s: float = 0.0) -> None:
+        """``abort``: end the job when the stall is reported; ``abort_after_s`` (0: never): end it when a
+        rank has waited that long in one collective, reported or not (the bound on every wait).
+        ``abort_comm``: what to MPI_Abort (the application's world communicator). Aborting a
         duplicate ends only the local rank when a node is unreachable, and the launcher then waits."""
         if timeout_s <= 0:
             raise ValueError(f"stall timeout must be > 0 seconds, got {timeout_s}")
+        if abort_after_s < 0:
+            raise ValueError(f"abort_after_s must be >= 0 seconds, got {abort_after_s}")
+        self.abort_after_s = float(abort_after_s)
         from mpi4py import MPI  # noqa: PLC0415 - only needed once a watchdog is made
 
         self._MPI = MPI
@@ -141,7 +147,12 @@ class Watchdog:
     def _run(self) -> None:
         MPI = self._MPI
         status = MPI.Status()
+        last = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - last > 1.0 + 5 * self._poll_s:  # this process was stopped (SIGSTOP) or starved meanwhile:
+                self._t_enter += now - last  # the time it did not run is not time it waited for its peers
+            last = now
             if self.threaded:
                 while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
                     self._receive(self.comm.recv(source=status.Get_source(), tag=TAG), status.Get_source())
@@ -184,6 +195,10 @@ class Watchdog:
                  + ("" if self.rank == 0 else " and rank 0 has not reported which ranks reached it"))
             if self.abort:
                 self._abort()
+        if self._waiting and self.abort_after_s and waited > self.abort_after_s:
+            _say(f"mpisgd: stall: rank {self.rank} has waited {waited:.1f} s in {self._what}, longer than the bound "
+                 f"of {self.abort_after_s:g} s (--stall-abort-s)")
+            self._abort(why="--stall-abort-s")
 
     def _stall_report(self, now: float) -> str | None:
         """Rank 0: the stall message for the newest collective, once, when it is overdue."""
@@ -210,8 +225,8 @@ class Watchdog:
             return (f"mpisgd: stall: {what} waited {now - self._t_enter:.1f} s; all ranks {reached} reached it, "
                     "it has not finished (a rank stopped or lost inside it, the network, or MPI progress)")
 
-    def _abort(self) -> None:
-        _say(f"mpisgd: rank {self.rank} aborts the job (--stall-abort)")
+    def _abort(self, why: str = "--stall-abort") -> None:
+        _say(f"mpisgd: rank {self.rank} aborts the job ({why})")
         abort_job(self.abort_comm, 1)
 
 
@@ -227,3 +242,11 @@ class NullWatchdog:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def default_watchdog(comm: Any, timeout_s: float, abort_after_s: float) -> Watchdog | NullWatchdog:
+    """The library's own watchdog over ``comm`` (reports after ``timeout_s``, ends the job after
+    ``abort_after_s``), or a null one at k = 1 or when both are 0."""
+    if comm.Get_size() == 1 or not (timeout_s or abort_after_s):
+        return NullWatchdog()
+    return Watchdog(comm, timeout_s or abort_after_s, abort_comm=comm, abort_after_s=abort_after_s)

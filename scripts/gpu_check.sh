@@ -12,7 +12,8 @@
 # hanging step does not stop the ones after it:
 #   env               the machine and the versions (nvidia-smi, CuPy, CUDA, NCCL, mpi4py, the MPI library)
 #   probe             what the CUDA-awareness probe decides at k=2: device pointers to MPI (direct) or staging
-#   tests-k1 .. k3    tests/test_comm_cuda.py and tests/test_comm_nccl.py under mpiexec at k = 1, 2, 3; ranks
+#   tests-k1 .. k3    tests/test_comm_cuda.py and tests/test_comm_nccl.py under mpiexec at k = 1, 2, 3 (device
+#                     buffers through every strategy; the reproducible mode's bits against one rank's); ranks
 #                     share GPU 0 when there is one GPU (NCCL's test needs one GPU per rank and skips, saying so);
 #                     the step fails unless the device-buffer tests really passed (not skipped)
 #   train-mlp-gpu     python -m mpisgd.train --device gpu: the default MLP, 12 epochs, k=1
@@ -233,8 +234,10 @@ check_tests() {  # the GPU tests must have run (PASSED) on a GPU; in a dry run, 
   staged=$(grep -c -E "::test_device_buffers_through_every_strategy\[[a-z]+-staged\] $want" "$log")
   direct=$(grep -c -E "::test_device_buffers_through_every_strategy\[[a-z]+-direct\] PASSED" "$log")
   nccl=$(grep -c -E "::test_nccl_sums_on_one_gpu_per_rank $want" "$log")
-  printf 'probe test %s, device buffers staged %s/4, direct %s/4' "$probe" "$staged" "$direct"
-  [ "$probe" = 1 ] && [ "$staged" = 4 ] || ok=1
+  repro=$(grep -c -E "::test_reproducible_training_on_device_buffers_gives_one_rank_s_bits\[staged\] $want" "$log")
+  printf 'probe test %s, device buffers staged %s/4, direct %s/4, reproducible (staged) %s/1' "$probe" "$staged" \
+      "$direct" "$repro"
+  [ "$probe" = 1 ] && [ "$staged" = 4 ] && [ "$repro" = 1 ] || ok=1
   if [ "$PROBE" = direct ] && [ "$DRY" != 1 ] && [ "$direct" != 4 ]; then ok=1; fi
   [ "$PROBE" = direct ] || printf ' (MPI not CUDA-aware: direct skipped)'
   if [ "$k" -le "$NGPU" ] || [ "$DRY" = 1 ]; then

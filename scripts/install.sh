@@ -2,6 +2,8 @@
 # Install mpisgd and what it needs on a fresh Debian machine (run as root).
 #   bash scripts/install.sh        the package, an MPI library, Fashion-MNIST
 #   bash scripts/install.sh test   ... and the test tools
+#   bash scripts/install.sh openmpi   only Debian's Open MPI with its mpi4py, for scripts/test.sh's Open MPI
+#                                     passes, in an environment of its own (see below); python3 is untouched
 # An MPI already on the machine is used when mpi4py imports against it
 # (MPISGD_SYSTEM_MPI=1 forces that); otherwise the MPICH wheel from PyPI.
 set -euo pipefail
@@ -13,6 +15,33 @@ apt_install() {  # Debian packages, quietly; the package lists are refreshed onl
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
     || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null; }
 }
+
+# Open MPI beside the main environment: Debian's openmpi-bin and python3-mpi4py (3.1, built against it) with
+# Debian's numpy, pytest and pytest-mpi, nothing from PyPI and nothing to compile. They live in
+# /usr/lib/python3/dist-packages, which Debian's python3 would search only after /usr/local, where pip put
+# the MPICH wheel's mpi4py; so they are run from a venv of /usr/bin/python3 that sees Debian's packages and
+# not /usr/local's (one .pth line), whose bin/ also holds mpiexec and mpirun for Open MPI's. With that bin/
+# first on PATH, `python`, `python3` and `mpiexec` are Open MPI's, also in the tests' own launches.
+OPENMPI_ENV=${MPISGD_OPENMPI_ENV:-$PWD/.openmpi-env}
+if [ "${1:-}" = openmpi ]; then
+  if SUDO_APT; then  # without root: what is already installed, checked below
+    apt_install openmpi-bin python3-mpi4py python3-numpy libopenblas0-pthread python3-threadpoolctl \
+      python3-tqdm python3-pytest python3-pytest-mpi python3-venv
+  fi
+  /usr/bin/python3 -m venv --clear --without-pip "$OPENMPI_ENV"
+  "$OPENMPI_ENV/bin/python" -c 'import site; print("/usr/lib/python3/dist-packages", file=open(site.getsitepackages()[0] + "/debian.pth", "w"))'
+  ln -sf /usr/bin/mpiexec.openmpi "$OPENMPI_ENV/bin/mpiexec"
+  ln -sf /usr/bin/mpirun.openmpi "$OPENMPI_ENV/bin/mpirun"
+  lib=$("$OPENMPI_ENV/bin/python" -c 'import numpy, pytest, pytest_mpi, threadpoolctl, tqdm
+from mpi4py import MPI; print(MPI.Get_library_version().strip("\0").splitlines()[0])' 2>&1) || lib="none: ${lib##*$'\n'}"
+  [ -x /usr/bin/mpiexec.openmpi ] || lib="no /usr/bin/mpiexec.openmpi"
+  case $lib in
+    "Open MPI"*) echo "[install] Open MPI environment ready in $OPENMPI_ENV: $lib" ;;
+    *) echo "[install] error: $OPENMPI_ENV/bin/python runs no Open MPI ($lib); as root on Debian, this command" \
+            "installs openmpi-bin, python3-mpi4py, python3-numpy, python3-pytest-mpi and the rest" >&2; exit 1 ;;
+  esac
+  exit 0
+fi
 
 # a bare Debian may lack python3 itself, and has neither pip nor the headers mpi4py may need
 if ! python3 -m pip --version >/dev/null 2>&1 && SUDO_APT; then
@@ -50,6 +79,13 @@ else
   extras="mpich"
 fi
 [ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot,torch"  # torch: the baselines and examples that compare with it
+# PyPI's torch for x86-64 Linux is its CUDA build, ~5 GB with the NVIDIA libraries: on a machine without an NVIDIA
+# GPU, PyTorch's own index of CPU builds (~190 MB) first, where it is reachable; the extra then finds torch installed
+if [ "${1:-}" = test ] && ! python3 -c "import torch" >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null; then
+  echo "[install] PyTorch's CPU build from download.pytorch.org (no NVIDIA GPU here)"
+  $PIP --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu >/dev/null 2>&1 \
+    || echo "[install] PyTorch's CPU index is not reachable: PyPI's torch (its CUDA build, ~5 GB) instead"
+fi
 echo "[install] pip install -e .${extras:+[$extras]}"
 $PIP -e ".${extras:+[$extras]}"
 

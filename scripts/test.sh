@@ -25,6 +25,8 @@ for n in 2 3; do
   run "mpi$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
       -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
 done
+run openmpi bash scripts/test_openmpi.sh  # the MPI tests again under Debian's Open MPI, in an environment of its own
 run lint ruff check mpisgd tests benchmarks experiments scripts examples
-"$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml || status=1
+"$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml \
+    results/tmp/openmpi2.xml results/tmp/openmpi3.xml results/tmp/openmpi-serial.xml || status=1
 exit $status

@@ -3,6 +3,7 @@ tests that launch their own mpiexec are ordinary serial tests."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -83,15 +84,26 @@ def rank_order_sum(comm, x):
     return acc
 
 
+@functools.cache
+def _launcher_is_open_mpi(exe: str) -> bool:
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    return "Open MPI" in out or "OpenRTE" in out
+
+
+def open_mpi_launcher() -> bool:
+    """Whether the mpiexec on PATH, the one the tests launch, is Open MPI's (scripts/test_openmpi.sh)."""
+    exe = shutil.which("mpiexec")
+    return exe is not None and _launcher_is_open_mpi(exe)
+
+
 def mpiexec_cmd(n: int, *args: str) -> list[str]:
-    """An mpiexec command line for n ranks running `python args...` (MPICH or Open MPI)."""
+    """An mpiexec command line for n ranks running `python args...` (MPICH or Open MPI), this interpreter."""
     exe = shutil.which("mpiexec")
     if exe is None:
         pytest.skip("no mpiexec on PATH")
     cmd = [exe, "-n", str(n)]
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in out or "OpenRTE" in out:
-        cmd += ["--oversubscribe"]
+    if _launcher_is_open_mpi(exe):
+        cmd += ["--oversubscribe"]  # Open MPI counts cores as slots: k = 3 on two cores needs it
     return cmd + [sys.executable, *args]
 
 

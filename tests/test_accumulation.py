@@ -32,10 +32,12 @@ def train(tmp_path: Path, k: int, b: int, m: int, *extra: str, steps: int = 6) -
 MLP = ("--hidden", "32,16", "--lr", "0.05", "--warmup-steps", "2", "--weight-decay", "1e-4", "--momentum", "0.9")
 
 
-@pytest.mark.parametrize("extra", [(), ("--momentum-correction", "--nesterov")])
+@pytest.mark.parametrize("extra", [(), ("--momentum-correction", "--nesterov"),
+                                   ("--optimizer", "adamw", "--lr", "0.005", "--clip-grad-norm", "0.05"),
+                                   ("--optimizer", "lamb", "--lr", "0.005", "--clip-grad-norm", "0.05")])
 def test_accumulation_and_ranks_equal_one_big_batch(tmp_path, extra):
     ref = train(tmp_path, 1, 256, 1, *MLP, *extra)
-    accumulated = train(tmp_path, 2, 32, 4, *MLP, *extra)
+    accumulated = train(tmp_path, 2, 32, 4, *MLP, *extra, "--no-shard-optimizer")  # the replicated update
     np.testing.assert_allclose(accumulated, ref, rtol=1e-9, atol=1e-12)
     one_rank = train(tmp_path, 1, 64, 4, *MLP, *extra)  # accumulation alone
     np.testing.assert_allclose(one_rank, ref, rtol=1e-9, atol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import run_mpi
@@ -14,11 +16,13 @@ from mpisgd.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from mpisgd.config import Config
 
 
-def state(step: int, n: int = 10) -> TrainState:
-    return TrainState(params=np.arange(n, dtype=np.float32) + step, velocity=np.ones(n, np.float32) * step,
-                      prev_lr=0.1, global_step=step, epoch=1, step_in_epoch=3, skipped_steps=0, world_size=2,
+def state(step: int, n: int = 10, **buffers: np.ndarray) -> TrainState:
+    return TrainState(params=np.arange(n, dtype=np.float32) + step,
+                      buffers=buffers or {"velocity": np.ones(n, np.float32) * step}, optimizer_state={"prev_lr": 0.1},
+                      global_step=step, epoch=1, step_in_epoch=3, skipped_steps=0, world_size=2,
                       effective_batch=64, config={"model": "mlp", "hidden": [8], "dtype": "float32"})
 
 
@@ -30,8 +34,56 @@ def test_round_trip_and_keep_newest(tmp_path):
     loaded = load_checkpoint(tmp_path / names[0])
     assert loaded.global_step == 40 and loaded.step_in_epoch == 3 and loaded.config["hidden"] == [8]
     np.testing.assert_array_equal(loaded.params, state(40).params)
-    np.testing.assert_array_equal(loaded.velocity, state(40).velocity)
+    np.testing.assert_array_equal(loaded.buffers["velocity"], state(40).buffers["velocity"])
+    assert loaded.optimizer_state == {"prev_lr": 0.1} and list(loaded.buffers) == ["velocity"]
     assert not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_every_state_buffer_and_scalar_round_trips(tmp_path):
+    """Adam's two moments and its step count (an int), the rate to the last bit."""
+    m, v = np.linspace(-1, 1, 10), np.linspace(0, 1e-9, 10)
+    written = state(5, exp_avg=m, exp_avg_sq=v)
+    written.optimizer_state = {"step": 5, "prev_lr": 0.1 / 3}
+    loaded = load_checkpoint(save_checkpoint(tmp_path, written))
+    assert sorted(loaded.buffers) == ["exp_avg", "exp_avg_sq"]
+    np.testing.assert_array_equal(loaded.buffers["exp_avg"], m)
+    np.testing.assert_array_equal(loaded.buffers["exp_avg_sq"], v)
+    assert loaded.optimizer_state == {"step": 5, "prev_lr": 0.1 / 3} and type(loaded.optimizer_state["step"]) is int
+    none = state(6)
+    none.buffers = {}  # SGD without momentum keeps no buffer
+    assert load_checkpoint(save_checkpoint(tmp_path, none)).buffers == {}
+
+
+def legacy(path, st: TrainState) -> None:
+    """``st`` as mpisgd wrote checkpoints before AdamW (format 1): momentum as velocity, rate as prev_lr."""
+    arrays = {"format": np.int64(1), "params": st.params,
+              "scalars": np.array([st.global_step, st.epoch, st.step_in_epoch, st.skipped_steps, st.world_size,
+                                   st.effective_batch], dtype=np.int64),
+              "prev_lr": np.float64(st.optimizer_state["prev_lr"]), "config": np.array(json.dumps(st.config)),
+              "data": np.array(json.dumps(st.data))}
+    if "velocity" in st.buffers:
+        arrays["velocity"] = st.buffers["velocity"]
+    np.savez(path, **arrays)
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    legacy(tmp_path / "ckpt-000000010.npz", state(10))
+    loaded = load_checkpoint(tmp_path / "ckpt-000000010.npz")
+    assert loaded.optimizer_state == {"prev_lr": 0.1} and list(loaded.buffers) == ["velocity"]
+    np.testing.assert_array_equal(loaded.buffers["velocity"], state(10).buffers["velocity"])
+
+
+@pytest.mark.parametrize("scalars", [{"step": float("nan")}, {"step": True}, {"prev_lr": "0.1"}, [1]])
+def test_bad_optimizer_state_is_refused(tmp_path, scalars):
+    bad = state(10)
+    bad.optimizer_state = scalars
+    with pytest.raises(CheckpointError, match="optimizer's state"):
+        load_checkpoint(save_checkpoint(tmp_path, bad))
+
+
+def test_a_state_buffer_of_another_size_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="exp_avg must be a 1-D float array of the parameters' size"):
+        load_checkpoint(save_checkpoint(tmp_path, state(10, exp_avg=np.zeros(9))))
 
 
 def test_truncated_checkpoint_is_a_clear_error_and_auto_falls_back(tmp_path):
@@ -52,7 +104,7 @@ def test_failed_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", boom)
+    monkeypatch.setattr("mpisgd.checkpoint.write_npz", boom)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, state(20))
     assert good.read_bytes() == before
@@ -96,9 +148,9 @@ ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "
         "--epochs", "3", "--batch-size", "16", "--progress", "off", "--nesterov", "--warmup-epochs", "1"]
 
 
-def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = ""):
+def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = "", base=ARGS):
     out = tmp_path / f"{name}.npz"
-    r = run_mpi(k, *ARGS, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
+    r = run_mpi(k, *base, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
     assert r.returncode == expect, r.stderr[-3000:]
     return (np.load(out)["flat"] if expect == 0 else None), r
 
@@ -146,6 +198,67 @@ def test_lars_run_resumes_bitwise(tmp_path):
     np.testing.assert_array_equal(resumed, full)
 
 
+ADAM_ARGS = [a for a in ARGS if a != "--nesterov"]  # Nesterov is SGD's
+
+
+@pytest.mark.parametrize("k,optimizer,shard", [(2, "adamw", False), (3, "adamw", True), (2, "lamb", True),
+                                               (3, "lamb", False)])
+def test_adam_runs_resume_bitwise(tmp_path, k, optimizer, shard):
+    """AdamW and LAMB keep two moments and a step count (and clipping no state): a run interrupted and
+    resumed ends bitwise where an uninterrupted one does; sharded, the checkpoint holds the moments
+    gathered whole."""
+    opts = ("--optimizer", optimizer, "--lr", "0.01", "--weight-decay", "0.01", "--clip-grad-norm", "0.5",
+            "--batch-size", str(48 // k), *(("--shard-optimizer", "--bucket-mb", "0.002") if shard else ()))
+    full, _ = final(tmp_path, "full", k, *opts, base=ADAM_ARGS)
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "crash", k, "--checkpoint-dir", ck, "--checkpoint-every", "30", *opts, expect=1, fail_at="50:1",
+          base=ADAM_ARGS)
+    saved = load_checkpoint(list_checkpoints(ck)[0])
+    assert saved.global_step == 30 and saved.optimizer_state == {"step": 30}
+    assert sorted(saved.buffers) == ["exp_avg", "exp_avg_sq"] and saved.buffers["exp_avg_sq"].min() >= 0
+    assert np.count_nonzero(saved.buffers["exp_avg"]) > 0.9 * saved.params.size  # every rank's chunks, gathered
+    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", ck, "--resume", "auto", *opts, base=ADAM_ARGS)
+    assert "at step 30" in r.stdout and f"optimizer: {'AdamW' if optimizer == 'adamw' else 'LAMB'}, " in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
+def test_a_checkpoint_of_format_1_resumes_bitwise(tmp_path):
+    """A checkpoint as mpisgd wrote them before AdamW (velocity, prev_lr; none of the new options in its
+    configuration) continues exactly as this version's own would."""
+    k, extra = 2, ("--batch-size", "24", "--momentum-correction")
+    full, _ = final(tmp_path, "full", k, *extra)
+    ck = tmp_path / "ck"
+    final(tmp_path, "crash", k, "--checkpoint-dir", str(ck), "--checkpoint-every", "30", *extra, expect=1,
+          fail_at="50:1")
+    path = list_checkpoints(ck)[0]
+    st = load_checkpoint(path)
+    for name in ("beta1", "beta2", "eps", "clip_grad_norm"):
+        del st.config[name]
+    legacy(path, st)
+    assert int(np.load(path)["format"]) == 1 and "velocity" in np.load(path).files
+    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", str(ck), "--resume", "auto", *extra)
+    assert "at step 30" in r.stdout
+    np.testing.assert_array_equal(resumed, full)
+
+
+def test_resume_with_another_optimizer_is_refused_unread_options_may_change(tmp_path):
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--epochs", "1", base=ADAM_ARGS)
+    _, r = final(tmp_path, "b", 2, "--checkpoint-dir", ck, "--epochs", "1", "--resume", "auto", "--optimizer",
+                 "adamw", expect=2, base=ADAM_ARGS)
+    assert r.stderr.count("mpisgd: error") == 1 and "--optimizer sgd -> adamw" in r.stderr, r.stderr
+    assert "--resume-allow optimizer" in r.stderr
+    ck2 = str(tmp_path / "ck2")
+    adamw = ("--optimizer", "adamw", "--lr", "0.01", "--epochs", "1")
+    final(tmp_path, "c", 2, "--checkpoint-dir", ck2, *adamw, base=ADAM_ARGS)
+    _, r = final(tmp_path, "d", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--momentum", "0.5",
+                 "--trust-coef", "1", base=ADAM_ARGS)  # neither is AdamW's: nothing changes
+    assert "the run is finished" in r.stdout and "changed" not in r.stdout, r.stdout
+    _, r = final(tmp_path, "e", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--beta2", "0.99",
+                 expect=2, base=ADAM_ARGS)
+    assert "--beta2 0.999 -> 0.99" in r.stderr, r.stderr
+
+
 def test_resume_with_other_k_and_same_effective_batch(tmp_path):
     ck = str(tmp_path / "ck")
     full, _ = final(tmp_path, "full", 1, "--batch-size", "32")
@@ -159,10 +272,266 @@ def test_resume_with_other_k_and_same_effective_batch(tmp_path):
 def test_resume_with_other_effective_batch_is_refused(tmp_path):
     ck = str(tmp_path / "ck")
     final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1")
-    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--checkpoint-dir", ck, "--resume", "auto", expect=2)
+    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--accum-steps", "1", "--checkpoint-dir", ck,
+                 "--resume", "auto", "--epochs", "1", expect=2)
     assert r.stderr.count("mpisgd: error") == 1 and "effective batch B=32" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_with_another_batch_size_alone_keeps_the_effective_batch(tmp_path):
+    """--batch-size without --accum-steps: m follows from the checkpoint's B and this run's k."""
+    ck = str(tmp_path / "ck")
+    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1", expect=1,
+          fail_at="30")
+    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--checkpoint-dir", ck, "--resume", "auto", "--epochs", "1")
+    assert "m=2 derived to keep B=32" in r.stdout and "B=32 |" in r.stdout, r.stdout
 
 
 def test_resume_auto_with_empty_dir_starts_fresh(tmp_path):
     _, r = final(tmp_path, "a", 2, "--checkpoint-dir", str(tmp_path / "none"), "--resume", "auto", "--epochs", "1")
     assert "no usable checkpoint" in r.stdout
+
+
+# -- a run's identity: pruning, another run's directory, rolling back -----------------------------------
+def _st(step: int, run: str, n: int = 10) -> TrainState:
+    s = state(step, n)
+    s.run_id = run
+    s.epoch, s.step_in_epoch = divmod(step, 8)
+    return s
+
+
+def _names(d) -> list[str]:
+    return sorted(p.name for p in d.glob("ckpt-*.npz"))
+
+
+def test_pruning_deletes_only_this_runs_superseded_checkpoints(tmp_path):
+    for step in (40, 48, 56):
+        save_checkpoint(tmp_path, _st(step, "other"), keep=3)
+    (tmp_path / "ckpt-000000064.npz").write_bytes(b"unreadable")  # not provably anyone's: never pruned
+    for step in (8, 16, 24, 32):
+        save_checkpoint(tmp_path, _st(step, "mine"), keep=2)
+    assert _names(tmp_path) == ["ckpt-000000024.npz", "ckpt-000000032.npz", "ckpt-000000040.npz",
+                                "ckpt-000000048.npz", "ckpt-000000056.npz", "ckpt-000000064.npz"]
+
+
+def test_resuming_into_another_runs_directory_is_refused_and_nothing_is_touched(tmp_path):
+    from mpisgd.checkpoint import RunDirectory, run_id_of
+
+    theirs, elsewhere = tmp_path / "theirs", tmp_path / "elsewhere"
+    for step in (8, 16):
+        save_checkpoint(theirs, _st(step, "theirs"))
+    mine = save_checkpoint(elsewhere, _st(8, "mine"))
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    rd = RunDirectory(str(theirs), str(mine), overwrite=False)
+    try:
+        with pytest.raises(CheckpointError, match=r"holds another run's checkpoints \(ckpt-000000016.npz, 2 in all\), "
+                                                  r"not those of the run .* continues: give the resumed run its own"):
+            rd.find_resume(str(mine))
+    finally:
+        rd.close()
+    assert {p.name: p.read_bytes() for p in theirs.iterdir() if p.name != ".mpisgd.lock"} == \
+        {k: v for k, v in before.items() if k != ".mpisgd.lock"}
+    # --overwrite-checkpoints: said so, and done only when the run writes its first checkpoint
+    rd = RunDirectory(str(theirs), str(mine), overwrite=True)
+    try:
+        state_, _, notes = rd.find_resume(str(mine))
+        assert any("another run's 2 checkpoint(s)" in n for n in notes) and len(_names(theirs)) == 2
+        assert f"run {state_.run_id}" in (theirs / ".mpisgd.lock").read_text()
+        s = _st(9, "ignored")
+        rd.save(s)
+    finally:
+        rd.close()
+    assert _names(theirs) == ["ckpt-000000009.npz"] and run_id_of(theirs / "ckpt-000000009.npz") == "mine"
+
+
+def test_rolling_back_moves_the_abandoned_checkpoints_aside_so_auto_continues_the_new_line(tmp_path):
+    from mpisgd.checkpoint import RunDirectory
+
+    for step in (32, 40, 48):
+        save_checkpoint(tmp_path, _st(step, "a"))
+    rd = RunDirectory(str(tmp_path), str(tmp_path / "ckpt-000000032.npz"), overwrite=False)
+    try:
+        st, _, notes = rd.find_resume(str(tmp_path / "ckpt-000000032.npz"))
+        assert st.global_step == 32 and len(_names(tmp_path)) == 3  # nothing moved during set-up
+        assert any("rolling back to step 32" in n and "ckpt-000000040.npz, ckpt-000000048.npz" in n and
+                   "nothing is deleted" in n for n in notes), notes
+        rd.save(_st(36, "a"))  # the rolled-back run's first checkpoint (a SIGTERM, say)
+    finally:
+        rd.close()
+    assert _names(tmp_path) == ["ckpt-000000032.npz", "ckpt-000000036.npz"]
+    assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == ["ckpt-000000040.npz",
+                                                                         "ckpt-000000048.npz"]
+    found, path, _ = find_resume("auto", str(tmp_path))
+    assert found.global_step == 36 and path.endswith("ckpt-000000036.npz")
+
+
+def test_a_file_of_the_same_name_that_is_not_this_runs_is_moved_not_replaced(tmp_path):
+    from mpisgd.checkpoint import RunDirectory
+
+    save_checkpoint(tmp_path, _st(8, "a"))
+    (tmp_path / "ckpt-000000016.npz").write_bytes(b"a newer mpisgd's checkpoint")
+    rd = RunDirectory(str(tmp_path), "auto", overwrite=False)
+    try:
+        st, _, warnings = rd.find_resume("auto")
+        assert st.global_step == 8 and "skipping" in warnings[0]
+        rd.save(_st(16, "x"))
+    finally:
+        rd.close()
+    assert (tmp_path / "abandoned" / "ckpt-000000016.npz").read_bytes() == b"a newer mpisgd's checkpoint"
+
+
+def test_resume_auto_refuses_when_no_checkpoint_reads_unless_told_to_overwrite(tmp_path):
+    from mpisgd.checkpoint import RunDirectory
+
+    for step in (8, 16):
+        save_checkpoint(tmp_path, _st(step, "a"))
+    (tmp_path / "ckpt-000000008.npz").write_bytes(b"x")
+    newest = tmp_path / "ckpt-000000016.npz"
+    with np.load(newest) as z:
+        arrays = dict(z)
+    np.savez(newest, **{**arrays, "format": np.int64(3)})  # a newer mpisgd's format: a downgrade
+    before = {p: p.read_bytes() for p in tmp_path.glob("ckpt-*")}
+    with pytest.raises(CheckpointError, match=r"--resume auto: none of the 2 checkpoint\(s\) in .* can be read \(.*"
+                                              r"checkpoint format 3, this mpisgd reads 1, 2; \.\.\.\); they are kept"):
+        find_resume("auto", str(tmp_path))
+    assert {p: p.read_bytes() for p in tmp_path.glob("ckpt-*")} == before
+    rd = RunDirectory(str(tmp_path), "auto", overwrite=True)
+    try:
+        st, _, warnings = rd.find_resume("auto")
+        assert st is None and "they are deleted when this run writes its first checkpoint" in warnings[-1]
+        assert len(_names(tmp_path)) == 2
+        rd.save(_st(4, "b"))
+    finally:
+        rd.close()
+    assert _names(tmp_path) == ["ckpt-000000004.npz"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_that_is_not_a_file_is_one_line(tmp_path, kind):
+    import os
+
+    from mpisgd.checkpoint import LOCK, RunDirectory
+    from mpisgd.config import UsageError
+
+    (tmp_path / LOCK).mkdir() if kind == "directory" else os.mkfifo(tmp_path / LOCK)
+    with pytest.raises(UsageError, match="its lock file .* exists and is not a regular file; remove it"):
+        RunDirectory(str(tmp_path), "no", overwrite=False)
+
+
+# -- hand-edited checkpoints, and what must match the run --------------------------------------------------
+@pytest.mark.parametrize("edit,says", [
+    ({"params": np.full(10, np.nan, np.float32)}, "params hold 10 non-finite values"),
+    ({"state.velocity": np.r_[np.ones(9), np.inf].astype(np.float32)}, "velocity hold 1 non-finite values"),
+    ({"scalars": np.array([16, 2, 0, 0, 0, 64], np.int64)}, "world size 0 and effective batch 64 must be >= 1"),
+    ({"scalars": np.array([16, 2, 0, 0, 3, 64], np.int64)}, "effective batch 64 is not its k x b x m = 3 x 32 x 1"),
+    ({"scalars": np.array([16, 2, 0, 20, 2, 64], np.int64)}, "step 16 with 20 skipped"),
+    ({"scalars": np.array([16, -1, 0, 0, 2, 64], np.int64)}, "epoch is -1"),
+    ({"scalars": np.array([16, 2], np.int64)}, "scalars must be 6 integers"),
+    ({"optimizer": np.array('{"prev_lr": NaN}')}, "the optimizer's state must be a JSON object of finite numbers"),
+    ({"optimizer": np.array('{"prev_lr": -0.5}')}, "previous learning rate -0.5"),
+    ({"optimizer": np.array('{"step": -3}')}, "optimizer step count -3"),
+])
+def test_every_scalar_and_every_parameter_is_checked(tmp_path, edit, says):
+    path = save_checkpoint(tmp_path, TrainState(**{**state(16).__dict__, "config": {"batch_size": 32}}))
+    with np.load(path) as z:
+        arrays = dict(z)
+    np.savez(path, **{**arrays, **edit})
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert says in str(err.value) and str(path) in str(err.value), err.value
+
+
+CONFIG = {**Config().to_dict(), "hidden": [8], "batch_size": 32, "epochs": 3}
+DATA = {"name": "x", "n_train": 640, "n_test": 10, "fingerprint": "f", "fingerprint_version": 2}
+
+
+def _plan(st: TrainState, **kw):
+    from mpisgd.checkpoint import plan_resume
+
+    args = {"config": dict(CONFIG), "given": set(), "allowed": (), "k": 2, "data": dict(DATA), **kw}
+    return plan_resume(st, "ck.npz", args["config"], args["given"], args["allowed"], args["k"], args["data"],
+                       structure=kw.get("structure"))
+
+
+def _resumable(**kw) -> TrainState:
+    st = state(16)
+    st.config, st.data, st.epoch, st.step_in_epoch = dict(CONFIG), dict(DATA), 1, 6  # 10 steps per epoch
+    for k, v in kw.items():
+        setattr(st, k, v)
+    return st
+
+
+def test_a_position_past_the_end_with_steps_to_do_is_refused():
+    assert _plan(_resumable()).global_step == 16
+    with pytest.raises(CheckpointError, match=r"epoch 8, is past this run's last epoch \(3\) although only 16 of its "
+                                              r"30 steps are done"):
+        _plan(_resumable(epoch=7, step_in_epoch=0))
+    with pytest.raises(CheckpointError, match="step 12 of epoch 2, lies past the end of an epoch of this run"):
+        _plan(_resumable(step_in_epoch=12))
+    finished = _resumable(global_step=30, epoch=3, step_in_epoch=0)  # a finished run says so and exits 0
+    assert _plan(finished).global_step == 30
+
+
+def test_a_huge_odd_effective_batch_is_refused_at_once_listing_a_few_divisors():
+    big = 2**61 - 1  # prime: the old loop up to B would never end
+    st = _resumable(effective_batch=big, world_size=1, config={**CONFIG, "batch_size": big})
+    with pytest.raises(CheckpointError, match=r"B=2305843009213693951 cannot be split over k=2 ranks: k must divide B "
+                                              r"\(1, 2305843009213693951, \.\.\.\)"):
+        _plan(st, data={**DATA, "n_train": 2**62})
+    with pytest.raises(CheckpointError, match="is larger than this run's training set"):
+        _plan(st)
+    from mpisgd.checkpoint import divisors
+
+    assert divisors(64) == ([1, 2, 4, 8, 16, 32, 64], True)
+
+
+def test_another_optimizer_or_trust_coefficient_is_a_difference_named():
+    with pytest.raises(CheckpointError, match=r"--optimizer sgd -> lars; --trust-coef 0.1 -> 0.02; .*--resume-allow "
+                                              r"optimizer,trust_coef"):
+        _plan(_resumable(), config={**CONFIG, "optimizer": "lars", "trust_coef": 0.02})
+    assert _plan(_resumable(), config={**CONFIG, "trust_coef": 0.5}).changes == []  # SGD has no trust coefficient
+    old = _resumable(config={k: v for k, v in CONFIG.items() if k not in ("optimizer", "trust_coef")})
+    assert _plan(old).changes == []  # an older checkpoint without the keys: their defaults
+
+
+def test_another_layer_structure_is_refused_naming_the_layer_and_older_checkpoints_still_load(tmp_path):
+    from mpisgd.checkpoint import model_structure
+    from mpisgd.nn import Flatten, Linear, ReLU, Sequential
+
+    a = Sequential(Flatten(), Linear(5, 4), ReLU(), Linear(4, 3))
+    b = Sequential(Flatten(), Linear(5, 4), Linear(4, 3), ReLU())  # the same parameter count
+    st = _resumable(structure=model_structure(a))
+    path = save_checkpoint(tmp_path, st)
+    assert load_checkpoint(path).structure == model_structure(a)
+    assert _plan(load_checkpoint(path), structure=model_structure(a)).global_step == 16
+    with pytest.raises(CheckpointError, match=r"model differs from the checkpoint's \(ck.npz\): layer 2 is "
+                                              r"Linear\(4, 3\), the checkpoint's ReLU\(\)"):
+        _plan(load_checkpoint(path), structure=model_structure(b))
+    with np.load(path) as z:
+        arrays = {k: v for k, v in z.items() if k not in ("structure", "run")}
+    np.savez(path, **arrays)  # as an older mpisgd wrote it
+    old = load_checkpoint(path)
+    assert old.structure == {} and old.run_id == "" and _plan(old, structure=model_structure(b)).global_step == 16
+
+
+def test_an_older_fingerprint_compares_the_name_and_sizes_only():
+    old = _resumable(data={"name": "x", "n_train": 640, "n_test": 10, "fingerprint": "v1hash"})
+    assert _plan(old).changes == []
+    with pytest.raises(CheckpointError, match="--data x"):
+        _plan(old, data={**DATA, "n_test": 11})
+
+
+# -- the final model: never lost silently ------------------------------------------------------------
+def test_the_final_model_falls_back_and_says_where_or_raises_naming_every_place(tmp_path):
+    from mpisgd.checkpoint import SaveError, save_params
+    from mpisgd.nn import mlp
+
+    model = mlp((4,), n_in=3, n_classes=2).materialize(np, "float32")
+    assert save_params(str(tmp_path / "m.npz"), model) == str(tmp_path / "m.npz")
+    (tmp_path / "fb").mkdir()
+    (tmp_path / "fb" / "m.npz").write_bytes(b"someone's")
+    where = save_params("/proc/mpisgd-nope/m.npz", model, [tmp_path / "fb"])
+    assert where == str(tmp_path / "fb" / "m-1.npz") and (tmp_path / "fb" / "m.npz").read_bytes() == b"someone's"
+    np.testing.assert_array_equal(np.load(where)["flat"], model.flat.params)
+    with pytest.raises(SaveError, match=r"the final model was not written: /proc/mpisgd-nope/m.npz \(.*\); "
+                                        r"/proc/also-nope/m.npz \("):
+        save_params("/proc/mpisgd-nope/m.npz", model, ["/proc/also-nope"])

@@ -111,3 +111,42 @@ def test_device_buffers_through_every_strategy(mode, name):
                 failures.append((name, mode, dtype, x.size, "start"))
     red.close()
     assert [f for per in comm.allgather(failures) for f in per] == []
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_reproducible_training_on_device_buffers_gives_one_rank_s_bits(mode):
+    """--reproducible on CuPy: int64 fixed point on the device, summed through MPI (staged or device
+    pointers): the parameters after a few steps are one rank's bits, whatever k divides B/b."""
+    cupy = gpu()
+    import hashlib
+
+    from mpi4py import MPI
+
+    from mpisgd.comm import create_reducer
+    from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
+    from mpisgd.nn import mlp
+    from mpisgd.optim import SGD
+    from mpisgd.parallel import DataParallel
+
+    comm = world()
+    if mode == "direct" and not cuda.probe_cuda_aware(comm, "auto")[0]:
+        pytest.skip("MPI is not CUDA-aware here: direct would crash")
+    if 6 % comm.Get_size():
+        pytest.skip(f"k={comm.Get_size()} does not divide B/b=6")
+
+    def digest(c) -> str:
+        k, r = c.Get_size(), c.Get_rank()
+        data = synthetic(480, seed=0)
+        model = mlp((24, 16)).materialize(cupy, "float32", seed=0)
+        dp = DataParallel(model, SGD(model.flat, momentum=0.9, weight_decay=1e-3, level1=False), c,
+                          reducer=create_reducer("auto", c, device=True, cuda_aware=mode), reproducible=True)
+        loader, batches = BatchLoader(data, cupy, "float32"), GlobalBatches(len(data), 48, r, k, 6 // k)
+        for step in range(6):
+            perm = epoch_permutation(len(data), 0, 0)
+            dp.train_step([loader.batch(batches.indices(perm, step, i), slot=i) for i in range(6 // k)], lr=0.05)
+        out = hashlib.sha256(cupy.asnumpy(dp.flat.params).tobytes()).hexdigest()
+        dp.close()
+        return out
+
+    ours, ref = digest(comm), digest(MPI.COMM_SELF)
+    assert all(comm.allgather(ours == ref))

@@ -22,6 +22,10 @@ def test_flags_map_to_fields():
     assert (cfg.batch_size, cfg.hidden, cfg.nesterov, cfg.lr) == (32, (64, 32), True, 0.5)
     cfg = parse_config(["--optimizer", "lars", "--trust-coef", "0.02"])
     assert (cfg.optimizer, cfg.trust_coef) == ("lars", 0.02) and Config().optimizer == "sgd"
+    cfg = parse_config(["--optimizer", "lamb", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6",
+                        "--clip-grad-norm", "1.5"])
+    assert (cfg.optimizer, cfg.beta1, cfg.beta2, cfg.eps, cfg.clip_grad_norm) == ("lamb", 0.8, 0.99, 1e-6, 1.5)
+    assert (Config().beta1, Config().beta2, Config().eps, Config().clip_grad_norm) == (0.9, 0.999, 1e-8, 0.0)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -41,6 +45,13 @@ def test_flags_map_to_fields():
     (["--trust-coef", "nan"], "trust-coef must be a finite number"),
     (["--trust-coef", "inf"], "trust-coef must be a finite number"),
     (["--optimizer", "adam"], "invalid choice"),
+    (["--beta1", "1"], r"--beta1 must be in \[0, 1\), got 1.0"),
+    (["--beta2", "-0.1"], "--beta2 must be in"),
+    (["--eps", "0"], "--eps must be > 0"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm must be >= 0"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number"),
+    (["--optimizer", "adamw", "--nesterov"], "--nesterov is for --optimizer sgd or lars, not adamw"),
+    (["--optimizer", "lamb", "--momentum-correction"], "--momentum-correction is for --optimizer sgd or lars"),
 ])
 def test_bad_values_raise_usage_error(argv, match):
     with pytest.raises(UsageError, match=match):
@@ -53,7 +64,7 @@ def changed(f: dataclasses.Field) -> Any:
     if choices:
         return next(c for c in choices if c != default)
     if default is None:  # an optional field: a value of its other type
-        return {"int | None": 1, "str | None": "changed"}[f.type]
+        return {"int | None": 1, "str | None": "changed", "bool | None": True}[f.type]
     for kind, change in ((bool, operator.not_), (int, lambda v: v + 1), (float, lambda v: v + 0.5),
                          (str, lambda v: v + "-changed"), (tuple, lambda v: (*v, 7))):
         if isinstance(default, kind):
@@ -81,3 +92,19 @@ def test_cnn_takes_its_own_recipe_where_the_command_line_is_silent():
     assert cfg.given == {"model", "lr"}
     mlp = parse_config([], quiet=True)
     assert (mlp.lr, mlp.weight_decay, mlp.epochs) == (0.1, 0.0, 12)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--data-dir", "--checkpoint-dir", "--save-model", "--metrics-file",
+                                  "--timeline", "--resume"])
+def test_an_empty_path_is_refused_not_taken_as_no_path(flag):
+    """`--data $DATA` with DATA unset: before, Fashion-MNIST was trained instead, with exit 0."""
+    with pytest.raises(UsageError, match=f"{flag} is empty: give a path"):
+        parse_config([flag, ""], quiet=True)
+    with pytest.raises(UsageError, match=f"{flag} is empty"):
+        parse_config([flag, "  "], quiet=True)
+
+
+def test_the_optimizer_is_part_of_the_run_identity():
+    from mpisgd.config import IDENTITY
+
+    assert {"optimizer", "trust_coef"} <= set(IDENTITY)

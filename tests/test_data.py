@@ -181,3 +181,223 @@ def test_loader_counts_the_data_it_holds_and_its_batch_buffers():
     loader.batch(np.arange(8))  # the same buffer again
     loader.batch(np.arange(3))  # a shorter last batch: one more
     assert loader.buffer_nbytes() == held + (8 + 3) * 784 * 4
+
+
+# -- refused at load: one clear line naming the file and what is accepted instead -----------------------
+def four_arrays(n_train: int = 64, n_test: int = 16, dtype: str = "float32", seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x_train": rng.normal(size=(n_train, 5)).astype(dtype), "y_train": rng.integers(0, 3, n_train),
+            "x_test": rng.normal(size=(n_test, 5)).astype(dtype), "y_test": rng.integers(0, 3, n_test)}
+
+
+def _returns_promptly(fn, *args, timeout_s: float = 20):
+    """fn(*args) in a thread: its result or exception, or a failure if it blocks (opening a FIFO would)."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"{fn.__name__} blocked (it opened something that never answers)"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fifo_as_data_is_refused_never_opened(tmp_path):
+    import os
+
+    from mpisgd.data import load_data
+
+    fifo = tmp_path / "set.npz"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="is not a regular file or a directory"):
+        _returns_promptly(load_data, str(fifo), None)
+    d = tmp_path / "d"
+    d.mkdir()
+    for name, a in four_arrays().items():
+        np.save(d / f"{name}.npy", a)
+    (d / "x_test.npy").unlink()
+    os.mkfifo(d / "x_test.npy")
+    with pytest.raises(DataError, match=r"x_test.npy \(not a regular file\)"):
+        _returns_promptly(load_data, str(d), None)
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    fake_dataset(idx, compress=False)
+    (idx / "t10k-labels-idx1-ubyte").unlink()
+    os.mkfifo(idx / "t10k-labels-idx1-ubyte")
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte\[.gz\] \(not a regular file\)"):
+        _returns_promptly(load_data, str(idx), None)
+
+
+@pytest.mark.parametrize("case,says", [
+    ("npy", "is a single .npy array; mpisgd reads an .npz holding x_train"),
+    ("csv", "is not an .npz (a zip of .npy arrays); mpisgd reads an .npz holding x_train"),
+    ("pickle", "is not an .npz"),
+    ("/dev/zero", "is not a regular file or a directory"),
+    ("objects", "x_train holds Python objects (a pickled array), which mpisgd never loads"),
+    ("objects-dir", "x_train.npy holds Python objects"),
+])
+def test_what_is_not_a_data_set_says_what_is_one(tmp_path, case, says):
+    """Never an invitation to unpickle (the old message quoted allow_pickle); never a TypeError."""
+    import pickle
+
+    from mpisgd.data import load_data
+
+    path = tmp_path / f"data.{case}"
+    if case == "npy":
+        np.save(tmp_path / "x.npy", np.zeros((4, 3)))
+        path = tmp_path / "x.npy"
+    elif case == "csv":
+        path.write_text("1,2,3\n4,5,6\n")
+    elif case == "pickle":
+        path.write_bytes(pickle.dumps({"x_train": [1, 2]}))
+    elif case == "/dev/zero":
+        path = Path("/dev/zero")
+    elif case == "objects":
+        np.savez(path, **{**four_arrays(), "x_train": np.array([object()] * 64, dtype=object)})
+        path = tmp_path / "data.objects.npz"
+    else:
+        path.mkdir()
+        for name, a in four_arrays().items():
+            np.save(path / f"{name}.npy", a if name != "x_train" else np.array([{}] * 64, dtype=object))
+    with pytest.raises(DataError) as err:
+        _returns_promptly(load_data, str(path), None)
+    assert says in str(err.value) and "allow_pickle" not in str(err.value), err.value
+
+
+def test_an_npz_larger_than_memory_is_refused_from_its_header(tmp_path):
+    """Its arrays are read whole: the header says how large before a byte is read (no MemoryError)."""
+    import zipfile
+
+    path = tmp_path / "huge.npz"
+    with zipfile.ZipFile(path, "w") as z:  # x_train's header claims 10 TB; a few bytes follow
+        for name, a in four_arrays().items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                if name == "x_train":
+                    np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
+                                                             "shape": (10**7, 10**6)})
+                    f.write(b"\0" * 64)
+                else:
+                    np.lib.format.write_array(f, a)
+    from mpisgd.data import load_data
+
+    with pytest.raises(DataError, match=r"its arrays need 9313\d?\.\d GiB, more than this node's .* memory-mapped"):
+        load_data(str(path), None)
+
+
+def test_an_idx_directory_lacking_files_names_them_not_the_fashion_mnist_package(tmp_path):
+    from mpisgd.data import load_data
+
+    fake_dataset(tmp_path)
+    for stem in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (tmp_path / f"{stem}.gz").unlink()
+    for call in (lambda: load_data(str(tmp_path), None), lambda: load_data(None, str(tmp_path))):
+        with pytest.raises(DataError) as err:
+            call()
+        msg = str(err.value)
+        assert "t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]" in msg and "apt-get" not in msg, msg
+
+
+# -- validate: what cannot train, in the model's dtype; labels that look wrong -------------------------
+def _sets(a: dict):
+    from mpisgd.data import Dataset
+
+    return Dataset(a["x_train"], a["y_train"]), Dataset(a["x_test"], a["y_test"])
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"x_train": np.float32(3.0)}, "the training inputs are a single number (a 0-d array)"),
+    ({"y_test": np.int64(1)}, "the test labels are a single number"),
+    ({"x_train": np.zeros((64, 0), np.float32)}, "the training samples have shape (0,): no input values"),
+])
+def test_arrays_of_no_samples_or_no_values_are_one_line(change, says):
+    from mpisgd.data import validate
+
+    with pytest.raises(DataError) as err:
+        validate(*_sets({**four_arrays(), **change}))
+    assert says in str(err.value)
+
+
+def test_finiteness_is_checked_in_the_models_dtype_and_names_the_sample():
+    from mpisgd.data import validate
+
+    a = four_arrays(n_train=2048, dtype="float64")
+    a["x_train"][1500, 3] = 1e39  # finite in float64, inf in float32
+    assert validate(*_sets(a), dtype="float64") == 3
+    with pytest.raises(DataError, match=r"training inputs hold 1e\+39 \(sample 1500\), which overflows float32, the "
+                                        r"model's dtype: scale the inputs, or pass --dtype float64"):
+        validate(*_sets(a), dtype="float32")
+    a["x_train"][1500, 3] = 1.0
+    a["x_train"][2000, 1] = np.nan
+    with pytest.raises(DataError, match=r"training inputs hold NaN \(sample 2000, the first\)$"):
+        validate(*_sets(a), dtype="float32")  # never a range past the set's end (was "samples 0..4095")
+
+
+def test_one_stray_label_warns_and_an_absurd_one_is_refused_by_name_and_place():
+    from mpisgd.data import label_warnings, validate
+
+    a = four_arrays()
+    a["y_train"] = np.arange(64) % 10
+    assert label_warnings(*_sets(a), validate(*_sets(a))) == []
+    a["y_train"][17] = 200
+    classes = validate(*_sets(a))
+    assert classes == 201
+    (w,) = label_warnings(*_sets(a), classes)
+    assert "labels 0..200 make 201 classes, but 190 of them have no training sample (10, 11, 12, 13, 14, ...)" in w
+    assert "the largest label, 200, is training sample 17" in w
+    a["y_train"][17] = 10**9
+    with pytest.raises(DataError, match=r"training label 1000000000 \(sample 17\) makes 1,000,000,001 classes"):
+        validate(*_sets(a))
+
+
+# -- the fingerprint the ranks compare ---------------------------------------------------------------------
+def test_the_fingerprint_sees_the_test_set_and_most_changes_to_the_training_set():
+    from mpisgd.data import Dataset, identity
+
+    a = four_arrays(n_train=6000, n_test=500)
+    base = identity("x", *_sets(a))["fingerprint"]
+    blank = dict(a, x_test=np.zeros_like(a["x_test"]))
+    assert identity("x", *_sets(blank))["fingerprint"] != base
+    # 97 % of the training inputs different, but the 256 evenly spaced samples the old fingerprint read kept
+    other = a["x_train"] + 1
+    old_picks = np.linspace(0, 5999, num=256, dtype=np.int64)
+    other[old_picks] = a["x_train"][old_picks]
+    other[::33] = a["x_train"][::33]
+    assert identity("x", Dataset(other, a["y_train"]), Dataset(a["x_test"], a["y_test"]))["fingerprint"] != base
+
+
+def test_the_fingerprint_reads_a_bounded_part_of_a_large_set():
+    from mpisgd.data import FINGERPRINT_BYTES, _probes
+
+    picks = _probes(10**9, 784)  # a memory-mapped set far larger than memory: some MiB of it are read
+    assert len(picks) * 784 <= FINGERPRINT_BYTES and len(np.unique(picks)) == len(picks)
+    assert picks.min() >= 0 and picks.max() < 10**9 and np.all(np.diff(picks) > 0)
+    assert len(_probes(100, 10**7)) == 64 and len(_probes(10, 784)) == 10
+
+
+def test_memory_mapped_data_is_not_counted_as_this_ranks_memory(tmp_path, monkeypatch):
+    """preflight.memory counts what a rank holds; a memory-mapped set is the page cache's (docs/data.md:
+    a set larger than memory trains)."""
+    from mpisgd import preflight
+    from mpisgd.config import UsageError
+    from mpisgd.data import load_data, resident_nbytes
+    from mpisgd.nn import build_model
+
+    for name, arr in four_arrays(n_train=4096).items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    train, test, _, _ = load_data(str(tmp_path), None)
+    assert resident_nbytes(train, test) == 0
+    assert resident_nbytes(train.head(100), test) == train.images[:100].nbytes + train.labels[:100].nbytes
+    model = build_model("mlp", (5,), 3, (8,))
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 4 * train.images.nbytes)
+    preflight.memory(model, "float32", resident_nbytes(train, test), ranks_here=8)  # mapped: fits
+    with pytest.raises(UsageError, match="GiB for the data it holds|the run needs at least"):
+        preflight.memory(model, "float32", train.images.nbytes + test.images.nbytes, ranks_here=8)

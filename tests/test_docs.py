@@ -8,6 +8,12 @@ Every ```sh block in README.md and docs/*.md carries a marker on the line before
     <!-- test: skip: REASON -->        not run here (it installs packages, needs Slurm or a GPU, or
                                        takes far too long: REASON says which, and which test covers it)
 
+A ```python block may carry one too (unmarked ones are not run: a fragment of your own loop, say):
+
+    <!-- test: exec -->                it runs as a script, from the repository root
+    <!-- test: exec then: CODE -->     ... followed by CODE (a check the page need not show), in the same
+                                       script
+
 In a block, a line starting with "$ " is a command and the lines after it, up to the next command, are
 what its output must contain (each line a substring); other lines that start with python, mpiexec or
 bash (after any VAR=value words, which set its environment) are commands whose output is not checked.
@@ -29,6 +35,7 @@ from conftest import ONE_THREAD, ROOT, mpiexec_cmd
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"<!--\s*test:\s*(run with:\s*(?P<args>.*?)|run|skip:\s*(?P<why>.*?))\s*-->")
+EXEC = re.compile(r"<!--\s*test:\s*exec(?:\s+then:\s*(?P<then>.*?))?\s*-->")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(python3?|mpiexec|bash)\b")  # after VAR=value words
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
@@ -84,7 +91,21 @@ def runnable(cmd: str, extra: str) -> tuple[dict[str, str], list[str]]:
     return env, words + (shlex.split(extra) if extra and sys.executable in words else [])
 
 
+def python_blocks() -> list[tuple[str, str, str]]:
+    """(where, the code to run after it, block text) for every ```python block marked exec."""
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = EXEC.search(lines[i - 1]) if i else None
+            if line.strip() == "```python" and m:
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+                found.append((f"{doc.relative_to(ROOT)}:{i + 1}", m.group("then") or "", "\n".join(lines[i + 1:end])))
+    return found
+
+
 ALL = blocks()
+PYTHON = python_blocks()
 
 
 def test_every_command_block_says_how_it_is_tested():
@@ -110,6 +131,39 @@ def test_doc_commands_run_and_print_what_the_doc_shows(where, marker, text, tmp_
         assert r.returncode == want, f"{where}: {cmd!r} exit {r.returncode}, not {want}\n{shown[-3000:]}"
         missing = [line for line in expected if line not in shown]
         assert not missing, f"{where}: {cmd!r} did not print {missing}\n{shown[-3000:]}"
+
+
+def test_some_python_block_runs():
+    assert any("docs/data.md" in where for where, _, _ in PYTHON), "docs/data.md's model factory is not run"
+
+
+@pytest.mark.parametrize("where,then,code", PYTHON, ids=[b[0] for b in PYTHON])
+def test_python_blocks_run(where, then, code):
+    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", f"{code}\n{then}\n"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, f"{where}: the block (then {then!r}) failed:\n{(r.stdout + r.stderr)[-3000:]}"
+
+
+def toml_texts() -> list[tuple[str, str]]:
+    """(where, text) of every ```toml block in the docs and every examples/*.toml."""
+    found = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "examples").glob("*.toml"))]
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == "```toml":
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+                found.append((f"{doc.relative_to(ROOT)}:{i + 1}", "\n".join(lines[i + 1:end])))
+    return found
+
+
+@pytest.mark.parametrize("where,text", toml_texts(), ids=[w for w, _ in toml_texts()])
+def test_config_files_in_the_docs_are_ones_config_reads(where, text):
+    import tomllib
+
+    from mpisgd.config_file import values
+
+    assert values(tomllib.loads(text), where)  # raises UsageError naming a bad key or type
 
 
 def test_skipped_blocks_say_why():

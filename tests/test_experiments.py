@@ -36,6 +36,16 @@ def test_large_batch_split_keeps_micro_batch_bounded():
         lb.split_batch(63, 2, 512)
 
 
+def test_large_batch_recipes_take_their_own_rate_and_scaling():
+    lb = _large_batch()
+    args = lb.parse_args(["--quick"])
+    lamb = " ".join(lb.point_command(4096, "lamb+warmup", args, "M"))
+    assert "--optimizer lamb --lr-scaling sqrt --lr 0.0070711 " in lamb and "--warmup-epochs 1.0" in lamb
+    lars = " ".join(lb.point_command(4096, "lars+warmup", args, "M"))
+    assert "--optimizer lars --lr-scaling sqrt --trust-coef 0.1 --lr 0.014142 " in lars
+    assert "--lr 0.1 " in " ".join(lb.point_command(4096, "linear+warmup", args, "M"))
+
+
 def test_large_batch_report_writer(tmp_path):
     lb = _large_batch()
     recs = [{"batch": B, "recipe": r, "ranks": 2, "micro_batch": min(B // 2, 512), "accum_steps": max(1, B // 1024),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,11 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, mpiexec_cmd, run_mpi
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd, open_mpi_launcher, run_mpi
 
 SYNTH = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32",
          "--progress", "off")
 PROMPT_S = 30  # "within seconds": generous for a loaded CI machine, far below any collective timeout
+# Open MPI's mpiexec (4.1) passes SIGINT and SIGTERM on to every rank as SIGTERM, SIGKILLs them 1 s later
+# (odls_base_sigkill_timeout; a longer one is slept through without forwarding the ranks' output) and exits
+# 1 whatever the ranks' exit codes. SIGINT and SIGTERM to a rank itself behave as with MPICH.
+OMPI_SIGTERM = ("Open MPI's mpiexec forwards SIGTERM as SIGTERM and SIGKILL 1 s later, then exits 1: no stop at a "
+                "step boundary with exit 75 through it (signal the ranks: srun, scancel)")
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +109,7 @@ def test_exception_on_one_rank_ends_the_job(k: int, failing: int, tag: str) -> N
     (("--dataset", "fashion-mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
     (("--limit-train", "10", "--batch-size", "64"), "fewer than one global batch"),
     (("--resume", "/nonexistent/ckpt.npz"), "--resume /nonexistent/ckpt.npz: no such file"),
+    (("--data", ""), "--data is empty: give a path (an unset shell variable?)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str, tag: str) -> None:
     r, elapsed = launch(3, tag, *SYNTH, "--max-steps", "3", *args)
@@ -315,6 +322,10 @@ def test_ctrl_c_to_mpiexec_ends_every_rank_with_130_and_one_line(tag: str, tmp_p
     p = _start_long_run(2, tag, tmp_path)
     os.kill(_mpiexec_pid(p), signal.SIGINT)
     out, err, elapsed = _wait_end(p, tag, limit_s=30)
+    if open_mpi_launcher():  # the ranks get SIGTERM (and SIGKILL 1 s later), mpiexec exits 1: see OMPI_SIGTERM
+        assert p.returncode == 1 and "Traceback" not in err and elapsed < 10, (p.returncode, err[-2000:])
+        assert_no_rank_left(tag)
+        return
     assert p.returncode == 130, (p.returncode, err[-2000:])
     ours = [line for line in err.splitlines() if line.startswith("mpisgd:")]
     assert len(ours) == 1 and "interrupted (SIGINT)" in ours[0], err[-2000:]
@@ -345,6 +356,8 @@ def _final_params(k: int, tag: str, tmp_path: Path, name: str, *args: str) -> tu
 @pytest.mark.parametrize("target", ["mpiexec", "one rank"])
 def test_sigterm_mid_epoch_checkpoints_that_step_and_the_resumed_run_is_bitwise_equal(
         target: str, tag: str, tmp_path: Path) -> None:
+    if target == "mpiexec" and open_mpi_launcher():
+        pytest.skip(OMPI_SIGTERM)
     ck = tmp_path / "ck"
     metrics = tmp_path / "metrics.jsonl"
     # a constant rate: the schedule does not depend on the run's length, so a shorter run can be compared
@@ -371,11 +384,66 @@ def test_sigterm_mid_epoch_checkpoints_that_step_and_the_resumed_run_is_bitwise_
     np.testing.assert_array_equal(np.load(resumed)["flat"], np.load(full)["flat"])
 
 
+def test_sigusr1_to_the_launcher_stops_like_sigterm(tag: str, tmp_path: Path) -> None:
+    """SIGUSR1 is the stop request that Open MPI's mpirun passes on without killing the ranks (it SIGKILLs
+    them a second after forwarding a SIGTERM); with either launcher the job stops with its checkpoint."""
+    ck = tmp_path / "ck"
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
+    os.kill(_mpiexec_pid(p), signal.SIGUSR1)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 75 and "stopped by SIGUSR1 before step" in err, (p.returncode, err[-2000:])
+    assert list(ck.glob("ckpt-*.npz"))
+    assert_no_rank_left(tag)
+
+
 def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_path: Path) -> None:
+    """75 promises a checkpoint of the interrupted step (the Slurm scripts requeue on it): without one, 143."""
+    if open_mpi_launcher():
+        pytest.skip(OMPI_SIGTERM)
     p = _start_long_run(2, tag, tmp_path)
     os.kill(_mpiexec_pid(p), signal.SIGTERM)
     out, err, _ = _wait_end(p, tag, limit_s=40)
-    assert p.returncode == 75 and "no checkpoint" in err, err[-2000:]
+    assert p.returncode == 143 and "no checkpoint of this step" in err and "(exit 143)" in err, err[-2000:]
+    assert_no_rank_left(tag)
+
+
+def test_sigterm_when_the_checkpoint_cannot_be_written_is_not_75(tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
+    shutil.rmtree(ck)  # the directory's name becomes a file: the next checkpoint cannot be written there
+    ck.write_text("not a directory any more")
+    os.kill(rank_pids(tag)[1], signal.SIGTERM)  # to a rank: Open MPI's mpiexec would SIGKILL them a second later
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 143 and "not written" in out + err, (p.returncode, (out + err)[-2000:])
+    assert_no_rank_left(tag)
+
+
+def test_a_second_sigterm_ends_the_job_with_143(tag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second SIGTERM arrives while the first is still waiting for the next step (rank 1's steps are made
+    slow): the job ends with 143, and no later clean stop turns that into 75."""
+    monkeypatch.setenv("MPISGD_DELAY_RANK", "1:800")
+    p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(tmp_path / "ck"))
+    target = rank_pids(tag)[1]
+    os.kill(target, signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(target, signal.SIGTERM)
+    out, err, _ = _wait_end(p, tag, limit_s=40)
+    assert p.returncode == 143 and "a second SIGTERM" in err, (p.returncode, err[-2000:])
+    assert_no_rank_left(tag)
+
+
+def test_a_stopped_and_continued_rank_is_not_blamed_on_rank_0(tag: str, tmp_path: Path) -> None:
+    """SIGSTOP, then SIGCONT: rank 0 names the stopped rank while it is stopped; once it runs again, the job
+    goes on, and the resumed rank does not report rank 0's silence (the time it was stopped is not waiting)."""
+    p = _start_long_run(3, tag, tmp_path, "--stall-timeout-s", "2", "--max-steps", "1500")
+    victim = rank_pids(tag)[1]
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(7)
+    os.kill(victim, signal.SIGCONT)
+    out, err, _ = _wait_end(p, tag, limit_s=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "mpisgd: stall:" in err, err[-2000:]
+    assert "rank 0 has not reported" not in err, err[-2000:]
     assert_no_rank_left(tag)
 
 
@@ -420,7 +488,7 @@ def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tag: str, tm
     warned = [line for line in r.stdout.splitlines() if line.startswith("warning: checkpoint of step")]
     assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.stdout
     assert "final test accuracy" in r.stdout
-    assert left == [".mpisgd.lock"]  # no checkpoint, no temporary
+    assert left == [".mpisgd.lock", "config.toml"]  # no checkpoint, no temporary (the effective configuration fit)
 
 
 # -- a checkpoint directory belongs to one run ----------------------------------------------------
@@ -504,8 +572,10 @@ def test_ranks_with_different_data_are_refused(tag: str, tmp_path: Path) -> None
     a = _idx_dir(tmp_path / "a", np.arange(512) % 10)
     b = _idx_dir(tmp_path / "b", np.arange(512) % 10, seed=1)
     train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
-    first = mpiexec_cmd(1, *train)[:1] + ["-n", "1", "-env", "MPISGD_DATA", str(a)] + mpiexec_cmd(1, *train)[3:]
-    second = ["-n", "1", "-env", "MPISGD_DATA", str(b)] + mpiexec_cmd(1, *train)[3:]
+    one = mpiexec_cmd(1, *train)
+    py = one.index(sys.executable)  # env(1) sets each rank's variable: MPICH's -env and Open MPI's -x differ
+    first = [*one[:py], "env", f"MPISGD_DATA={a}", *one[py:]]
+    second = [*one[1:py], "env", f"MPISGD_DATA={b}", *one[py:]]
     env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
     r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "ranks loaded different data (fingerprint is" in r.stderr, r.stderr
@@ -586,4 +656,294 @@ def test_guard_ends_the_job_with_the_failing_ranks_message(tag: str, tmp_path: P
     r, elapsed = launch(2, tag, str(script), timeout=60)
     assert r.returncode != 0 and elapsed < PROMPT_S
     assert "mpisgd: rank 1 of 2 failed" in r.stderr and "IndexError" in r.stderr, r.stderr
+    assert_no_rank_left(tag)
+
+
+# -- inputs that are not what they seem: refused in one line, never opened if they could block ----------
+def _one_error(r: subprocess.CompletedProcess) -> str:
+    """The run's one error line (asserting exit 2, one line, no traceback, no training)."""
+    errors = [line for line in (r.stderr + r.stdout).splitlines() if "mpisgd: error" in line]
+    assert r.returncode == 2 and len(errors) == 1, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "Traceback" not in r.stderr + r.stdout and "epoch " not in r.stdout, r.stderr[-3000:]
+    return errors[0]
+
+
+def _npz(path: Path, n_train: int = 512, n_test: int = 64, **change) -> Path:
+    rng = np.random.default_rng(0)
+    a = {"x_train": rng.normal(size=(n_train, 6)).astype("float32"), "y_train": rng.integers(0, 3, n_train),
+         "x_test": rng.normal(size=(n_test, 6)).astype("float32"), "y_test": rng.integers(0, 3, n_test)}
+    np.savez(path, **{**a, **change})
+    return path
+
+
+DATA_RUN = ("-m", "mpisgd.train", "--hidden", "8", "--progress", "off", "--batch-size", "16", "--max-steps", "3")
+
+
+@pytest.mark.parametrize("case,says", [
+    ("fifo", "is not a regular file or a directory (a FIFO or a device is never opened)"),
+    ("npy", "is a single .npy array; mpisgd reads an .npz holding x_train"),
+    ("csv", "is not an .npz (a zip of .npy arrays); mpisgd reads"),
+    ("idx without test files", "it lacks t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]"),
+    ("float64 overflows float32", "training inputs hold 1e+39 (sample 300), which overflows float32"),
+    ("label 10**9", "training label 1000000000 (sample 7) makes 1,000,000,001 classes"),
+])
+def test_data_that_is_not_a_data_set_is_one_line_and_exit_2(case: str, says: str, tag: str, tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    if case == "fifo":
+        os.mkfifo(path)
+    elif case == "npy":
+        path = tmp_path / "x.npy"
+        np.save(path, np.zeros((4, 3)))
+    elif case == "csv":
+        path.write_text("0.1,0.2,1\n0.3,0.4,0\n")
+    elif case == "idx without test files":
+        path = _idx_dir(tmp_path / "idx", np.arange(512) % 10)
+        for stem in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+            (path / stem).unlink()
+    elif case.startswith("float64"):
+        x = np.random.default_rng(0).normal(size=(512, 6))
+        x[300, 2] = 1e39
+        path = _npz(tmp_path / "big.npz", x_train=x)
+    else:
+        y = np.arange(512) % 3
+        y[7] = 10**9
+        path = _npz(tmp_path / "labels.npz", y_train=y)
+    r, elapsed = launch(2, tag, *DATA_RUN, "--data", str(path))
+    line = _one_error(r)
+    assert says in line and "allow_pickle" not in line and "apt-get" not in line, line
+    assert elapsed < PROMPT_S
+    assert_no_rank_left(tag)
+
+
+def test_one_stray_label_trains_with_a_warning_naming_it(tag: str, tmp_path: Path) -> None:
+    y = np.arange(512) % 3
+    y[7] = 200
+    r, _ = launch(2, tag, *DATA_RUN, "--data", str(_npz(tmp_path / "s.npz", y_train=y)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning: labels 0..200 make 201 classes, but 197 of them have no training sample (3, 4, 5, 6, 7, ...)" \
+        in r.stdout and "200, is training sample 7" in r.stdout, r.stdout
+
+
+def test_ranks_with_another_test_set_are_refused(tag: str, tmp_path: Path) -> None:
+    """The fingerprint covers the test set too: rank 1's blank test images are found."""
+    from test_data import write_idx
+
+    a = _idx_dir(tmp_path / "a", np.arange(512) % 10)
+    b = tmp_path / "b"
+    b.mkdir()
+    for f in a.iterdir():
+        (b / f.name).write_bytes(f.read_bytes())
+    write_idx(b / "t10k-images-idx3-ubyte", np.zeros((50, 28, 28), np.uint8))
+    train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
+    one = mpiexec_cmd(1, *train)
+    py = one.index(sys.executable)  # env(1) sets each rank's variable: MPICH's -env and Open MPI's -x differ
+    first = [*one[:py], "env", f"MPISGD_DATA={a}", *one[py:]]
+    second = [*one[1:py], "env", f"MPISGD_DATA={b}", *one[py:]]
+    env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
+    r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
+    line = _one_error(r)
+    assert "data" in line and "fingerprint" in line and "give every rank the same data set" in line, line
+    assert_no_rank_left(tag)
+
+
+# -- a model module of one's own that fails: one line, exit 2 ---------------------------------------------
+@pytest.mark.parametrize("source,says", [
+    ("def f(input_shape, n_classes)\n    pass\n", "mymodel.py, line 1: SyntaxError: expected ':'"),
+    ("raise KeyError('CUDA_HOME')\n", "importing mymodel raised KeyError: 'CUDA_HOME' (at "),
+    ("import sys\nsys.exit(0)\n", "importing mymodel called sys.exit(0)"),
+    ("from mpisgd.nn import Flatten, Linear, Sequential\n"
+     "class Odd(Linear):\n"
+     "    def backward(self, dy, need_dx=True):\n"
+     "        raise NotImplementedError('backward of Odd')\n"
+     "def f(input_shape, n_classes):\n"
+     "    return Sequential(Flatten(), Odd(6, n_classes))\n",
+     "the model's backward fails (NotImplementedError: backward of Odd)"),
+])
+def test_a_model_module_that_fails_is_one_line_and_exit_2(source: str, says: str, tag: str, tmp_path: Path) -> None:
+    (tmp_path / "mymodel.py").write_text(source)
+    r = run_mpi(2, *DATA_RUN, "--data", str(_npz(tmp_path / "d.npz")), "--model", "mymodel:f", cwd=tmp_path,
+                env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": str(ROOT)})
+    assert says in _one_error(r)
+    assert_no_rank_left(tag)
+
+
+# -- outputs never replace inputs or each other -------------------------------------------------------
+@pytest.mark.parametrize("outs,says", [
+    (("--save-model", "{data}"), "--save-model {data} is the file --data reads"),
+    (("--metrics-file", "{data}"), "--metrics-file {data} is the file --data reads"),
+    (("--metrics-file", "{out}", "--save-model", "{out}"), "--save-model and --metrics-file name the same file"),
+    (("--checkpoint-dir", "{ck}", "--save-model", "{ck}/ckpt-000000003.npz"), "lies in --checkpoint-dir"),
+])
+def test_an_output_colliding_with_an_input_or_another_output_is_refused(outs, says, tag: str, tmp_path: Path) -> None:
+    data = _npz(tmp_path / "d.npz")
+    out = tmp_path / "out"
+    out.write_text("earlier metrics\n")
+    before = data.read_bytes()
+    fill = {"data": str(data), "out": str(out), "ck": str(tmp_path / "ck")}
+    r, _ = launch(2, tag, *DATA_RUN, "--data", str(data), *(o.format(**fill) for o in outs))
+    assert says.format(**fill) in _one_error(r)
+    assert data.read_bytes() == before and out.read_text() == "earlier metrics\n"
+    assert_no_rank_left(tag)
+
+
+def test_a_lock_file_that_is_a_directory_is_one_line(tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    (ck / ".mpisgd.lock").mkdir(parents=True)
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "3", "--checkpoint-dir", str(ck))
+    assert "its lock file" in _one_error(r) and (ck / ".mpisgd.lock").is_dir()
+
+
+# -- a full disk: the metrics stop with a warning, the model goes elsewhere and says where ----------------
+def test_a_full_disk_for_metrics_model_and_timeline_loses_nothing_silently(tag: str, tmp_path: Path) -> None:
+    small, ck = tmp_path / "small", tmp_path / "ck"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
+    try:
+        r, _ = launch(2, tag, *SYNTH, "--max-steps", "60", "--metrics-file", str(small / "m.jsonl"),
+                      "--save-model", str(small / "model.npz"), "--timeline", str(small / "t"),
+                      "--checkpoint-dir", str(ck))
+        left = sorted(p.name for p in small.iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    assert sum("warning: --metrics-file" in x and "No space left on device" in x and "training goes on" in x
+               for x in out) == 1, r.stdout
+    assert any("warning: rank 0: --timeline" in x and "not written (No space left on device)" in x for x in out)
+    assert out[-1] == f"warning: --save-model {small}/model.npz could not be written; the final model is in " \
+                      f"{ck}/model.npz", r.stdout
+    assert "final test accuracy" in r.stdout and "Traceback" not in r.stderr
+    assert np.load(ck / "model.npz")["flat"].size > 0
+    assert not [x for x in left if ".tmp." in x], left  # no temporary file left behind
+
+
+# -- checkpoints: every resume path keeps what was on disk ------------------------------------------------
+def _names(ck: Path) -> list[str]:
+    return sorted(p.name for p in ck.glob("ckpt-*.npz"))
+
+
+def test_resuming_into_another_runs_directory_is_refused_and_deletes_nothing(tag: str, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for ck, seed in ((a, "0"), (b, "7")):
+        r, _ = launch(2, tag, *SYNTH, "--max-steps", "10", "--checkpoint-dir", str(ck), "--seed", seed)
+        assert r.returncode == 0, r.stderr[-2000:]
+    before = {p.name: p.read_bytes() for p in b.glob("ckpt-*")}
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--checkpoint-dir", str(b), "--resume",
+                  str(a / "ckpt-000000010.npz"), "--resume-allow", "max_steps")
+    assert "holds another run's checkpoints (ckpt-000000010.npz, 2 in all), not those of the run" in _one_error(r)
+    assert {p.name: p.read_bytes() for p in b.glob("ckpt-*")} == before
+    # another --optimizer or --trust-coef is a difference too (it was accepted without a word)
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--checkpoint-dir", str(a), "--resume", "auto",
+                  "--resume-allow", "max_steps", "--optimizer", "lars", "--trust-coef", "0.02")
+    assert "--optimizer sgd -> lars; --trust-coef 0.1 -> 0.02" in _one_error(r)
+
+
+def test_rolling_back_moves_the_abandoned_checkpoints_and_auto_continues_the_new_line(tag: str, tmp_path: Path):
+    ck = tmp_path / "ck"
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "24", "--checkpoint-dir", str(ck))  # 8 steps per epoch
+    assert r.returncode == 0 and _names(ck) == ["ckpt-000000008.npz", "ckpt-000000016.npz", "ckpt-000000024.npz"]
+    back, _ = launch(2, tag, *SYNTH, "--max-steps", "12", "--checkpoint-dir", str(ck), "--resume",
+                     str(ck / "ckpt-000000008.npz"), "--resume-allow", "max_steps")
+    assert back.returncode == 0, back.stderr[-2000:]
+    assert "rolling back to step 8: this run's later checkpoints (ckpt-000000016.npz, ckpt-000000024.npz) move " \
+           f"to {ck}/abandoned/" in back.stdout, back.stdout
+    assert _names(ck) == ["ckpt-000000008.npz", "ckpt-000000012.npz"]
+    assert sorted(p.name for p in (ck / "abandoned").iterdir()) == ["ckpt-000000016.npz", "ckpt-000000024.npz"]
+    on, _ = launch(2, tag, *SYNTH, "--max-steps", "14", "--checkpoint-dir", str(ck), "--resume", "auto",
+                   "--resume-allow", "max_steps")
+    assert on.returncode == 0 and "at step 12" in on.stdout, on.stdout + on.stderr[-2000:]
+
+
+def test_resume_auto_with_no_readable_checkpoint_refuses_unless_told_to_overwrite(tag: str, tmp_path: Path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for step in (8, 16):
+        (ck / f"ckpt-{step:09d}.npz").write_bytes(b"a damaged copy")
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "3", "--checkpoint-dir", str(ck), "--resume", "auto")
+    assert "--resume auto: none of the 2 checkpoint(s)" in _one_error(r)
+    assert [(ck / n).read_bytes() for n in _names(ck)] == [b"a damaged copy"] * 2
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "3", "--checkpoint-dir", str(ck), "--resume", "auto",
+                  "--overwrite-checkpoints")
+    assert r.returncode == 0 and _names(ck) == ["ckpt-000000003.npz"], r.stdout + r.stderr[-2000:]
+
+
+FACTORY = """
+from mpisgd.nn import Flatten, Linear, ReLU, Sequential
+def f(input_shape, n_classes):
+    return Sequential(Flatten(), Linear(784, 16), {middle}, Linear(16, n_classes){last})
+"""
+
+
+def test_resuming_an_edited_model_factory_is_refused_naming_the_layer(tag: str, tmp_path: Path) -> None:
+    """The parameter count is unchanged: before, the checkpoint's parameters were poured into the new layers."""
+    ck = tmp_path / "ck"
+    run = (*SYNTH, "--model", "net:f", "--checkpoint-dir", str(ck))
+    env = {"MPISGD_TEST_TAG": tag, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+    (tmp_path / "net.py").write_text(FACTORY.format(middle="ReLU()", last=""))
+    r = run_mpi(2, *run, "--max-steps", "4", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (tmp_path / "net.py").write_text(FACTORY.format(middle="ReLU()", last=", ReLU()"))
+    r = run_mpi(2, *run, "--max-steps", "8", "--resume", "auto", "--resume-allow", "max_steps", cwd=tmp_path, env=env)
+    assert "model differs from the checkpoint's" in _one_error(r) and "the model has 5 layers, the checkpoint's 4" \
+        in r.stderr, r.stderr
+
+
+def test_a_hand_edited_checkpoint_past_the_last_epoch_is_refused(tag: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "10", "--epochs", "3", "--checkpoint-dir", str(ck))
+    assert r.returncode == 0
+    path = ck / "ckpt-000000010.npz"
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays["scalars"][1] = 99  # the epoch, with a valid zip CRC
+    np.savez(path, **arrays)
+    r, _ = launch(2, tag, *SYNTH, "--max-steps", "20", "--epochs", "3", "--checkpoint-dir", str(ck), "--resume",
+                  "auto", "--resume-allow", "max_steps")
+    assert "epoch 100, is past this run's last epoch (3) although only 10 of its 20 steps are done" in _one_error(r)
+
+
+# -- the all-reduce benchmark: bad input is one line and exit 2 on every rank, before any collective ---------
+@pytest.mark.parametrize("args,says", [
+    (("--iters", "-1"), "--iters and --warmup must be >= 0, got -1"),
+    (("--backends", "mpi,nope"), "--backends: unknown nope; choose from"),
+    (("--max-bytes", "100000G"), "needs "),
+    (("--json", "/proc/mpisgd-nope/bw.json"), "--json /proc/mpisgd-nope: cannot create the directory"),
+    (("--dtype", "complex128"), "--dtype must be a number type"),
+    (("--step-factor", "x"), "invalid int value"),
+])
+def test_allreduce_benchmark_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str) -> None:
+    r = run_mpi(2, str(ROOT / "benchmarks" / "allreduce_bw.py"), "--max-bytes", "64", *args, timeout=120)
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
+    assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("allreduce_bw: error: "), r.stderr
+    assert says in errors[0] and "Traceback" not in r.stderr and "time_us" not in r.stdout, errors
+
+
+# -- start-up under the watchdog -------------------------------------------------------------------
+BLOCKING_FACTORY = """
+import os, time
+from mpisgd.nn import mlp
+
+def build(in_shape, n_classes):
+    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+        time.sleep(600)  # a factory that blocks on one rank (a lock, a download, input())
+    return mlp((16,), 784, n_classes)
+"""
+
+
+@pytest.mark.parametrize("abort", ["--stall-abort", "--stall-abort-s=4"])
+def test_a_set_up_stage_blocking_on_one_rank_is_named_and_the_job_ends(abort: str, tag: str, tmp_path: Path) -> None:
+    """Set-up runs under the watchdog: rank 1's model factory never returns, the others wait in the stage's
+    agreement; rank 0 names rank 1 and the job ends (at once with --stall-abort, at --stall-abort-s else)."""
+    (tmp_path / "blocking_model.py").write_text(BLOCKING_FACTORY)
+    t0 = time.monotonic()
+    path = f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"
+    r = run_mpi(2, *SYNTH, "--model", "blocking_model:build", "--stall-timeout-s", "2", abort, "--max-steps", "3",
+                timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": path}, cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "set-up: building the model" in r.stderr and "ranks [1] have not" in r.stderr, r.stderr[-2000:]
+    assert elapsed < 60, f"{elapsed:.0f} s"
     assert_no_rank_left(tag)

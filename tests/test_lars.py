@@ -188,11 +188,12 @@ def test_state_round_trip_resumes_bitwise():
     flat = make()
     lars = LARS(flat, momentum=0.9, weight_decay=0.01, momentum_correction=True)
     run(lars, RATES[:6])
-    saved = lars.state()
+    saved, buffers = lars.state(), {k: v.copy() for k, v in lars.state_buffers().items()}
+    assert list(buffers) == ["velocity"]  # SGD's state: the momentum and the previous rate
     flat2 = make()
     flat2.params[...] = flat.params
     resumed = LARS(flat2, momentum=0.9, weight_decay=0.01, momentum_correction=True)
-    resumed.load_state(saved["velocity"].copy(), saved["prev_lr"])
+    resumed.load_state(saved, buffers)
     np.testing.assert_array_equal(run(resumed, RATES[6:]), full)
 
 

@@ -366,3 +366,58 @@ def test_loss_decreases_on_a_small_problem():
         model.backward(loss.backward())
         opt.step(0.05)
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+# -- a model of one's own: whatever the user's module or factory does, one line --------------------------
+USER_MODULES = {
+    "typo": "from mpisgd.nn import Sequential\ndef f(input_shape, n_classes)\n    return Sequential()\n",
+    "raises_at_import": "import os\nraise RuntimeError('no GPU here')\n",
+    "exits_at_import": "import sys\nsys.exit(3)\n",
+    "exits_in_factory": "import sys\ndef f(input_shape, n_classes):\n    sys.exit()\n",
+    "backward_raises": (
+        "from mpisgd.nn import Flatten, Linear, Sequential\n"
+        "class Broken(Linear):\n"
+        "    def backward(self, dy, need_dx=True):\n"
+        "        raise ArithmeticError('my backward is wrong')\n"
+        "def f(input_shape, n_classes):\n"
+        "    return Sequential(Flatten(), Linear(12, 4), Broken(4, n_classes))\n"),
+    "no_permute": (
+        "from mpisgd.nn import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential\n"
+        "def f(input_shape, n_classes):\n"
+        "    c, h, w = input_shape\n"
+        "    return Sequential(Conv2d(c, 4, 3, padding=1), ReLU(), MaxPool2d(2), Flatten(),\n"
+        "                      Linear(4 * (h // 2) * (w // 2), n_classes))\n"),
+}
+
+
+@pytest.mark.parametrize("module,says", [
+    ("typo", r"--model typo:f: .*typo.py, line 2: SyntaxError: expected ':'"),
+    ("raises_at_import", r"--model raises_at_import:f: importing raises_at_import raised RuntimeError: no GPU here "
+                         r"\(at .*raises_at_import.py:2\)"),
+    ("exits_at_import", r"--model exits_at_import:f: importing exits_at_import called sys.exit\(3\)"),
+    ("exits_in_factory", r"--model exits_in_factory:f called sys.exit\(\)"),
+])
+def test_a_user_module_that_fails_to_import_or_exits_is_one_line(tmp_path, monkeypatch, module, says):
+    from mpisgd.nn import build_model
+
+    (tmp_path / f"{module}.py").write_text(USER_MODULES[module])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=says):
+        build_model(f"{module}:f", (3, 2, 2), 3)
+
+
+@pytest.mark.parametrize("module,says", [
+    ("backward_raises", r"the model's backward fails \(ArithmeticError: my backward is wrong\)$"),
+    ("no_permute", r"the model cannot take samples of shape \(3, 8, 8\) .*; Conv2d and MaxPool2d take batch-last "
+                   r"\(C, H, W, N\) arrays .* Permute\(\(1, 2, 3, 0\)\) before the first"),
+])
+def test_the_start_up_check_runs_backward_and_hints_at_the_batch_last_layout(tmp_path, monkeypatch, module, says):
+    from mpisgd.nn import build_model
+    from mpisgd.nn.models import check_output
+
+    (tmp_path / f"{module}.py").write_text(USER_MODULES[module])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shape = (3, 2, 2) if module == "backward_raises" else (3, 8, 8)
+    model = build_model(f"{module}:f", shape, 3).materialize(np, "float32")
+    with pytest.raises(ValueError, match=says):
+        check_output(model, np, shape, 3, "float32")

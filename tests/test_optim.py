@@ -9,7 +9,7 @@ import pytest
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim import SGD
+from mpisgd.optim import SGD, TensorNorms, clip_grad_norm_, grad_norm
 
 N = 50
 RNG = np.random.default_rng(7)
@@ -134,10 +134,12 @@ def test_state_round_trip_resumes_bitwise():
         flat.grads[...] = grad(flat.params)
         opt.step(lr)
     saved, params = opt.state(), flat.params.copy()
+    buffers = {k: v.copy() for k, v in opt.state_buffers().items()}
+    assert saved == {"prev_lr": lrs[11]} and list(buffers) == ["velocity"] and buffers["velocity"] is not opt.velocity
     flat2 = FlatBuffer([(N,)], np.float64, np)
     flat2.params[...] = params
     opt2 = SGD(flat2, momentum=0.9, momentum_correction=True)
-    opt2.load_state(saved["velocity"].copy(), saved["prev_lr"])
+    opt2.load_state(saved, buffers)
     for lr in lrs[12:]:
         flat2.grads[...] = grad(flat2.params)
         opt2.step(lr)
@@ -146,9 +148,66 @@ def test_state_round_trip_resumes_bitwise():
 
 def test_fresh_state_has_no_previous_rate():
     opt = SGD(FlatBuffer([(3,)], np.float64, np), momentum=0.9)
-    assert opt.state()["prev_lr"] == -1.0
-    opt.load_state(np.zeros(3), -1.0)
+    assert opt.state() == {"prev_lr": -1.0}
+    opt.load_state({"prev_lr": -1.0}, {"velocity": np.zeros(3)})
     assert opt.prev_lr is None
+
+
+def test_state_buffers_are_the_live_momentum_or_none():
+    flat = FlatBuffer([(3,)], np.float64, np)
+    assert SGD(flat).state_buffers() == {}  # no momentum, no buffer
+    opt = SGD(flat, momentum=0.9)
+    assert opt.state_buffers()["velocity"] is opt.velocity
+    opt.load_state({"prev_lr": 0.5}, {"velocity": np.arange(3.0), "exp_avg": np.ones(3)})  # not SGD's: ignored
+    np.testing.assert_array_equal(opt.velocity, [0, 1, 2])
+    assert opt.prev_lr == 0.5
+    opt.load_state({"prev_lr": 0.25})  # None: this rank's buffer stays (rank 0's comes by a broadcast)
+    np.testing.assert_array_equal(opt.velocity, [0, 1, 2])
+    with pytest.raises(ValueError, match="velocity"):
+        opt.load_state({}, {"velocity": np.zeros(4)})
+
+
+# -- clipping by the global norm ---------------------------------------------------------------
+CLIP_SHAPES = [(6, 5), (5,), (8, 3), (3,)]
+
+
+def clip_case(seed: int = 0) -> tuple[FlatBuffer, np.ndarray]:
+    flat = FlatBuffer(CLIP_SHAPES, np.float64, np)
+    g = np.random.default_rng(seed).standard_normal(flat.size)
+    flat.grads[...] = g
+    return flat, g
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 100.0])
+def test_clip_grad_norm_scales_to_the_bound_and_returns_the_norm_before(max_norm):
+    flat, g = clip_case()
+    whole = [(0, flat.size, flat.grads)]
+    before = clip_grad_norm_(whole, TensorNorms(flat.offsets, [(0, flat.size)]), max_norm)
+    assert before == pytest.approx(np.linalg.norm(g), rel=1e-14)
+    expected = g * (max_norm / (before + 1e-6)) if before > max_norm else g  # torch's factor, applied below 1
+    np.testing.assert_array_equal(flat.grads, expected)
+    assert np.linalg.norm(flat.grads) <= max_norm * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("off", [None, 0.0])
+def test_clip_off_only_measures(off):
+    flat, g = clip_case()
+    norm = clip_grad_norm_([(0, flat.size, flat.grads)], TensorNorms(flat.offsets, [(0, flat.size)]), off)
+    assert norm == pytest.approx(np.linalg.norm(g)) and np.array_equal(flat.grads, g)
+
+
+def test_clip_of_pieces_needs_every_pieces_norm():
+    """Pieces that split tensors, their squared norms added (as the ranks' are): the whole gradient's
+    norm, and each piece clipped by the same factor; one piece's norm alone is another."""
+    flat, g = clip_case()
+    cuts = [0, 13, 31, 40, flat.size]
+    shards = [(lo, hi, g[lo:hi].copy()) for lo, hi in zip(cuts, cuts[1:])]
+    ranges = [(lo, hi) for lo, hi, _ in shards]
+    assert grad_norm(shards, TensorNorms(flat.offsets, ranges)) == pytest.approx(np.linalg.norm(g), rel=1e-14)
+    assert grad_norm(shards[:1], TensorNorms(flat.offsets, ranges[:1])) < 0.9 * np.linalg.norm(g)
+    clip_grad_norm_(shards, TensorNorms(flat.offsets, ranges), 1.0)
+    clip_grad_norm_([(0, flat.size, flat.grads)], TensorNorms(flat.offsets, [(0, flat.size)]), 1.0)
+    np.testing.assert_allclose(np.concatenate([p for _, _, p in shards]), flat.grads, rtol=1e-14)
 
 
 @pytest.mark.parametrize(("kw", "message"), [(dict(momentum=1.0), "momentum"), (dict(momentum=-0.1), "momentum"),
@@ -233,3 +292,19 @@ def test_optimizer_state_bytes_are_what_it_keeps(momentum, level1, buffers):
     flat = FlatBuffer([(30, 20), (20,)], np.float32, np)
     opt = SGD(flat, momentum=momentum, level1=level1)
     assert opt.buffer_nbytes() == buffers * flat.nbytes
+
+
+def test_clipping_allocates_no_parameter_sized_temporary():
+    n = 1 << 20
+    flat = FlatBuffer([(n // 1024, 1024), (1024,)], np.float64, np)
+    whole, norms = [(0, flat.size, flat.grads)], TensorNorms(flat.offsets, [(0, flat.size)])
+    flat.grads[...] = 0.5
+    clip_grad_norm_(whole, norms, 1.0)
+    tracemalloc.start()
+    try:
+        flat.grads[...] = 0.5
+        norm = clip_grad_norm_(whole, norms, 1.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert norm == pytest.approx(0.5 * np.sqrt(flat.size)) and peak < n * 8 // 16, f"allocated {peak} bytes"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import world
 
+from mpisgd.adam import LAMB, AdamW
 from mpisgd.comm import create_reducer
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
 from mpisgd.lars import LARS
@@ -40,21 +41,26 @@ class SummedLoss(SoftmaxCrossEntropy):
 def train(comm, local_batch: int, steps: int, average: bool = True, rank: int | None = None,
           allreduce: str = "mpi", bucket_mb: float = 25.0, overlap: bool = True, shard: bool = False,
           shared_grads: bool = True, deterministic: bool = False, dtype: str = "float64", hidden=(16, 8),
-          lr: float = 0.05, **opt) -> DataParallel:
+          lr: float = 0.05, clip: float | None = None, measure: bool = False, **opt) -> DataParallel:
     """Train a float64 MLP on synthetic data for ``steps`` steps over ``comm``."""
     k = comm.Get_size()
     rank = comm.Get_rank() if rank is None else rank
     data = synthetic(512, seed=0)
     model = mlp(hidden).materialize(np, dtype, seed=0)
-    kinds = {"sgd": SGD, "lars": LARS}
-    extra = {"trust_coef": opt["trust_coef"]} if "trust_coef" in opt else {}
-    optimizer = kinds[opt.get("optimizer", "sgd")](
-        model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
-        weight_decay=opt.get("weight_decay", 1e-3), momentum_correction=opt.get("momentum_correction", False),
-        **extra)
+    kind = opt.get("optimizer", "sgd")
+    if kind in ("adamw", "lamb"):
+        optimizer = {"adamw": AdamW, "lamb": LAMB}[kind](model.flat, betas=opt.get("betas", (0.9, 0.999)),
+                                                          weight_decay=opt.get("weight_decay", 1e-3))
+    else:
+        extra = {"trust_coef": opt["trust_coef"]} if "trust_coef" in opt else {}
+        optimizer = {"sgd": SGD, "lars": LARS}[kind](
+            model.flat, momentum=opt.get("momentum", 0.9), nesterov=opt.get("nesterov", False),
+            weight_decay=opt.get("weight_decay", 1e-3), momentum_correction=opt.get("momentum_correction", False),
+            **extra)
     dp = DataParallel(model, optimizer, comm, reducer=create_reducer(allreduce, comm, deterministic=deterministic),
                       loss=None if average else SummedLoss(k), bucket_cap_mb=bucket_mb, overlap=overlap,
-                      shard_optimizer=shard, shared_grads=shared_grads)
+                      shard_optimizer=shard, shared_grads=shared_grads, clip_grad_norm=clip,
+                      measure_grad_norm=measure)
     loader = BatchLoader(data, np, dtype)
     batches = GlobalBatches(len(data), k * local_batch, rank, k)
     for step in range(steps):
@@ -74,10 +80,13 @@ def reference(k: int, b: int, steps: int, **opt) -> np.ndarray:
 
 
 LARS_OPT = {"optimizer": "lars", "trust_coef": 0.02, "lr": 2.0}  # a rate at which the layers move as with SGD
+ADAMW_OPT = {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01}
+LAMB_OPT = {"optimizer": "lamb", "lr": 0.01, "weight_decay": 0.01}
 
 
 @pytest.mark.parametrize("opt", [{}, {"nesterov": True}, {"momentum": 0.0, "weight_decay": 0.0}, LARS_OPT,
-                                 {**LARS_OPT, "nesterov": True, "momentum_correction": True}])
+                                 {**LARS_OPT, "nesterov": True, "momentum_correction": True}, ADAMW_OPT, LAMB_OPT,
+                                 {**LAMB_OPT, "betas": (0.8, 0.99), "clip": 0.05}, {"clip": 0.05}])
 def test_k_ranks_match_one_rank_with_k_times_the_batch(opt):
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
@@ -219,6 +228,11 @@ def test_finite_check_is_exact(dtype):
     ("auto", 0.0005, True, LARS_OPT),
     ("deterministic", 0.0005, False, {**LARS_OPT, "nesterov": True}),
     ("ring", 0.0005, True, {**LARS_OPT, "momentum": 0.0}),
+    ("auto", 25.0, True, ADAMW_OPT),
+    ("auto", 0.0005, True, {**ADAMW_OPT, "clip": 0.05}),
+    ("auto", 25.0, True, LAMB_OPT),  # one bucket: the k chunks split layers
+    ("deterministic", 0.0005, False, {**LAMB_OPT, "clip": 0.05}),
+    ("ring", 0.0005, True, {**LAMB_OPT, "clip": 0.05}),
 ])
 def test_sharded_step_matches_one_rank_and_keeps_replicas_identical(allreduce, bucket_mb, overlap, opt):
     comm = world()
@@ -264,20 +278,23 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
     assert (n_buckets > 1) == (bucket_mb < 1)  # this model fits in one 25 MiB bucket, not in 0.5 KiB ones
     np.testing.assert_array_equal(after_close, grads)  # private again, same values
-    assert state == 3 * dp.flat.nbytes + owned * dp.flat.dtype.itemsize
+    ufunc_tmp = 0 if dp.optimizer.blas else dp.flat.nbytes  # without BLAS axpby (reference BLAS) a temporary
+    assert state == 3 * dp.flat.nbytes + ufunc_tmp + owned * dp.flat.dtype.itemsize
     assert not off_shared  # shared_grads=False keeps them private
 
 
-def test_sharded_lars_without_the_ranks_summed_norms_differs(monkeypatch):
-    """The check above can fail: ratios from each rank's own chunks of a layer, not the whole layer's."""
+@pytest.mark.parametrize("opt", [LARS_OPT, LAMB_OPT, {"clip": 0.05}])
+def test_sharded_norms_without_every_ranks_pieces_differ(monkeypatch, opt):
+    """The check above can fail: LARS's and LAMB's ratios, or the clipping norm, from each rank's own
+    chunks of a layer, not the whole layer's (for clipping, ranks would then even clip unalike)."""
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
     monkeypatch.setattr(RankNorms, "squared", RankNorms.partial)  # this rank's pieces only
-    dp = train(comm, b, steps, shard=True, **LARS_OPT)
+    dp = train(comm, b, steps, shard=True, **opt)
     ours = dp.flat.params.copy()
     dp.close()
     monkeypatch.undo()
-    assert not np.allclose(ours, reference(k, b, steps, **LARS_OPT), rtol=1e-5, atol=1e-9)
+    assert not np.allclose(ours, reference(k, b, steps, **opt), rtol=1e-5, atol=1e-9)
 
 
 def test_sharded_step_without_dividing_by_k_still_differs():
@@ -290,22 +307,92 @@ def test_sharded_step_without_dividing_by_k_still_differs():
     assert not np.allclose(ours, reference(k, b, steps), rtol=1e-5, atol=1e-9)
 
 
-def test_sharded_momentum_is_made_whole_for_checkpoints():
-    """Each rank updates only its chunks of the momentum; gather_optimizer_state makes every rank's
-    buffer the replicated run's."""
+@pytest.mark.parametrize("opt", [{}, ADAMW_OPT, LAMB_OPT])
+def test_sharded_optimizer_state_is_made_whole_for_checkpoints(opt):
+    """Each rank updates only its chunks of every state buffer (momentum; Adam's two moments);
+    gather_optimizer_state makes every rank's buffers the replicated run's."""
     comm = world()
-    dp = train(comm, 8, 6, shard=True)
-    v_before = dp.optimizer.velocity.copy()
+    dp = train(comm, 8, 6, shard=True, **opt)
+    before = {name: buf.copy() for name, buf in dp.optimizer.state_buffers().items()}
     dp.gather_optimizer_state()
-    v = dp.optimizer.velocity.copy()
-    every = comm.allgather(v)
+    after = {name: buf.copy() for name, buf in dp.optimizer.state_buffers().items()}
+    every = comm.allgather(after)
     dp.close()
-    plain = train(comm, 8, 6)
-    v_ref = plain.optimizer.velocity.copy()
+    plain = train(comm, 8, 6, **opt)
+    ref = {name: buf.copy() for name, buf in plain.optimizer.state_buffers().items()}
     plain.close()
-    assert not np.allclose(v_before, v_ref)  # before the gather, the other ranks' chunks are stale
-    assert all(np.array_equal(other, v) for other in every)
-    np.testing.assert_allclose(v, v_ref, rtol=0, atol=1e-12)
+    assert sorted(ref) == (["velocity"] if not opt else ["exp_avg", "exp_avg_sq"])
+    for name, buf in after.items():
+        assert not np.allclose(before[name], ref[name])  # before the gather, the other ranks' chunks are stale
+        assert all(np.array_equal(other[name], buf) for other in every)
+        np.testing.assert_allclose(buf, ref[name], rtol=1e-9, atol=1e-12)
+
+
+def test_broadcast_parameters_gives_every_rank_root_s_state_buffers():
+    comm = world()
+    dp = train(comm, 8, 0, **ADAMW_OPT)
+    for buf in dp.optimizer.state_buffers().values():
+        buf[...] = comm.Get_rank() + 1.0
+    dp.broadcast_parameters()
+    got = [float(buf.min()) for buf in dp.optimizer.state_buffers().values()] + \
+        [float(buf.max()) for buf in dp.optimizer.state_buffers().values()]
+    dp.close()
+    assert got == [1.0] * 4
+
+
+def test_ranks_with_another_optimizer_are_refused_on_every_rank():
+    comm = world()
+    model = mlp((8,)).materialize(np, "float64")
+    optimizer = AdamW(model.flat) if comm.Get_rank() == 1 else SGD(model.flat, momentum=0.9)
+    with pytest.raises(ReplicaError, match=r"the optimizer .* differs on rank\(s\) \[1\]"):
+        DataParallel(model, optimizer, comm)
+
+
+# -- clipping by the global norm of the averaged gradient ----------------------------------------------
+@pytest.mark.parametrize("shard", [False, True])
+def test_every_rank_clips_alike_and_reports_the_averaged_gradients_norm(shard):
+    """last_grad_norm is the averaged gradient's norm before clipping: the same on every rank, one
+    rank's with k times the batch, and the gradient left behind (SGD without decay does not touch it)
+    has the clipped norm; the bound bites at every step here."""
+    from mpi4py import MPI
+
+    comm = world()
+    k, b, clip = comm.Get_size(), 8, 0.05
+    dp = train(comm, b, 4, shard=shard, clip=clip, weight_decay=0.0)
+    norm = dp.last_grad_norm
+    held = dp.update.grads if shard else dp.flat.grads
+    left = float(np.sqrt(comm.allreduce(float(held @ held)))) if shard else float(np.linalg.norm(held))
+    norms = comm.allgather(norm)
+    dp.close()
+    one = train(MPI.COMM_SELF, k * b, 4, clip=clip, weight_decay=0.0)
+    ref = one.last_grad_norm
+    one.close()
+    assert len(set(norms)) == 1 and norm > 2 * clip  # every rank the same norm; clipping bit
+    assert norm == pytest.approx(ref, rel=1e-10)
+    assert left == pytest.approx(clip, rel=1e-4)
+
+
+def test_clipping_changes_the_trajectory_and_measuring_does_not():
+    """Negative control for the equivalence checks with clipping: without it the run ends elsewhere.
+    Measuring the norm alone (measure_grad_norm) computes it and leaves the step bitwise as it was;
+    with neither, last_grad_norm is None."""
+    comm = world()
+    k, b = comm.Get_size(), 8
+    plain = train(comm, b, 6)
+    unmeasured, none = plain.flat.params.copy(), plain.last_grad_norm
+    plain.close()
+    measured = train(comm, b, 6, measure=True)
+    same, norm = np.array_equal(measured.flat.params, unmeasured), measured.last_grad_norm
+    measured.close()
+    assert none is None and same and norm > 0.05
+    assert not np.allclose(unmeasured, reference(k, b, 6, clip=0.05), rtol=1e-5, atol=1e-9)
+
+
+def test_clip_must_be_a_number_at_least_zero():
+    model = mlp((8,)).materialize(np, "float64")
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="clip_grad_norm"):
+            DataParallel(model, SGD(model.flat), world(), clip_grad_norm=bad)
 
 
 def test_sharded_finite_vote_reaches_every_rank():

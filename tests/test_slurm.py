@@ -231,10 +231,14 @@ ARGS = ("--epochs", "1", "--limit-train", "6000", "--limit-test", "2000", "--bat
 @pytest.mark.skipif(not FASHION.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_train_cpu_sbatch_on_real_slurm(cluster: Cluster, tmp_path: Path, launcher: str) -> None:
+    """With srun the options come in MPISGD_ARGS, with mpiexec from a config file (MPISGD_CONFIG)."""
     run_dir = tmp_path / "run"
+    options = {"MPISGD_ARGS": "--hidden 256,128 --seed 3"}
+    if launcher == "mpiexec":
+        (tmp_path / "run.toml").write_text("hidden = [256, 128]\nseed = 3\nmetrics-file = 'ignored.jsonl'\n")
+        options = {"MPISGD_CONFIG": str(tmp_path / "run.toml")}
     r, job, out = _submit(cluster, tmp_path, *ARGS,
-                          env={"RUN_DIR": str(run_dir), "MPISGD_LAUNCHER": launcher,
-                               "MPISGD_ARGS": "--hidden 256,128 --seed 3"})
+                          env={"RUN_DIR": str(run_dir), "MPISGD_LAUNCHER": launcher, **options})
     state, code = _job_state(cluster, job)
     assert r.returncode == 0 and state == "COMPLETED" and code == "0:0", \
         f"sbatch exit {r.returncode}, job {job} {state} exit {code}\n{out}\n{r.stderr}\n{cluster.logs()}"
@@ -245,6 +249,10 @@ def test_train_cpu_sbatch_on_real_slurm(cluster: Cluster, tmp_path: Path, launch
     assert "final test accuracy" in (run_dir / "train.log").read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records].count("epoch") == 1, records
+    assert "Linear 784x256, Linear 256x128" in out, out  # the options reached the run
+    effective = (run_dir / "ckpt" / "config.toml").read_text()  # the script's own options over the file's
+    assert "hidden = [256, 128]" in effective and "seed = 3" in effective
+    assert f'metrics-file = "{run_dir}/metrics.jsonl"' in effective, effective
 
 
 def test_failing_job_is_reported_failed(cluster: Cluster, tmp_path: Path) -> None:

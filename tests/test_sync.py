@@ -106,3 +106,55 @@ def test_pytorch_gradients_are_averaged_in_place_through_dlpack():
     GradientAverager(comm).average_(grads)  # writes into the tensors' own memory
     for g, want in zip(grads, ref):
         torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mpi", "ring", "auto", "deterministic"])
+def test_exact_mean_is_the_same_bits_for_every_strategy_and_close_to_the_true_mean(name):
+    """exact=True: integer sums, so every strategy (and bucket size) gives the same bits; the mean is the
+    exactly rounded one to within the fixed point's last unit."""
+    import math
+
+    comm = world()
+    k, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(10 + r)
+    arrays = [(rng.standard_normal(20_000) * 2.0 ** rng.uniform(-20, 0, 20_000)).astype("float32"),
+              rng.standard_normal((7, 5)).astype("float64")]
+    every = comm.allgather([a.copy() for a in arrays])
+    avg = GradientAverager(comm, reducer=create_reducer(name, comm), bucket_cap_mb=0.01, exact=True)
+    out = avg.average_([a.copy() for a in arrays])
+    avg.close()
+    digest = b"".join(o.tobytes() for o in out)
+    digests = comm.allgather(digest)
+    truth = [np.array([math.fsum(float(e[t].ravel()[i]) for e in every) / k for i in range(every[0][t].size)])
+             for t in range(2)]
+    assert len(set(digests)) == 1
+    np.testing.assert_allclose(out[0].ravel(), truth[0], rtol=2e-7, atol=1e-12)
+    np.testing.assert_allclose(out[1].ravel(), truth[1], rtol=1e-13, atol=1e-15)
+    # and the same bits as another strategy's (the one the oracle uses)
+    avg = GradientAverager(comm, reducer=create_reducer("mpi", comm), exact=True)
+    again = avg.average_([a.copy() for a in arrays])
+    avg.close()
+    assert b"".join(o.tobytes() for o in again) == digest
+
+
+def test_exact_mean_of_an_array_with_nan_on_one_rank_is_nan_everywhere():
+    comm = world()
+    x = np.ones(100, "float32")
+    if comm.Get_rank() == comm.Get_size() - 1:
+        x[3] = np.nan
+    avg = GradientAverager(comm, exact=True)
+    out, other = avg.average_([x, np.ones(4, "float32")])
+    avg.close()
+    assert np.isnan(out).all() and (other == 1).all()
+
+
+def test_the_library_has_a_stall_watchdog_by_default():
+    from mpisgd.watchdog import NullWatchdog, Watchdog
+
+    comm = world()
+    avg = GradientAverager(comm)
+    off = GradientAverager(comm, stall_timeout_s=0, stall_abort_s=0)
+    kinds = type(avg.watchdog), type(off.watchdog)
+    avg.close()
+    off.close()
+    assert kinds == (Watchdog, NullWatchdog)

@@ -28,3 +28,44 @@ def test_timeline_has_every_phase_per_rank(tmp_path):
         assert first_ar["tid"] == 1 and first_ar["ts"] < first_bwd["ts"] + first_bwd["dur"]
     epoch = json.loads(metrics.read_text().splitlines()[-1])
     assert epoch["bucket_algbw_gbps"] > 0 and epoch["bucket_busbw_gbps"] == epoch["bucket_algbw_gbps"]
+
+
+def test_a_timeline_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    """A real full file system (a 64 KiB tmpfs; root needed): save raises OSError, nothing is left."""
+    import subprocess
+
+    import pytest
+
+    from mpisgd.timeline import Timeline
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
+    try:
+        t = Timeline()
+        for i in range(3000):
+            with t.span(f"step {i}"):
+                pass
+        with pytest.raises(OSError, match="No space left"):
+            t.save(str(small / "trace.rank0.json"))
+        left = sorted(p.name for p in small.iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    assert left == []
+
+
+def test_metrics_on_a_full_disk_warn_once_and_the_run_goes_on(capsys):
+    """/dev/full answers every write with ENOSPC: one warning, later writes are dropped, close is clean."""
+    from mpisgd.metrics import MetricsWriter
+
+    m = MetricsWriter("/dev/full")
+    for i in range(5):
+        m.write({"kind": "step", "step": i})
+    m.close()
+    out = capsys.readouterr().out
+    assert out.count("warning: --metrics-file /dev/full: write failed (No space left on device); no more metrics") \
+        == 1, out
+    assert m.failed == "No space left on device"

@@ -26,7 +26,7 @@ def train_params(tmp_path: Path, k: int, b: int, *extra: str, steps: int = 10) -
     out = tmp_path / f"k{k}_b{b}_{abs(hash(extra))}.npz"
     r = run_mpi(k, *SYNTH, "--batch-size", str(b), "--max-steps", str(steps), "--save-model", str(out), *extra)
     assert r.returncode == 0, r.stderr + r.stdout
-    if "--shard-optimizer" in extra:  # the ring has no reduce-scatter of its own: the user is told
+    if "--no-shard-optimizer" not in extra and k > 1:  # sharded: the ring has no reduce-scatter, the user is told
         warned = "warning: --allreduce ring has no reduce-scatter" in r.stdout
         assert warned == ("ring" in extra), r.stdout
     return np.load(out, allow_pickle=False)["flat"]
@@ -52,20 +52,24 @@ def test_same_result_for_every_allreduce_setting(tmp_path):
 def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
     """--shard-optimizer: reduce-scatter, 1/k of the update per rank, all-gather; the same parameters
     up to rounding (summation order at k >= 3, and BLAS's scalar tail at the chunk ends)."""
-    ref = train_params(tmp_path, k, 16, "--allreduce", "mpi")
+    ref = train_params(tmp_path, k, 16, "--allreduce", "mpi", "--no-shard-optimizer")
     out = tmp_path / "sharded.npz"
     r = run_mpi(k, *SYNTH, "--batch-size", "16", "--max-steps", "10", "--save-model", str(out),
                 "--shard-optimizer", "--bucket-mb", "0.002")
     assert r.returncode == 0, r.stderr + r.stdout
-    assert f"step sharded: each rank updates 1/{k}" in r.stdout
+    assert f"step sharded (--shard-optimizer): each rank updates 1/{k}" in r.stdout, r.stdout
     assert "no reduce-scatter" not in r.stdout  # auto reduce-scatters in the node-shared buffer
     np.testing.assert_allclose(np.load(out)["flat"], ref, rtol=1e-9, atol=1e-12)
     for other in ("ring", "deterministic"):  # the ring's full all-reduce; the deterministic reduce-scatter
         ours = train_params(tmp_path, k, 16, "--allreduce", other, "--shard-optimizer")
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
-    if k == 2:  # one rank: nothing to split, and the banner says so
+    if k == 2:  # one rank: nothing to split, and the banner says so; the default at k >= 2 is the sharded step
         one = run_mpi(1, *SYNTH, "--max-steps", "2", "--shard-optimizer")
         assert one.returncode == 0 and "nothing to split at k=1" in one.stdout, one.stderr
+        default = run_mpi(2, *SYNTH, "--max-steps", "2")
+        assert "step sharded (default at k >= 2 on host buffers)" in default.stdout, default.stdout
+        off = run_mpi(2, *SYNTH, "--max-steps", "2", "--no-shard-optimizer")
+        assert "step replicated (--no-shard-optimizer)" in off.stdout, off.stdout
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -74,11 +78,29 @@ def test_lars_k_ranks_sharded_or_not_equal_one_rank(tmp_path, k):
     parameters with k times the batch; the banner names it."""
     lars = ("--optimizer", "lars", "--trust-coef", "0.02", "--lr", "2")
     ref = train_params(tmp_path, 1, k * 16, *lars)
-    np.testing.assert_allclose(train_params(tmp_path, k, 16, *lars), ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(train_params(tmp_path, k, 16, *lars, "--no-shard-optimizer"), ref, rtol=1e-9,
+                               atol=1e-12)
     np.testing.assert_allclose(train_params(tmp_path, k, 16, *lars, "--shard-optimizer"), ref, rtol=1e-9, atol=1e-12)
     assert not np.allclose(train_params(tmp_path, 1, k * 16), ref, rtol=1e-5)  # LARS is not SGD here
     r = run_mpi(1, *SYNTH, *lars, "--max-steps", "1", timeout=60)
     assert "optimizer: LARS, trust coefficient 0.02, momentum 0.9, weight decay 0.0001" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("k,optimizer", [(2, "adamw"), (3, "lamb")])
+def test_adam_family_with_clipping_k_ranks_sharded_or_not_equal_one_rank(tmp_path, k, optimizer):
+    """--optimizer adamw|lamb with --clip-grad-norm: k ranks, replicated or sharded, reach one rank's
+    parameters with k times the batch; the clipping reaches the step (without it the run differs)."""
+    opts = ("--optimizer", optimizer, "--lr", "0.005", "--clip-grad-norm", "0.05")
+    ref = train_params(tmp_path, 1, k * 16, *opts)
+    np.testing.assert_allclose(train_params(tmp_path, k, 16, *opts), ref, rtol=1e-9, atol=1e-12)
+    sharded = train_params(tmp_path, k, 16, *opts, "--shard-optimizer", "--bucket-mb", "0.002")
+    np.testing.assert_allclose(sharded, ref, rtol=1e-9, atol=1e-12)
+    assert not np.allclose(train_params(tmp_path, k, 16, *opts[:-2]), ref, rtol=1e-5)  # unclipped
+    r = run_mpi(1, *SYNTH, *opts, "--max-steps", "1", timeout=60)
+    name = "AdamW" if optimizer == "adamw" else "LAMB"
+    decay = " (decoupled)" if optimizer == "adamw" else ""
+    assert f"optimizer: {name}, betas 0.9, 0.999, eps 1e-08, weight decay 0.0001{decay}, gradient clipped to norm " \
+           "0.05 | " in r.stdout, r.stdout
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
@@ -109,8 +131,9 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     last = epochs[-1]
     assert 47 < last["peak_rss_mib"] < 1024, last
     assert 20 < last["rss_start_mib"] < last["peak_rss_mib"]
-    if model == "mlp":  # 1,863,690 float32 parameters, gradients, momentum; 4096 + 1000 images, uint8
-        held = (3 * 1_863_690 * 4 + (4096 + 1000) * (784 + 8)) / 2**20
+    if model == "mlp":  # 1,863,690 float32 parameters, gradients, momentum, and (sharded, the default at
+        # k = 2) this rank's half of the averaged gradient; 4096 + 1000 images, uint8
+        held = (3 * 1_863_690 * 4 + 1_863_690 // 2 * 4 + (4096 + 1000) * (784 + 8)) / 2**20
         assert held < last["state_mib"] < held + 4, last  # + activations and batch buffers (b = 64)
     line = next(x for x in out.splitlines() if x.startswith("memory: peak"))
     peak, start, state, other = (int(w) for w in line.replace("=", " ").replace("+", " ").split() if w.isdigit())
@@ -229,7 +252,7 @@ def bad_set(tmp_path: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case,says", [
     ("missing", "missing y_test"), ("shapes", "they must have one shape"), ("float labels", "must be integers"),
-    ("negative", "labels must be >= 0"), ("nan", "hold NaN or inf"), ("empty", "the test set is empty"),
+    ("negative", "labels must be >= 0"), ("nan", "hold NaN (sample 10, the first)"), ("empty", "the test set is empty"),
     ("int inputs", "must be uint8 or floating point"), ("small", "fewer than one global batch"),
 ])
 def test_bad_data_is_one_line_and_exit_2(tmp_path, case, says):

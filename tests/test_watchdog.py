@@ -178,3 +178,33 @@ def test_no_report_without_stall_and_the_duplicate_freed(capfd: pytest.CaptureFi
     assert wd.comm == MPI.COMM_NULL  # freed
     assert "stall" not in capfd.readouterr().err
     assert summed == 200 * 10 * comm.Get_size()  # every all-reduce completed
+
+
+SKIP_SCRIPT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+sys.path.insert(0, {root!r})
+import mpisgd
+
+comm = MPI.COMM_WORLD
+avg = mpisgd.GradientAverager(comm, stall_timeout_s=1.0, stall_abort_s=4.0)  # the defaults are 300 and 1800
+avg.average_([np.ones(10)])
+if comm.Get_rank() == 0:
+    avg.average_([np.ones(10)])  # rank 1 skips this call: without the watchdog rank 0 would wait for ever
+print(f"rank {{comm.Get_rank()}} past", flush=True)
+import time; time.sleep(60)
+"""
+
+
+def test_the_library_names_a_rank_that_skips_a_call_and_ends_the_job(tmp_path: Path) -> None:
+    """GradientAverager watches its collectives by default: rank 1 never comes to the second call, rank 0
+    names it after stall_timeout_s and the job ends after stall_abort_s instead of hanging."""
+    script = tmp_path / "skip.py"
+    script.write_text(SKIP_SCRIPT.format(root=str(ROOT)))
+    t0 = time.monotonic()
+    proc = run_mpi(2, str(script), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "ranks [1] have not" in proc.stderr and "--stall-abort-s" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 40, f"{elapsed:.0f} s"

@@ -3,30 +3,43 @@
 =================  =====================  =====================================================
 ``--allreduce``    module, class          what it runs, and when to use it
 =================  =====================  =====================================================
-``auto``           auto, AutoReducer      the default. On one node the gradients live in a
-                                          node-shared buffer (``shared``); every other buffer
-                                          takes ``mpi`` or ``ring``, whichever was faster for
-                                          its size class when first seen (then fixed, and kept
-                                          in a plan file so later runs choose alike)
+``auto``           auto, AutoReducer      the default. Every rank on one node: buffers in the
+                                          node-shared window (data parallelism's gradients)
+                                          are summed there (``shared``), all-reduce and
+                                          reduce-scatter alike. Any other buffer: ``mpi`` or
+                                          ``ring`` per operation, dtype and size class,
+                                          whichever measured faster (the ring's reduce-scatter
+                                          is a full all-reduce and a copy, measured too: MPI's
+                                          algorithm can be the slower), decided by
+                                          ``tune()`` or when the class is first seen, kept in
+                                          a plan file with its date and margin, re-checked or
+                                          re-measured when old, close or timed on a busy
+                                          machine. Not measured: one rank (``mpi``), a dtype
+                                          MPI cannot sum (``ring``), ``deterministic`` at
+                                          k >= 3 (``deterministic`` outside the window)
 ``mpi``            mpi, MpiReducer        the MPI library's Allreduce: lowest latency for small
                                           buffers, tuned for the network by vendor MPIs; the
                                           test oracle
 ``ring``           ring, RingReducer      our pipelined ring (reduce-scatter + all-gather) over
                                           point-to-point messages: bandwidth-optimal, large
-                                          buffers
+                                          buffers; its reduce-scatter is a full all-reduce
 ``shared``         shared, SharedReducer  every rank on one node: buffers in a node-shared
-                                          window summed in place from the peers' memory (what
-                                          ``auto`` does with the gradients); others: ``mpi``
+                                          window summed in place from the peers' memory, in
+                                          rank order (what ``auto`` does with the gradients);
+                                          others: ``mpi``
 ``deterministic``  deterministic,         every element summed in rank order, whatever the
                    DeterministicReducer   buckets: bitwise reproducible (``--deterministic``)
 ``nccl``           nccl, NcclReducer      GPU buffers, one GPU per rank: NCCL, on its own stream
 =================  =====================  =====================================================
 
-Options of :func:`create_reducer`: ``deterministic`` makes ``auto``, ``mpi`` and
-``ring`` the ``deterministic`` strategy (at k <= 2 every order gives the same
-bits, so nothing changes there) and is refused by ``nccl``; ``shared`` always
-sums in rank order. (MPI libraries already reduce within each node first, so
-there is no hierarchical strategy of ours.)
+Options of :func:`create_reducer`: ``deterministic`` (at k >= 3; at k <= 2 every
+order gives the same bits, so nothing changes there) makes ``mpi`` and ``ring``
+the ``deterministic`` strategy; ``auto`` keeps the node-shared window, whose sums
+are in the same rank order (the same bits), and sends every other buffer to
+``deterministic``, measuring nothing; ``shared`` sends its other buffers to
+``deterministic`` instead of ``mpi``; ``nccl`` refuses it. (MPI libraries
+already reduce within each node first, so there is no hierarchical strategy of
+ours.)
 ``device=True`` (GPU buffers) puts the strategy behind ``cuda.CudaAwareReducer``
 (device pointers to MPI) or ``cuda.StagedReducer`` (pinned host copies), as
 ``cuda_aware`` (auto|direct|staged) and the probe in ``cuda`` decide.
@@ -69,11 +82,11 @@ def create_reducer(name: str, comm: Any, *, deterministic: bool = False, device:
         from mpisgd.comm.nccl import NcclReducer  # noqa: PLC0415 - imports CuPy
 
         return NcclReducer(comm)
-    if deterministic and name in ("auto", "mpi", "ring") and comm.Get_size() > 2:
+    if deterministic and name in ("mpi", "ring") and comm.Get_size() > 2:
         name = "deterministic"
     if name == "shared" and device:
         raise ValueError("the shared strategy reduces host buffers; use auto or nccl with --device gpu")
-    red = _CPU[name](comm)
+    red = _CPU[name](comm, deterministic=deterministic) if name in ("auto", "shared") else _CPU[name](comm)
     if not device:
         return red
     from mpisgd.comm.cuda import CudaAwareReducer, StagedReducer, probe_cuda_aware  # noqa: PLC0415

@@ -1,39 +1,73 @@
-"""``auto``, the default: the node-shared buffer where there is one, else mpi or ring, whichever is faster.
+"""``auto``, the default: the node-shared buffer where there is one, else mpi or ring, whichever measured faster.
 
-1. Every rank on one node: data parallelism keeps its gradients in the
-   ``shared`` strategy's buffer, and their buckets are summed there.
-2. Any other buffer takes ``mpi`` or ``ring`` by its size class (2^(c-1) to
-   2^c - 1 bytes, per dtype). The first time a class is seen, both run on
-   that buffer's data, alternating, 11 to 21 times as the size needs; the
-   slowest rank's median decides (one small all-reduce, so every rank picks
-   alike), and the class keeps the choice.
-   Non-blocking buffers are decided when data parallelism calls :meth:`tune`.
+Every path it takes (the table in :mod:`mpisgd.comm` says the same):
 
-Why measure: the two cross at sizes that move with the caches and the MPI
-library from machine to machine (docs/allreduce.md). Choices are kept in a
-plan file (``$MPISGD_PLAN_FILE``, default ``~/.cache/mpisgd/allreduce-plans.json``,
-``off`` for none) under the MPI library, k and the hosts, so later runs there
-choose the same and give the same bits; the banner and metrics show the plan.
+1. Every rank on one node: a buffer in the node-shared window (where data
+   parallelism keeps its gradients) is summed there by ``shared``, all-reduce
+   and reduce-scatter alike, in rank order.
+2. Any other buffer takes ``mpi`` or ``ring`` per operation (all-reduce;
+   reduce-scatter, where the ring's is a full all-reduce and a copy, but MPI's
+   can still be the slower one), dtype and size class (2^(c-1) to 2^c - 1
+   bytes), whichever measured faster there (below).
+3. Nothing to choose, nothing measured: one rank (``mpi``); a dtype MPI cannot
+   sum (``ring``); ``deterministic=True`` at k >= 3 (``deterministic`` for every
+   buffer outside the window, whose sums are in the same rank order: the same
+   bits).
+
+Measuring a class, when it is first seen: both candidates run on that call's
+data, alternating, :func:`trials_for` times each; each rank keeps each one's
+median and the spread of its calls; the slowest rank's figures decide (one
+small all-reduce, so every rank picks alike); the data are put back.
+Non-blocking buffers are decided when data parallelism calls :meth:`tune`.
+
+The plan file (``$MPISGD_PLAN_FILE``, default ``~/.cache/mpisgd/allreduce-plans.json``,
+``off`` for none) keeps each choice under the MPI library, k and the hosts,
+with when it was measured, how clear its margin was and how busy the machine
+was. A later run there trusts a recent, clear choice made on a quiet machine;
+re-checks with a few calls one that is older than :data:`MAX_AGE_DAYS`, was
+timed on a busy machine or comes from the old format; and re-measures one
+whose margin was inside the noise (docs/allreduce.md, "Plans"). Only rank 0
+reads and writes it, only a regular file, and never one it did not write; it
+is saved by :meth:`AutoReducer.tune` and :meth:`AutoReducer.close`, never
+inside an all-reduce. The banner names where the plan came from.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
+import re
+import stat
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.backend import sync
-from mpisgd.comm.base import Array, Handle, Reducer, on_one_node
+from mpisgd.backend import sync, xp_of
+from mpisgd.comm.base import Array, Handle, Reducer, chunk_counts, node_layout
+from mpisgd.comm.deterministic import DeterministicReducer
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 from mpisgd.comm.shared import SharedReducer
+from mpisgd.files import atomic_write
 
 PLAN_FILE = "~/.cache/mpisgd/allreduce-plans.json"
+PLAN_FORMAT = "mpisgd allreduce plans 2"  # format 1: {configuration: {"float32:23": "mpi"}}, no provenance
+MAX_PLAN_BYTES = 1 << 20  # a plan is a few KiB: a larger file is not one of ours
+MAX_AGE_DAYS = 7.0  # older choices are re-checked (docs/allreduce.md, "Plans")
+CLOSE_MARGIN = 0.05  # a margin below this, or below the calls' own spread, is inside the noise: re-measured
+BUSY_TASKS = 0.5  # runnable tasks beyond the CPUs, on average while timing: the machine was busy
+RECHECK_TRIALS = 3  # calls of each candidate to re-check a choice
+CANDIDATES = ("mpi", "ring")
+OPERATIONS = ("allreduce", "reduce_scatter")
+_STAMP = "%Y-%m-%dT%H:%M:%SZ"
+_OLD_NAME = re.compile(r"^\w+:\d+$")  # format 1's "float32:23"
+_UNKNOWN = -1.0  # "the system does not say how busy it is", through a MAX all-reduce of non-negative loads
 
 
 def trials_for(nbytes: int) -> int:
@@ -50,101 +84,395 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+# -- the plan file: pure functions (no MPI) -----------------------------------------------------------
+def stamp(t: float) -> str:
+    return time.strftime(_STAMP, time.gmtime(t))
+
+
+def parse_stamp(text: Any) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(text, _STAMP)))
+    except (TypeError, ValueError):
+        return None
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) else None
+
+
+def _rounded(load: float | None) -> float | None:
+    return None if load is None else round(load, 2)
+
+
+def is_clear(ratio: float, spread: float) -> bool:
+    """Whether the slower candidate's median over the faster's (``ratio``) stands out of the noise: the
+    widest relative spread of the calls (interquartile range over median), and never less than CLOSE_MARGIN."""
+    return ratio - 1.0 > max(spread, CLOSE_MARGIN)
+
+
+def status_of(entry: Any, now: float) -> str | None:
+    """What a run does with a plan entry: "trust" it, "recheck" it with a few calls, or "remeasure" it
+    (its margin was inside the noise); None for something that is not an entry (ignored)."""
+    if entry in CANDIDATES:
+        return "recheck"  # format 1: a bare choice, with no date and no margin
+    if not isinstance(entry, dict) or entry.get("choice") not in CANDIDATES:
+        return None
+    ratio, spread = _number(entry.get("ratio")), _number(entry.get("spread"))
+    if ratio is not None and spread is not None and not is_clear(ratio, spread):
+        return "remeasure"
+    when = parse_stamp(entry.get("checked") or entry.get("measured"))
+    overload = _number(entry.get("overload"))
+    if ratio is None or spread is None or when is None or not -86400 < now - when <= MAX_AGE_DAYS * 86400 \
+            or (overload is not None and overload > BUSY_TASKS):
+        return "recheck"  # no margin or no date, old, dated in the future (a wrong clock), or timed while busy
+    return "trust"
+
+
+def _plans_of(doc: Any) -> dict[str, dict[str, Any]] | None:
+    """The plans of a parsed plan file, {configuration: {"allreduce float32:23": entry}}; None when the
+    document is not a plan file of a format this code knows."""
+    if not isinstance(doc, dict):
+        return None
+    if "format" in doc:
+        plans = doc.get("plans")
+        if doc["format"] != PLAN_FORMAT or not isinstance(plans, dict) \
+                or not all(isinstance(v, dict) for v in plans.values()):
+            return None
+        return plans
+    if not all(" | k=" in key and isinstance(v, dict) and all(_OLD_NAME.match(n) and c in CANDIDATES
+                                                              for n, c in v.items()) for key, v in doc.items()):
+        return None  # format 1 exactly, or someone else's JSON: left alone
+    return {key: {f"allreduce {name}": choice for name, choice in v.items()} for key, v in doc.items()}
+
+
+def read_plans(path: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
+    """(plans, note): the plans in ``path`` ({} when there is no file), or None with a note saying why the
+    file is not used and will not be written. Never opens anything but a regular file (a FIFO would block,
+    a device could act on an open) and never raises for what is at the path."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        return None, f"plan file {path} not read ({exc.strerror or exc})"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"plan file {path} not used: not a regular file"
+    if st.st_size > MAX_PLAN_BYTES:
+        return None, f"plan file {path} ignored: too large for a plan file (left as it is)"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        return None, f"plan file {path} not read ({exc.strerror or exc})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat above
+            return None, f"plan file {path} not used: not a regular file"
+        raw = os.read(fd, MAX_PLAN_BYTES + 1)
+    except OSError as exc:
+        return None, f"plan file {path} not read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    try:
+        plans = _plans_of(json.loads(raw)) if raw.strip() else {}
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or absurdly nested
+        plans = None
+    if plans is None:
+        return None, f"plan file {path} ignored: not a plan file this version reads (left as it is)"
+    return plans, ""
+
+
+def runnable_tasks() -> int | None:
+    """Tasks running or ready to run on this machine now (Linux: /proc/loadavg), None where unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Both candidates' median time (s) at the slowest rank, the widest relative spread of their calls
+    (interquartile range over median, any rank), and the runnable tasks beyond the CPUs meanwhile (the
+    busiest node's mean; None where the system does not say). The same on every rank."""
+
+    median_s: tuple[float, float]
+    spread: float
+    overload: float | None
+
+    @property
+    def winner(self) -> str:
+        return CANDIDATES[int(self.median_s[1] < self.median_s[0])]
+
+    @property
+    def ratio(self) -> float:
+        return max(self.median_s) / min(self.median_s)
+
+    @property
+    def clear(self) -> bool:
+        return is_clear(self.ratio, self.spread)
+
+    @property
+    def busy(self) -> bool:
+        return self.overload is not None and self.overload > BUSY_TASKS
+
+    def record(self, choice: str, trials: int, now: float) -> dict[str, Any]:
+        """The plan file's entry for a choice made on these figures."""
+        return {"choice": choice, "measured": stamp(now), "trials": trials,
+                "median_us": {c: round(t * 1e6, 3) for c, t in zip(CANDIDATES, self.median_s)},
+                "ratio": round(self.ratio, 4), "spread": round(self.spread, 4),
+                "overload": _rounded(self.overload)}
+
+
 class AutoReducer(Reducer):
     name = "auto"
-    native_reduce_scatter = True
+    native_reduce_scatter = True  # MPI's true reduce-scatter is a candidate; the ring's runs where it measured faster
 
-    def __init__(self, comm: Any, *, plan_file: str | None = None) -> None:
+    def __init__(self, comm: Any, *, plan_file: str | None = None, deterministic: bool = False) -> None:
         super().__init__(comm)
+        _, self.local_size, _, nodes = node_layout(self.comm)
         self.mpi, self.ring = MpiReducer(self.comm), RingReducer(self.comm)
-        self.shared = SharedReducer(self.comm) if self.size > 1 and on_one_node(self.comm) else None
-        self.routes: dict[int, tuple[Any, Reducer]] = {}  # nbytes -> (dtype, mpi or ring), as its class decided
-        self.plan: dict[str, str] = {}  # "dtype:class" -> "mpi" | "ring": this run's choices
-        path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
-        self.plan_file = None if path in ("", "off") else Path(path).expanduser()
+        self.det = DeterministicReducer(self.comm) if deterministic and self.size > 2 else None
+        self.shared = SharedReducer(self.comm) if self.size > 1 and nodes == 1 else None
+        self.by_name: dict[str, Reducer] = {"mpi": self.mpi, "ring": self.ring}
+        if self.det is not None:
+            self.by_name["deterministic"] = self.det
+        self.routes: dict[int, tuple[Any, Reducer]] = {}  # all-reduce nbytes -> (dtype, reducer), as its class decided
+        self.scatter_routes: dict[int, tuple[Any, Reducer]] = {}  # the same for reduce-scatter
+        self.plan: dict[str, str] = {}  # "allreduce float32:23" -> "mpi" | "ring" | ...: this run's choices
+        self.origin: dict[str, str] = {}  # -> "measured", "from plan", "re-checked", "re-measured" or "fixed: why"
+        self.records: dict[str, dict[str, Any]] = {}  # -> what the plan file keeps, for entries made in this run
+        self.new_records = False  # records made since the last tune() (the same on every rank)
+        self.unwritten = False  # records the plan file does not hold yet (rank 0's concern)
+        self.busy = False  # some timing in this run saw a busy machine
+        self.plan_file: Path | None = None  # rank 0's, once read and found to be ours (or absent)
         hosts = ",".join(sorted(set(self.comm.allgather(MPI.Get_processor_name()))))
         self.plan_key = f"{' '.join(MPI.Get_library_version().split()[:3])} | k={self.size} | {hosts}"
-        self.known: dict[str, str] = self.comm.bcast(self._plans().get(self.plan_key, {}) if self.rank == 0
-                                                     else None, root=0)
+        path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
+        loaded = self._load(path) if self.rank == 0 else None  # rank 0's environment decides for every rank
+        self.loaded, self.note = self.comm.bcast(loaded, root=0)
 
     # -- the plan ------------------------------------------------------------------------
-    def _plans(self) -> dict[str, Any]:
+    def _load(self, path: str) -> tuple[dict[str, tuple[Any, str]], str]:
+        """Rank 0: this configuration's entries, each with its status_of(), and a note for describe().
+        Never raises, so that every rank reaches the broadcast whatever is at the path."""
+        if path in ("", "off") or self.size == 1 or self.det is not None:  # nothing that a plan would decide
+            return {}, ""
         try:
-            return json.loads(self.plan_file.read_text()) if self.plan_file else {}
-        except (OSError, ValueError):
-            return {}
+            where = Path(path).expanduser()
+            plans, note = read_plans(where)
+            if plans is None:
+                return {}, note  # not ours: never written
+            now = time.time()
+            entries = {name: (e, status_of(e, now)) for name, e in plans.get(self.plan_key, {}).items()}
+            self.plan_file = where
+            return {name: e for name, e in entries.items() if e[1] is not None}, ""
+        except Exception as exc:  # whatever is at the path, the other ranks must not be left waiting
+            return {}, f"plan file {path} ignored ({exc})"
 
     def _save(self) -> None:
-        if self.plan_file is None or self.rank != 0:
+        """Rank 0 merges this run's entries into the plan file (other configurations' plans kept), all or
+        nothing; a plan that cannot be written is measured again next time, not an error."""
+        if self.rank != 0 or self.plan_file is None or not self.unwritten:
             return
-        plans = self._plans()
-        plans[self.plan_key] = {**plans.get(self.plan_key, {}), **self.plan}
+        plans, note = read_plans(self.plan_file)
+        if plans is None:  # it changed into something that is not ours since it was read
+            self.note, self.plan_file = note, None
+            return
+        plans[self.plan_key] = {**plans.get(self.plan_key, {}), **self.records}
+        body = json.dumps({"format": PLAN_FORMAT, "plans": plans}, indent=1, sort_keys=True).encode()
         try:
-            self.plan_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.plan_file.with_suffix(f".tmp.{os.getpid()}")
-            tmp.write_text(json.dumps(plans, indent=1, sort_keys=True))
-            tmp.replace(self.plan_file)
-        except OSError:
-            pass  # a plan that cannot be kept is measured again next time
+            atomic_write(self.plan_file, lambda f: f.write(body))
+        except OSError as exc:
+            self.note = f"plan not saved to {self.plan_file} ({exc.strerror or exc})"
+            return
+        self.unwritten = False
+
+    def _fixed(self, dtype: Any) -> tuple[str, str] | None:
+        """(strategy, why) where there is nothing to measure."""
+        if self.det is not None:
+            return "deterministic", "deterministic"
+        if self.size == 1:
+            return "mpi", "one rank"
+        if mpi_sum_type(dtype) is None:
+            return "ring", f"MPI cannot sum {dtype}"
+        return None
+
+    def _decide(self, op: str, dtype: Any, nbytes: int, compare: Callable[[int], Timing]) -> str:
+        """The strategy for op on a buffer of this dtype and size (collective the first time its class is
+        seen: every rank makes the same calls and reads the same reduced figures, so all decide alike)."""
+        name = f"{op} {dtype}:{nbytes.bit_length()}"
+        choice = self.plan.get(name)
+        if choice is not None:
+            return choice
+        fixed = self._fixed(dtype)
+        if fixed is not None:
+            choice, origin = fixed[0], f"fixed: {fixed[1]}"
+        else:
+            entry, status = self.loaded.get(name, (None, "measure"))
+            choice, origin = self._settle(name, entry, status, compare, trials_for(nbytes))
+        self.plan[name], self.origin[name] = choice, origin
+        return choice
+
+    def _settle(self, name: str, entry: Any, status: str, compare: Callable[[int], Timing],
+                trials: int) -> tuple[str, str]:
+        """(choice, origin) for a class that needs one: the plan's choice when trusted; re-checked with a few
+        calls, kept unless clearly slower now; otherwise measured (a toss-up again keeps the plan's choice)."""
+        kept = "" if entry is None else entry if isinstance(entry, str) else entry["choice"]
+        now = time.time()
+        if status == "trust":
+            return kept, "from plan"
+        if status == "recheck":
+            t = compare(RECHECK_TRIALS)
+            if not (t.clear and t.winner != kept):
+                if not t.busy:  # a busy machine cannot vouch for it: it is re-checked again next run
+                    self._keep(name, self._rechecked(entry, kept, t, now))
+                return kept, "re-checked"
+        t = compare(trials)
+        choice = t.winner if t.clear or not kept else kept
+        self._keep(name, t.record(choice, trials, now))
+        return choice, "measured" if entry is None else "re-measured"
+
+    @staticmethod
+    def _rechecked(entry: Any, kept: str, t: Timing, now: float) -> dict[str, Any]:
+        """A re-checked entry: dated now, with its margin as measured, or the re-check's where it had none
+        (format 1, which is not dated either)."""
+        if isinstance(entry, dict) and _number(entry.get("ratio")) is not None \
+                and _number(entry.get("spread")) is not None:
+            return {**entry, "checked": stamp(now), "overload": _rounded(t.overload)}
+        return {**t.record(kept, RECHECK_TRIALS, now), "measured": None, "checked": stamp(now)}
+
+    def _keep(self, name: str, record: dict[str, Any]) -> None:
+        self.records[name] = record
+        self.new_records = self.unwritten = True
+
+    def _compare(self, run: Callable[[Reducer], Any], keep: list[Array], sync_on: Array, trials: int) -> Timing:
+        """Time both candidates on this data (collective) and put the data back."""
+        saved = [a.copy() for a in keep]
+        times, overload = self._time_calls(run, sync_on, trials)
+        for a, s in zip(keep, saved):
+            a[...] = s
+        med = np.maximum(np.median(times, axis=1), 1e-9)
+        q25, q75 = np.percentile(times, [25, 75], axis=1)
+        figures = np.array([med[0], med[1], float(np.max((q75 - q25) / med)),
+                            _UNKNOWN if overload is None else max(0.0, overload)])
+        self.comm.Allreduce(MPI.IN_PLACE, figures, op=MPI.MAX)
+        t = Timing((float(figures[0]), float(figures[1])), float(figures[2]),
+                   None if figures[3] == _UNKNOWN else float(figures[3]))
+        self.busy |= t.busy
+        return t
+
+    def _time_calls(self, run: Callable[[Reducer], Any], sync_on: Array, trials: int) -> tuple[Any, float | None]:
+        """(times, overload): per trial, each candidate's time for the second of two calls in a row (as a run
+        of them goes), alternating which goes first; and the mean of the runnable tasks beyond this node's
+        CPUs (our own ranks spin in MPI, so they count), None where unknown. The median, not the minimum,
+        decides: a candidate with a few lucky calls is not the faster one in a run."""
+        times = np.zeros((2, trials))
+        running = []
+        with np.errstate(over="ignore", invalid="ignore"):  # in place, values double at each call
+            for trial in range(trials):
+                for i in (0, 1) if trial % 2 == 0 else (1, 0):
+                    red = self.by_name[CANDIDATES[i]]
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        run(red)
+                        sync(sync_on)
+                    times[i, trial] = time.perf_counter() - t0
+                n = runnable_tasks()
+                if n is not None:
+                    running.append(n)
+        if not running:
+            return times, None
+        return times, float(np.mean(running)) - max(os.cpu_count() or 1, self.local_size)
 
     def _route(self, src: Array, dst: Array) -> Reducer:
-        """mpi or ring for dst's class (decided now, on this call's data, when the class is new); the exact
-        size is remembered too, so that the next call of it costs one dictionary look-up."""
-        name = f"{dst.dtype}:{dst.nbytes.bit_length()}"
-        choice = self.plan.get(name)
-        if choice is None:
-            if self.size == 1 or mpi_sum_type(dst.dtype) is None:  # nothing to choose; a dtype MPI cannot sum
-                choice = "mpi" if self.size == 1 else "ring"
-            else:
-                choice = self.known.get(name) or self._measure(src, dst)
-            self.plan[name] = choice
-            if name not in self.known:
-                self._save()
-        red = self.mpi if choice == "mpi" else self.ring
+        """The all-reduce strategy for dst's class; the exact size is remembered too, so that the next call
+        of it costs one dictionary look-up."""
+        def compare(trials: int) -> Timing:
+            return self._compare(lambda red: red.allreduce_(dst) if src is dst else red.allreduce(src, dst),
+                                 [dst], dst, trials)
+
+        red = self.by_name[self._decide("allreduce", dst.dtype, dst.nbytes, compare)]
         if len(self.routes) < 4096:
             self.routes[dst.nbytes] = (dst.dtype, red)
         return red
 
-    def _known(self, buf: Array) -> Reducer | None:
+    def _scatter_route(self, buf: Array, out: Array, counts: list[int]) -> Reducer:
+        """The reduce-scatter strategy for buf's class (as _route)."""
+        def compare(trials: int) -> Timing:
+            return self._compare(lambda red: red.start_reduce_scatter(buf, out, counts).wait(), [buf, out], out,
+                                 trials)
+
+        red = self.by_name[self._decide("reduce_scatter", buf.dtype, buf.nbytes, compare)]
+        if len(self.scatter_routes) < 4096:
+            self.scatter_routes[buf.nbytes] = (buf.dtype, red)
+        return red
+
+    def _known(self, buf: Array, routes: dict[int, tuple[Any, Reducer]]) -> Reducer | None:
         """The route of an exact size and dtype seen before (one dictionary look-up and an identity test)."""
-        hit = self.routes.get(buf.nbytes)
+        hit = routes.get(buf.nbytes)
         return hit[1] if hit is not None and hit[0] is buf.dtype else None
 
-    def _measure(self, src: Array, dst: Array) -> str:
-        """Time mpi and ring alternately on this data, each the second of two calls in a row; the lower median
-        at the slowest rank wins (collective): the median, not the minimum, since a candidate with a few lucky
-        calls is not the faster one in a run. The data are put back before the call is made for real."""
-        keep = dst.copy()
-        times = np.zeros((2, trials_for(dst.nbytes)))
-        with np.errstate(over="ignore", invalid="ignore"):  # in place, values double at each call
-            for trial in range(times.shape[1]):
-                for i in (0, 1) if trial % 2 == 0 else (1, 0):
-                    red = (self.mpi, self.ring)[i]
-                    for _ in range(2):  # time the second of two calls in a row: as a run of them goes
-                        t0 = time.perf_counter()
-                        red.allreduce_(dst) if src is dst else red.allreduce(src, dst)
-                        sync(dst)
-                    times[i, trial] = time.perf_counter() - t0
-        dst[...] = keep
-        typical = np.median(times, axis=1)
-        self.comm.Allreduce(MPI.IN_PLACE, typical, op=MPI.MAX)
-        return "ring" if typical[1] < typical[0] else "mpi"
-
+    # -- what it says ------------------------------------------------------------------------
     def plan_summary(self) -> str:
-        """The plan in words: per dtype, the byte ranges each strategy serves ("mpi 4 B-1 MiB": from 4 B
-        up to, not including, 1 MiB)."""
+        """The plan in words: per operation and dtype, the byte ranges each strategy serves ("mpi 4 B-1 MiB":
+        from 4 B up to, not including, 1 MiB); all-reduce first, unnamed."""
+        classes: dict[tuple[str, str], list[tuple[int, str]]] = {}
+        for name, choice in self.plan.items():
+            op, rest = name.split(" ", 1)
+            dtype, c = rest.rsplit(":", 1)
+            classes.setdefault((op, dtype), []).append((int(c), choice))
         out = []
-        for dtype in sorted({name.split(":")[0] for name in self.plan}):
+        for op, dtype in sorted(classes, key=lambda k: (OPERATIONS.index(k[0]), k[1])):
             runs: list[list[Any]] = []  # [first class, last class, choice], neighbours with one choice merged
-            for c, choice in sorted((int(n.split(":")[1]), v) for n, v in self.plan.items()
-                                    if n.split(":")[0] == dtype):
+            for c, choice in sorted(classes[op, dtype]):
                 if runs and runs[-1][2] == choice and runs[-1][1] == c - 1:
                     runs[-1][1] = c
                 else:
                     runs.append([c, c, choice])
-            out.append(f"{dtype} " + ", ".join(f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human(1 << b)}"
-                                               for a, b, v in runs))
+            label = "" if op == "allreduce" else "reduce-scatter "
+            out.append(f"{label}{dtype} " + ", ".join(
+                f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human(1 << b)}" for a, b, v in runs))
         return "; ".join(out)
+
+    def plan_origin(self) -> str:
+        """Where this run's choices came from, in words: "measured now", "plan from 2026-12-01",
+        "plan from 2026-11-20, re-checked", "plan from 2026-11-20, 1 of 3 re-measured, 2 measured now"."""
+        origins = {n: o for n, o in self.origin.items() if not o.startswith("fixed")}
+        parts = []
+        from_file = [n for n, o in origins.items() if o != "measured"]
+        if from_file:
+            dates = sorted(e["measured"][:10] for e in (self.loaded[n][0] for n in from_file)
+                           if isinstance(e, dict) and parse_stamp(e.get("measured")) is not None)
+            text = f"plan from {dates[0]}" if dates else "plan from an older format"
+            for what in ("re-checked", "re-measured"):
+                n = sum(origins[name] == what for name in from_file)
+                text += "" if not n else f", {what}" if n == len(from_file) else f", {n} of {len(from_file)} {what}"
+            parts.append(text)
+        measured = len(origins) - len(from_file)
+        if measured:
+            parts.append("measured now" if not from_file else f"{measured} measured now")
+        fixed = sorted({o[len("fixed: "):] for o in self.origin.values() if o.startswith("fixed")})
+        if fixed:
+            parts.append("not measured: " + ", ".join(fixed))
+        if self.busy:
+            parts.append("timed on a busy machine")
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        window = self.shared is not None and self.shared.win is not None
+        if self.det is not None:
+            head = "node-shared buffer on this node, deterministic elsewhere" if window \
+                else "auto: deterministic (rank-order sums) for every buffer"
+        else:
+            plan = f"{self.plan_summary()} ({self.plan_origin()})" if self.plan else \
+                "mpi or ring per operation and size, whichever measures faster"
+            if window:
+                head = "node-shared buffer on this node" + (f"; other buffers: {plan}" if self.plan else "")
+            else:
+                why = f" (no node-shared buffer: {self.shared.refused})" if self.shared and self.shared.refused \
+                    else ""
+                head = f"auto: {plan}{why}"
+        return f"{head}; {self.note}" if self.note else head
 
     # -- the Reducer interface -------------------------------------------------------------
     def allreduce_(self, buf: Array) -> None:
@@ -152,7 +480,7 @@ class AutoReducer(Reducer):
         (hit[1] if hit is not None and hit[0] is buf.dtype else self._route(buf, buf)).allreduce_(buf)
 
     def allreduce(self, src: Array, dst: Array) -> None:
-        (self._known(dst) or self._route(src, dst)).allreduce(src, dst)
+        (self._known(dst, self.routes) or self._route(src, dst)).allreduce(src, dst)
 
     def _in_window(self, buf: Array) -> bool:
         return self.shared is not None and self.shared.offset_of(buf) is not None
@@ -160,30 +488,37 @@ class AutoReducer(Reducer):
     def start(self, buf: Array) -> Handle:
         if self._in_window(buf):
             return self.shared.start(buf)  # type: ignore[union-attr]
-        return (self._known(buf) or self._route(buf, buf)).start(buf)
+        return (self._known(buf, self.routes) or self._route(buf, buf)).start(buf)
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         if self._in_window(buf):
             return self.shared.start_reduce_scatter(buf, out, counts)  # type: ignore[union-attr]
-        red = self.mpi if mpi_sum_type(buf.dtype) is not None else self.ring
+        red = self._known(buf, self.scatter_routes) or self._scatter_route(buf, out, counts)
         return red.start_reduce_scatter(buf, out, counts)
 
     def shared_buffer(self, n: int, dtype: Any) -> Array | None:
         return None if self.shared is None else self.shared.shared_buffer(n, dtype)
 
-    def tune(self, bufs: list[Array]) -> None:
+    def tune(self, bufs: list[Array], *, reduce_scatter: bool = False) -> None:
+        """Collective: decide now for buffers like these (all-reduce, or with ``reduce_scatter`` a
+        reduce-scatter into near-equal chunks in rank order, as data parallelism's sharded step makes),
+        then save the plan file if that measured or re-checked anything."""
         for buf in bufs:
-            if not self._in_window(buf):
+            if self._in_window(buf):
+                continue
+            if reduce_scatter:
+                counts = chunk_counts(buf.size, self.size)
+                self._scatter_route(buf.reshape(-1), xp_of(buf).empty(counts[self.rank], buf.dtype), counts)
+            else:
                 self._route(buf, buf)
-
-    def describe(self) -> str:
-        if self.shared is not None and self.shared.win is not None:
-            return self.shared.describe()
-        why = f" (no node-shared buffer: {self.shared.refused})" if self.shared and self.shared.refused else ""
-        return f"auto: {self.plan_summary() or 'mpi or ring per size, whichever is faster when first seen'}{why}"
+        if self.new_records:  # the same on every rank, so every rank reaches the broadcast or none does
+            self._save()
+            self.note = self.comm.bcast(self.note, root=0)  # every rank's describe() says what rank 0 found
+            self.new_records = False
 
     def close(self) -> None:
-        for red in (self.shared, self.ring, self.mpi):
+        self._save()
+        for red in (self.shared, self.det, self.ring, self.mpi):
             if red is not None:
                 red.close()
         super().close()

@@ -33,10 +33,11 @@ class Done:
 
 
 class RequestHandle:
-    """A Handle over one non-blocking MPI request."""
+    """A Handle over one non-blocking MPI request, holding the buffers it reads and writes: MPI uses them
+    until the request completes, so a temporary passed to ``start`` must outlive the call."""
 
-    def __init__(self, req: Any) -> None:
-        self.req = req
+    def __init__(self, req: Any, *buffers: Any) -> None:
+        self.req, self.buffers = req, buffers
 
     def test(self) -> bool:
         return bool(self.req.Test())
@@ -238,7 +239,7 @@ class Reducer(ABC):
         "The sharded optimizer step")."""
         if self.size == 1:
             return Done()
-        return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, byte_spec(buf, counts)))
+        return RequestHandle(self.comm.Iallgatherv(MPI.IN_PLACE, byte_spec(buf, counts)), buf)
 
     def shared_buffer(self, n: int, dtype: Any) -> Array | None:
         """A buffer of n elements that this reducer reduces faster than private memory (node-shared
@@ -246,9 +247,10 @@ class Reducer(ABC):
         has none (the default). Collective where it returns one; valid until :meth:`close`."""
         return None
 
-    def tune(self, bufs: list[Array]) -> None:
-        """Collective: prepare for non-blocking operations on buffers like these (``auto`` picks its
-        strategy for their sizes now rather than in the middle of a step). The default does nothing."""
+    def tune(self, bufs: list[Array], *, reduce_scatter: bool = False) -> None:
+        """Collective: prepare for non-blocking operations on buffers like these, all-reduces or (with
+        ``reduce_scatter``) reduce-scatters (``auto`` picks its strategy for their sizes now rather than
+        in the middle of a step). The default does nothing."""
         return None
 
     def describe(self) -> str:

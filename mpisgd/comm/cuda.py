@@ -209,8 +209,8 @@ class CudaAwareReducer(Reducer):
     def allreduce_(self, buf: Array) -> None:
         self.start(buf).wait()
 
-    def tune(self, bufs: list[Array]) -> None:
-        self.inner.tune(bufs)
+    def tune(self, bufs: list[Array], *, reduce_scatter: bool = False) -> None:
+        self.inner.tune(bufs, reduce_scatter=reduce_scatter)
 
     def close(self) -> None:
         self.inner.close()
@@ -239,5 +239,6 @@ class StagedReducer(CudaAwareReducer):
         mem = self.cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
         return mem, np.frombuffer(mem, dtype=np.uint8, count=max(nbytes, 1))
 
-    def tune(self, bufs: list[Array]) -> None:
-        self.inner.tune([np.empty(b.size, b.dtype) for b in bufs])  # the inner sees host buffers of these sizes
+    def tune(self, bufs: list[Array], *, reduce_scatter: bool = False) -> None:
+        # the inner sees host buffers of these sizes
+        self.inner.tune([np.empty(b.size, b.dtype) for b in bufs], reduce_scatter=reduce_scatter)

@@ -51,12 +51,13 @@ class MpiReducer(Reducer):
         self.comm.Allreduce(mpi_buffer(src), mpi_buffer(dst), op=MPI.SUM)
 
     def start(self, buf: Array) -> Handle:
-        return RequestHandle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM))
+        return RequestHandle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(buf), op=MPI.SUM), buf)
 
     def start_reduce_scatter(self, buf: Array, out: Array, counts: list[int]) -> Handle:
         """``MPI_Ireduce_scatter``: each rank receives only its chunk of the sum (half an all-reduce's traffic)."""
         check_chunks(buf.size, out.size, counts, self.size, self.rank)
-        return RequestHandle(self.comm.Ireduce_scatter(mpi_buffer(buf), mpi_buffer(out), counts, op=MPI.SUM))
+        return RequestHandle(self.comm.Ireduce_scatter(mpi_buffer(buf), mpi_buffer(out), counts, op=MPI.SUM),
+                             buf, out)
 
     def describe(self) -> str:
         return "mpi (the MPI library's Allreduce)"

@@ -16,7 +16,8 @@ so a bucket (at the same offset on every rank) moves no data in messages:
 
 ``MPI_Win_sync`` on each side of every message is the memory fence between one
 process's stores and another's loads. Later phases are posted when the handle
-is tested. Buffers outside the window go to ``mpi``. The window lives in
+is tested. Buffers outside the window go to ``mpi`` (``deterministic`` with
+``deterministic=True`` at k >= 3, so that every sum is in rank order). The window lives in
 ``/dev/shm``, where a full tmpfs kills the job with SIGBUS at a page's first
 touch, so no rank gets a buffer unless every rank has twice its size free.
 """
@@ -39,6 +40,7 @@ from mpisgd.comm.base import (
     chunk_counts,
     on_one_node,
 )
+from mpisgd.comm.deterministic import DeterministicReducer
 from mpisgd.comm.mpi import MpiReducer
 
 TAG_BASE = 16_400
@@ -126,17 +128,19 @@ class SharedOp:
 
 
 class SharedReducer(Reducer):
-    """Pieces of :meth:`shared_buffer` are reduced in place from the peers' memory; other buffers go to mpi."""
+    """Pieces of :meth:`shared_buffer` are reduced in place from the peers' memory, in rank order; other
+    buffers go to mpi, or with ``deterministic`` at k >= 3 to the deterministic strategy."""
 
     name = "shared"
     native_reduce_scatter = True
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, *, deterministic: bool = False) -> None:
         super().__init__(comm)
         if not on_one_node(self.comm):
             self.comm.Free()
             raise ValueError("the shared strategy needs every rank on one node; use auto, mpi or ring")
-        self.other = MpiReducer(self.comm)
+        self.other: Reducer = DeterministicReducer(self.comm) if deterministic and self.size > 2 \
+            else MpiReducer(self.comm)
         self.win: Any = None
         self.bufs: list[Array] = []  # every rank's buffer, rank order, mapped here
         self.mine: Array | None = None
@@ -194,7 +198,7 @@ class SharedReducer(Reducer):
     def describe(self) -> str:
         if self.win is not None:
             return "node-shared buffer on this node"
-        return "mpi (no node-shared buffer" + (f": {self.refused})" if self.refused else ")")
+        return f"{self.other.name} (no node-shared buffer" + (f": {self.refused})" if self.refused else ")")
 
     def close(self) -> None:
         """Collective. Views of the shared buffer must not be used afterwards (data parallelism copies

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import traceback
 from collections.abc import Callable
 
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
@@ -56,7 +57,8 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
 
 def factory(name: str) -> Callable[..., Sequential]:
     """``mlp``, ``cnn``, or ``package.module:function`` (importable from the working directory or
-    PYTHONPATH). Raises ValueError saying what is wrong."""
+    PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
+    does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
     if name == "mlp":
         return lambda in_shape, n_classes, hidden=(1024, 1024): mlp(hidden, math.prod(in_shape), n_classes)
     if name == "cnn":
@@ -66,37 +68,75 @@ def factory(name: str) -> Callable[..., Sequential]:
         raise ValueError(f"--model {name}: use mlp, cnn, or package.module:function for a model of your own")
     try:
         found = getattr(importlib.import_module(module), fn)
+    except SyntaxError as exc:  # before ImportError's handler: the user's typo, where it is
+        raise ValueError(f"--model {name}: {exc.filename}, line {exc.lineno}: {type(exc).__name__}: {exc.msg}") \
+            from None
     except ImportError as exc:
         raise ValueError(f"--model {name}: cannot import {module} ({exc})") from None
     except AttributeError:
         raise ValueError(f"--model {name}: {module} has no {fn}") from None
+    except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while importing
+        raise ValueError(f"--model {name}: importing {module} {_raised(exc)}") from None
     return lambda in_shape, n_classes, hidden=(): found(tuple(in_shape), n_classes)
+
+
+def _raised(exc: BaseException) -> str:
+    """'raised KeyError: 'x' (at file.py:12)', or 'called sys.exit(3)': the user's code failing, in words."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"raised {type(exc).__name__}: {exc}{where}"
 
 
 def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
                 hidden: tuple[int, ...] = (1024, 1024)) -> Sequential:
     """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
-    name, a factory that raises or does not return a Sequential)."""
+    name, a factory that raises or exits, or one that does not return a Sequential)."""
     make = factory(name)
     if name in ("mlp", "cnn"):
         model = make(in_shape, n_classes, hidden)
     else:
         try:
             model = make(in_shape, n_classes)
-        except Exception as exc:  # the user's code: say whose error it is, in one line
-            raise ValueError(f"--model {name} raised {type(exc).__name__}: {exc}") from None
+        except (Exception, SystemExit) as exc:  # the user's code: say whose error it is, in one line
+            raise ValueError(f"--model {name} {_raised(exc)}") from None
     if not isinstance(model, Sequential):
         raise ValueError(f"--model {name} must return an mpisgd.nn.Sequential, got {type(model).__name__}")
     return model
 
 
+BATCH_LAST_HINT = ("Conv2d and MaxPool2d take batch-last (C, H, W, N) arrays while batches arrive as (N, C, H, W): "
+                   "put Permute((1, 2, 3, 0)) before the first of them and Permute((3, 0, 1, 2)) before Flatten "
+                   "(see examples/model_factory.py)")
+
+
+def _layout_hint(model: Sequential) -> str:
+    """The hint for a model whose Conv2d or MaxPool2d has no Permute before it ("" otherwise)."""
+    for layer in model.layers:
+        if isinstance(layer, Permute):
+            return ""
+        if isinstance(layer, Conv2d | MaxPool2d):
+            return f"; {BATCH_LAST_HINT}"
+    return ""
+
+
 def check_output(model: Sequential, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str) -> None:
-    """One sample through the materialised model: it must give one score per class (ValueError)."""
+    """Two samples through the materialised model, forward then backward (a loss gradient of ones): it must
+    give one score per class, and both passes must run. ValueError names the failing pass and the user's
+    exception, with a hint when a convolution lacks its layout change. The gradients this leaves are
+    overwritten by the first step."""
+    x = xp.zeros((2, *in_shape), dtype=dtype)  # type: ignore[attr-defined]
     try:
-        out = model.forward(xp.zeros((1, *in_shape), dtype=dtype))  # type: ignore[attr-defined]
+        out = model.forward(x)
     except Exception as exc:
         raise ValueError(f"the model cannot take samples of shape {tuple(in_shape)} "
-                         f"({type(exc).__name__}: {exc})") from None
-    if tuple(out.shape) != (1, n_classes):
-        raise ValueError(f"the model gives {tuple(out.shape[1:])} outputs per sample; the data have {n_classes} "
-                         "classes (labels 0..C-1), so it must give one score per class")
+                         f"({type(exc).__name__}: {exc}){_layout_hint(model)}") from None
+    if tuple(out.shape) != (2, n_classes):
+        shape = tuple(out.shape[1:]) if out.shape[:1] == (2,) else f"{tuple(out.shape)} for 2 samples"
+        raise ValueError(f"the model gives {shape} outputs per sample; the data have {n_classes} "
+                         "classes (labels 0..C-1), so it must give one score per class" + _layout_hint(model))
+    try:
+        model.backward(xp.ones_like(out) / 2)  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise ValueError(f"the model's backward fails ({type(exc).__name__}: {exc}){_layout_hint(model)}") from None

@@ -1,0 +1,147 @@
+"""AdamW and LAMB, on the same flat buffers as mpisgd.optim.SGD.
+
+AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), as ``torch.optim.AdamW``
+computes it; t counts the steps taken (this one included), g is the averaged gradient, wd the decay:
+
+    w *= 1 - lr*wd                                  decoupled: the decay never enters the moments
+    m  = b1*m + (1 - b1)*g
+    v  = b2*v + (1 - b2)*g*g
+    w -= lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps)
+
+LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes"):
+Adam's direction with the decay inside it, scaled per weight tensor by a trust ratio (phi = identity):
+
+    r     = m_hat / (sqrt(v_hat) + eps) + wd*w      m_hat = m/(1 - b1^t), v_hat = v/(1 - b2^t)
+    ratio = ||w|| / ||r||                           1 for 1-D tensors (biases) and where a norm is 0
+    w    -= lr * ratio * r
+
+so each weight tensor steps lr*||w|| whatever the scale of its gradient, as LARS's steps about
+c*lr*||w|| (mpisgd.lars says why biases keep ratio 1 and still take the decay). The squared norms come
+from the :class:`~mpisgd.optim.TensorNorms` the step is given: in the sharded step every rank's pieces.
+
+State (the Optimizer protocol of mpisgd.optim): the moments ``exp_avg`` and ``exp_avg_sq`` (PyTorch's
+names), parameter-sized, and the step count t (steps skipped for a non-finite gradient do not count).
+One more parameter-sized buffer is scratch, so a step allocates nothing: ufuncs with ``out=``, the
+same code on NumPy and CuPy, and LAMB's norms reach the host once per step, not once per tensor.
+AdamW leaves the gradient buffer as it was; LAMB leaves there the step it took, lr*ratio*r.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mpisgd.flatbuf import FlatBuffer
+from mpisgd.optim import Shards, TensorNorms, load_buffers
+
+
+class AdamW:
+    """Adam with decoupled weight decay. ``step(lr)``, ``step_shards(lr, shards, norms)`` and the state
+    (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.Optimizer)."""
+
+    def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        if flat is None:
+            raise ValueError(f"materialize() the model before building its optimizer: {type(self).__name__}"
+                             "(model.flat) needs the parameters")
+        b1, b2 = betas
+        for name, beta in (("beta1", b1), ("beta2", b2)):
+            if not 0 <= beta < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be finite and > 0, got {eps}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        self.flat = flat
+        self.beta1, self.beta2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+        xp = flat.xp
+        self.exp_avg = xp.zeros_like(flat.params)  # m
+        self.exp_avg_sq = xp.zeros_like(flat.params)  # v
+        self._tmp = xp.empty_like(flat.params)  # scratch, so that the step allocates nothing
+        self.steps = 0  # t: the steps taken
+
+    def state_buffers(self) -> dict[str, Any]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def state(self) -> dict[str, float]:
+        return {"step": self.steps}
+
+    def load_state(self, state: Mapping[str, float], buffers: Mapping[str, Any] | None = None) -> None:
+        load_buffers(self, buffers)
+        self.steps = int(state.get("step", 0))
+
+    def buffer_nbytes(self) -> int:
+        """The two moments and the scratch buffer."""
+        return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + self._tmp.nbytes)
+
+    def step(self, lr: float) -> None:
+        """Update every parameter from the gradient buffer."""
+        self.step_shards(lr, [(0, self.flat.size, self.flat.grads)])
+
+    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+        """Update only the ranges ``[lo, hi)`` of ``shards`` from their gradient pieces; element by element
+        the whole step's update (AdamW needs no norms)."""
+        self.steps += 1
+        step_size = lr / (1.0 - self.beta1 ** self.steps)
+        for lo, hi, g in shards:
+            w, tmp = self.flat.params[lo:hi], self._tmp[lo:hi]
+            if self.weight_decay:
+                w *= 1.0 - lr * self.weight_decay
+            self._denominator(lo, hi, g)  # into tmp
+            self.flat.xp.divide(self.exp_avg[lo:hi], tmp, out=tmp)
+            tmp *= step_size
+            w -= tmp
+
+    def _denominator(self, lo: int, hi: int, g: Any) -> None:
+        """Both moments of [lo, hi) from ``g``, then sqrt(v)/sqrt(1 - b2^t) + eps into the scratch buffer."""
+        xp, b1, b2 = self.flat.xp, self.beta1, self.beta2
+        m, v, tmp = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self._tmp[lo:hi]
+        m *= b1
+        xp.multiply(g, 1.0 - b1, out=tmp)
+        m += tmp
+        v *= b2
+        xp.multiply(g, g, out=tmp)
+        tmp *= 1.0 - b2
+        v += tmp
+        xp.sqrt(v, out=tmp)
+        tmp /= math.sqrt(1.0 - b2 ** self.steps)
+        tmp += self.eps
+
+
+class LAMB(AdamW):
+    """Adam's direction plus decay, r, scaled per weight tensor (2-D and up) to step lr*||w||."""
+
+    def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(flat, betas, eps, weight_decay)
+        self.adapted = [len(shape) > 1 for shape in flat.shapes]  # per tensor, in flat.shapes order
+
+    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+        """Update only the ranges ``[lo, hi)`` of ``shards``. ``norms`` gives the whole tensors' squared
+        norms of w and r; without it they come from ``shards`` alone, right only when those hold whole
+        tensors."""
+        norms = norms or TensorNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in shards])
+        self.steps += 1
+        bc1, w, xp = 1.0 - self.beta1 ** self.steps, self.flat.params, self.flat.xp
+        for lo, hi, g in shards:  # g becomes r
+            self._denominator(lo, hi, g)
+            xp.divide(self.exp_avg[lo:hi], self._tmp[lo:hi], out=g)
+            g /= bc1
+            if self.weight_decay:
+                tmp = self._tmp[lo:hi]
+                xp.multiply(w[lo:hi], self.weight_decay, out=tmp)
+                g += tmp
+        ratios = self.trust_ratios(norms.squared([w[lo:hi] for lo, hi, _ in shards], [g for _, _, g in shards]))
+        offsets = self.flat.offsets
+        for lo, hi, g in shards:  # w -= lr*ratio*r, tensor by tensor
+            for t, ratio in enumerate(ratios):
+                x, y = max(offsets[t], lo), min(offsets[t + 1], hi)
+                if x < y:
+                    g[x - lo:y - lo] *= lr * ratio
+            w[lo:hi] -= g
+
+    def trust_ratios(self, sq_norms: Any) -> list[float]:
+        """||w|| / ||r|| per tensor (rows ||w||^2 and ||r||^2); 1 for 1-D tensors and where a norm is 0."""
+        return [math.sqrt(ww) / math.sqrt(rr) if adapted and ww > 0 and rr > 0 else 1.0
+                for adapted, ww, rr in zip(self.adapted, *sq_norms)]

@@ -1,0 +1,50 @@
+"""The files a run writes beside its metrics and checkpoints: the effective configuration and TensorBoard's
+event files. :func:`check` runs at set-up (every path writable, the TensorBoard library importable), so
+that neither fails after the training; :func:`write_config` writes the configuration once set-up has
+settled it (a resumed run's derived b and m included)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mpisgd import config_file, tensorboard
+from mpisgd.config import Config, UsageError
+from mpisgd.files import atomic_write, check_output_dir, check_output_file
+
+
+def check(cfg: Config, rank: int) -> None:
+    """Rank 0's outputs beyond preflight.outputs: the configuration's copies, the TensorBoard directory."""
+    if rank != 0:
+        return
+    for path in config_file.copies(cfg):
+        if not _is_input(path, cfg):
+            check_output_file(str(path), "the configuration's copy")
+    if cfg.tensorboard:
+        check_output_dir(cfg.tensorboard, "--tensorboard")
+        tensorboard.check_installed()
+
+
+def _is_input(path: Path, cfg: Config) -> bool:
+    given = getattr(cfg, "config_file", None)
+    try:
+        return bool(given) and path.exists() and os.path.samefile(path, given)
+    except OSError:
+        return False
+
+
+def write_config(cfg: Config, k: int) -> list[str]:
+    """Write the effective configuration beside the metrics file and into the checkpoint directory, each
+    all or nothing (rank 0); never over the --config file itself. Returns warnings for the banner."""
+    text = config_file.to_toml(cfg, f"the effective configuration of a run on k={k} rank(s), written at its "
+                                    "start;\nrun it again with: python -m mpisgd.train --config THIS_FILE")
+    warnings = []
+    for path in config_file.copies(cfg):
+        if _is_input(path, cfg):
+            warnings.append(f"warning: {path} is this run's --config: not replaced by the effective configuration")
+            continue
+        try:
+            atomic_write(path, lambda f: f.write(text.encode()))
+        except (OSError, UsageError) as exc:
+            warnings.append(f"warning: the effective configuration was not written to {path} ({exc})")
+    return warnings

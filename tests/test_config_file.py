@@ -1,0 +1,151 @@
+"""--config FILE.toml: options by their long names, the command line over them, strict keys and types; the
+effective configuration printed (--print-config) and written beside the outputs, read back to the same."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env, run_mpi
+from test_config import changed
+
+from mpisgd.config import Config, UsageError, parse_config
+from mpisgd.config_file import read_config, to_toml, values
+
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+serial_only = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+
+
+def toml(tmp_path: Path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_file_sets_options_by_their_long_names_and_the_command_line_overrides_it(tmp_path):
+    path = toml(tmp_path, 'limit-train = 4096\nhidden = "512,256"\nnesterov = true\nlr = 1\n'
+                          'decay-epochs = [3, 5]\ndecay = "step"\noptimizer = "lars"\nbucket-mb = 4\n')
+    cfg = parse_config(["--config", path, "--lr", "0.3"], quiet=True)
+    assert (cfg.limit_train, cfg.hidden, cfg.nesterov, cfg.lr, cfg.decay_epochs, cfg.optimizer,
+            cfg.bucket_cap_mb) == (4096, (512, 256), True, 0.3, (3, 5), "lars", 4.0)
+    assert isinstance(cfg.lr, float) and isinstance(cfg.bucket_cap_mb, float)
+    # what resume derives b and m from: the file's keys count as given, like flags
+    assert cfg.given == {"limit_train", "hidden", "nesterov", "lr", "decay_epochs", "decay", "optimizer",
+                         "bucket_cap_mb"}
+    assert cfg.config_file == path
+    assert parse_config(["--config", toml(tmp_path, "hidden = [64, 32]\n", "b.toml")], quiet=True).hidden == (64, 32)
+    assert parse_config([], quiet=True).config_file is None
+
+
+def test_the_cnn_recipe_yields_to_the_file(tmp_path):
+    cfg = parse_config(["--config", toml(tmp_path, 'model = "cnn"\nlr = 0.05\n')], quiet=True)
+    assert (cfg.lr, cfg.weight_decay, cfg.epochs) == (0.05, 5e-4, 20)
+
+
+@pytest.mark.parametrize("text,says", [
+    ("limit_trian = 5\n", "'limit_trian' is not an option; did you mean 'limit-train'?"),
+    ("learning-rate = 0.1\n", "'learning-rate' is not an option"),
+    ("[optimizer]\nlr = 0.1\n", "[optimizer] is a table; options go at the top level"),
+    ("epochs = 2.0\n", "epochs must be an integer, got float 2.0"),
+    ('epochs = "2"\n', 'epochs must be an integer, got string "2"'),
+    ("lr = true\n", "lr must be a number, got boolean true"),
+    ("nesterov = 1\n", "nesterov must be true or false, got integer 1"),
+    ('hidden = "64,x"\n', "hidden must be a list of integers"),
+    ("hidden = [64, 1.5]\n", "hidden must be a list of integers"),
+    ("data = 3\n", "data must be a string, got integer 3"),
+    ('device = "tpu"\n', "device must be one of auto, cpu, gpu, got 'tpu'"),
+    ("limit-train = 4\nlimit_train = 5\n", "'limit_train' sets 'limit-train' a second time"),
+    ("lr = \n", "not valid TOML"),
+    ("limit-train = 0\n", "--limit-train must be >= 1, got 0"),  # then the same checks as the flags
+])
+def test_bad_files_name_the_key_and_the_type(tmp_path, text, says):
+    path = toml(tmp_path, text)
+    with pytest.raises(UsageError) as exc:
+        parse_config(["--config", path], quiet=True)
+    assert says in str(exc.value)
+    if "TOML" not in says and "--limit-train" not in says:
+        assert str(exc.value).startswith(f"--config {path}: ")
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match="--config .*nope.toml: no such file"):
+        parse_config(["--config", str(tmp_path / "nope.toml")], quiet=True)
+
+
+def other(f: dataclasses.Field):
+    """A value of field f's type other than its default (test_config's, and true for an unset flag)."""
+    return True if f.type == "bool | None" and f.default is None else changed(f)
+
+
+def test_every_option_round_trips_through_the_toml_it_prints():
+    """Every field set to a value other than its default, written as TOML, read back: the same values."""
+    every = dataclasses.replace(Config(), **{f.name: other(f) for f in dataclasses.fields(Config)})
+    for cfg in (Config(), every, Config(hidden=(), data="/a \"quoted\" path\\x", lr=1e-5, decay_epochs=(6, 9))):
+        import tomllib
+
+        got = dataclasses.replace(Config(), **values(tomllib.loads(to_toml(cfg, "a header\nof two lines")), "t"))
+        assert got == cfg
+
+
+def test_print_config_prints_what_config_reads_back(tmp_path, capsys):
+    argv = ["--model", "cnn", "--hidden", "64", "--limit-test", "100", "--no-overlap", "--data", "/x y/set.npz"]
+    with pytest.raises(SystemExit) as exc:
+        parse_config([*argv, "--print-config"])
+    assert exc.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# mpisgd's configuration") and 'model = "cnn"' in printed
+    assert "# limit-train = (not set)" in printed and "lr = 0.02" in printed  # the recipe, as it takes effect
+    path = toml(tmp_path, printed)
+    assert parse_config(["--config", path], quiet=True) == parse_config(argv, quiet=True)
+    with pytest.raises(SystemExit):
+        parse_config(["--config", path, "--print-config"])
+    assert capsys.readouterr().out == printed
+
+
+def test_read_config_returns_field_names(tmp_path):
+    assert read_config(toml(tmp_path, "stall-timeout = 5\ncheck_replicas = 3\n")) == \
+        {"stall_timeout_s": 5.0, "check_replicas": 3}
+
+
+@serial_only
+def test_print_config_from_the_command_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mpisgd.train", "--epochs", "3", "--print-config"], capture_output=True,
+                       text=True, timeout=120, env={**clean_env(), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and "epochs = 3\n" in r.stdout and "all-reduce" not in r.stdout, r.stderr
+
+
+@serial_only
+def test_the_effective_configuration_is_written_beside_the_metrics_and_the_checkpoints(tmp_path):
+    cfg_in = toml(tmp_path, 'dataset = "synthetic"\nsynthetic-samples = 512\nhidden = [16]\nprogress = "off"\n'
+                            "max-steps = 3\nbatch-size = 32\n")
+    metrics, ckpt = tmp_path / "out" / "m.jsonl", tmp_path / "ckpt"
+    r = run_mpi(2, "-m", "mpisgd.train", "--config", cfg_in, "--lr", "0.05", "--metrics-file", str(metrics),
+                "--checkpoint-dir", str(ckpt), timeout=180)
+    assert r.returncode == 0, r.stderr + r.stdout
+    written = [Path(f"{metrics}.config.toml"), ckpt / "config.toml"]
+    assert written[0].read_text() == written[1].read_text()
+    text = written[0].read_text()
+    assert "hidden = [16]" in text and "lr = 0.05" in text and f'checkpoint-dir = "{ckpt}"' in text
+    assert "k=2 rank(s)" in text
+    assert not list(tmp_path.rglob("*.tmp.*"))  # all or nothing: no temporary left
+    # the copy runs the same configuration again (here: resuming the finished run)
+    again = run_mpi(2, "-m", "mpisgd.train", "--config", str(written[0]), "--resume", "auto", timeout=180)
+    assert again.returncode == 0 and "the run is finished" in again.stdout, again.stderr + again.stdout
+    # a run whose --config is the checkpoint directory's copy leaves that file alone
+    before = written[1].read_text()
+    r = run_mpi(2, "-m", "mpisgd.train", "--config", str(written[1]), "--resume", "auto", "--max-steps", "4",
+                "--resume-allow", "max_steps", timeout=180)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert f"warning: {written[1]} is this run's --config: not replaced" in r.stdout
+    assert written[1].read_text() == before and "max-steps = 4" in written[0].read_text()
+
+
+@serial_only
+def test_bad_config_is_one_line_exit_2_on_every_rank(tmp_path):
+    r = run_mpi(2, "-m", "mpisgd.train", "--config", toml(tmp_path, "hiden = [4]\n"), timeout=120)
+    assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
+    assert "'hiden' is not an option; did you mean 'hidden'?" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,150 @@
+"""The trained model, usable: --save-model's file and checkpoints say what model they hold,
+mpisgd.load_model rebuilds it with its weights, python -m mpisgd.evaluate scores it (docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, clean_env, run_mpi
+from test_train import image_set
+
+import mpisgd
+from mpisgd.checkpoint import TrainState, save_checkpoint
+from mpisgd.model_file import ModelFileError, read_model
+from mpisgd.nn import build_model
+
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32",
+         "--progress", "off", "--batch-size", "32", "--epochs", "2", "--seed", "4"]
+
+
+def evaluate(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpisgd.evaluate", *args], capture_output=True, text=True,
+                          timeout=180, cwd=cwd, env={**clean_env(), "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short run on the synthetic set: its --save-model file, checkpoint directory and output."""
+    d = tmp_path_factory.mktemp("trained")
+    r = run_mpi(2, *SYNTH, "--save-model", str(d / "model.npz"), "--checkpoint-dir", str(d / "ckpt"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    return d, r.stdout
+
+
+def test_the_saved_file_says_what_model_it_holds(trained):
+    d, _ = trained
+    with np.load(d / "model.npz", allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        assert set(z.files) == {"flat", "meta", "1.Linear.W", "1.Linear.b", "3.Linear.W", "3.Linear.b"}
+        flat = z["flat"]
+    assert {k: meta[k] for k in ("format", "version", "model", "in_shape", "classes", "hidden", "dtype",
+                                 "parameters", "seed", "step")} == \
+        {"format": "mpisgd-model", "version": 1, "model": "mlp", "in_shape": [1, 28, 28], "classes": 10,
+         "hidden": [32], "dtype": "float32", "parameters": flat.size, "seed": 4, "step": 32}
+    assert meta["data"]["name"] == "synthetic" and meta["input_scale"] > 0
+
+
+def test_load_model_from_the_file_and_from_a_checkpoint(trained):
+    d, _ = trained
+    model = mpisgd.load_model(str(d / "model.npz"))
+    assert [type(layer).__name__ for layer in model.layers] == ["Flatten", "Linear", "ReLU", "Linear"]
+    np.testing.assert_array_equal(model.flat.params, np.load(d / "model.npz")["flat"])
+    for path in (d / "ckpt", d / "ckpt" / "ckpt-000000032.npz"):  # the directory: its newest checkpoint
+        np.testing.assert_array_equal(mpisgd.load_model(str(path)).flat.params, model.flat.params)
+    x = np.random.default_rng(0).normal(size=(5, 1, 28, 28)).astype("float32")
+    assert model.forward(x).shape == (5, 10)
+
+
+def test_evaluate_prints_the_accuracy_training_ended_with_and_a_table_per_class(trained):
+    d, out = trained
+    final = re.search(r"final test accuracy (\d\.\d{4})", out).group(1)
+    r = evaluate(str(d / "model.npz"), "--dataset", "synthetic")  # the seed: the model's own (4)
+    assert r.returncode == 0, r.stderr
+    assert f"accuracy {final} (" in r.stdout, (out, r.stdout)
+    rows = [line.split() for line in r.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert [int(row[0]) for row in rows] == list(range(10))
+    assert sum(int(row[1]) for row in rows) == 2000
+    assert sum(int(row[2].replace(",", "")) for row in rows) == round(float(final) * 2000)
+    # under mpiexec: each rank scores its part, the counts are summed, rank 0 prints
+    k2 = run_mpi(2, "-m", "mpisgd.evaluate", str(d / "ckpt"), "--dataset", "synthetic", "--limit-test", "999")
+    one = evaluate(str(d / "ckpt"), "--dataset", "synthetic", "--limit-test", "999")
+    assert k2.returncode == 0 and one.returncode == 0, k2.stderr + one.stderr
+    assert k2.stdout.count("accuracy ") == 1 and "| 2 ranks" in k2.stdout
+    assert k2.stdout.split("accuracy ", 1)[1] == one.stdout.split("accuracy ", 1)[1]
+
+
+def test_a_model_of_your_own_on_your_data(tmp_path):
+    data = image_set(tmp_path / "set.npz")
+    out = tmp_path / "m.npz"
+    r = run_mpi(2, "-m", "mpisgd.train", "--data", str(data), "--model", "examples.model_factory:small_convnet",
+                "--epochs", "1", "--batch-size", "32", "--progress", "off", "--save-model", str(out), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    final = re.search(r"final test accuracy (\d\.\d{4})", r.stdout).group(1)
+    e = evaluate(str(out), "--data", str(data))
+    assert e.returncode == 0 and f"accuracy {final} (" in e.stdout, e.stderr + e.stdout
+    assert "3x12x12 float32, 4 classes" in e.stdout
+    wrong = evaluate(str(out))  # Fashion-MNIST's 1x28x28 images: not what this model takes
+    assert wrong.returncode == 2 and "takes samples of shape 3x12x12; this data's are 1x28x28" in wrong.stderr
+
+
+def old_save_params(path: Path, model) -> None:
+    """What --save-model wrote before it recorded the model."""
+    np.savez(path, flat=model.flat.params, **{n: p for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("name,in_shape", [("mlp", (1, 28, 28)), ("cnn", (1, 28, 28)), ("cnn", (3, 12, 12))])
+def test_older_files_still_load(tmp_path, name, in_shape):
+    model = build_model(name, in_shape, 7, (24, 12)).materialize(np, "float64", seed=3)
+    old_save_params(tmp_path / "old.npz", model)
+    loaded = read_model(str(tmp_path / "old.npz"), in_shape=in_shape)
+    np.testing.assert_array_equal(loaded.model.flat.params, model.flat.params)
+    assert loaded.meta["model"] == name and loaded.meta["classes"] == 7 and loaded.model.flat.dtype == np.float64
+    x = np.random.default_rng(1).normal(size=(3, *in_shape))
+    np.testing.assert_array_equal(loaded.model.forward(x), model.forward(x))
+    if name == "mlp" or in_shape == (1, 28, 28):  # square images of the inferred size need no in_shape
+        np.testing.assert_array_equal(mpisgd.load_model(str(tmp_path / "old.npz")).flat.params, model.flat.params)
+
+
+def test_an_older_checkpoint_of_an_mlp_loads(tmp_path):
+    model = build_model("mlp", (784,), 10, (16, 8)).materialize(np, "float32", seed=0)
+    state = TrainState(params=model.flat.params.copy(), buffers={}, optimizer_state={"prev_lr": 0.1}, global_step=5,
+                       epoch=0,
+                       step_in_epoch=5, skipped_steps=0, world_size=2, effective_batch=64,
+                       config={"model": "mlp", "hidden": [16, 8], "dtype": "float32"}, data={"classes": 10})
+    path = save_checkpoint(tmp_path, state)
+    np.testing.assert_array_equal(mpisgd.load_model(str(path)).flat.params, model.flat.params)
+
+
+@pytest.mark.parametrize("case,says", [
+    ("missing", "no such file"), ("text", "is not a model file"), ("other npz", "holds neither"),
+    ("empty dir", "a directory with no usable checkpoint"),
+    ("classes", "scores 3 classes; this data has labels up to 9"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case, says):
+    path = tmp_path / "x.npz"
+    if case == "text":
+        path.write_text("hello")
+    elif case == "other npz":
+        np.savez(path, weights=np.zeros(3))
+    elif case == "empty dir":
+        path.mkdir()
+    elif case == "classes":
+        old_save_params(path, build_model("mlp", (784,), 3, (8,)).materialize(np))
+    for r in (evaluate(str(path), "--dataset", "synthetic"),
+              run_mpi(2, "-m", "mpisgd.evaluate", str(path), "--dataset", "synthetic", timeout=120)):
+        assert r.returncode == 2 and r.stderr.count("mpisgd-evaluate: error") == 1, r.stderr
+        assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if case == "classes":
+        assert mpisgd.load_model(str(path)).flat.size > 0  # the model loads; scoring 10 classes with it fails
+    else:
+        with pytest.raises(ModelFileError, match=says):
+            mpisgd.load_model(str(path))

@@ -1,0 +1,92 @@
+"""--tensorboard DIR: event files on rank 0, read back with TensorBoard's own reader; nothing imported without
+the option; a missing library is one line at set-up. Step records carry step_ms (and grad_norm when the
+step has one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, clean_env, run_mpi
+
+from mpisgd.tensorboard import TensorBoardWriter, open_writer
+
+_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+serial_only = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "16",
+         "--progress", "off", "--batch-size", "32", "--epochs", "2"]
+
+
+def scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under logdir, as TensorBoard reads them."""
+    pytest.importorskip("tensorboard", reason="reading events back needs tensorboard (pip install 'mpisgd[test]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@serial_only
+def test_a_run_writes_what_tensorboard_reads_on_rank_0_only(tmp_path):
+    pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
+    logdir, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
+    r = run_mpi(2, *SYNTH, "--val-split", "0.25", "--tensorboard", str(logdir), "--metrics-file", str(metrics))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1  # rank 0's only
+    got = scalars(logdir)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [x for x in records if x["kind"] == "step"]
+    epochs = [x for x in records if x["kind"] == "epoch"]
+    test = next(x for x in records if x["kind"] == "test")
+    assert len(steps) == 24 and all(s["step_ms"] > 0 for s in steps)
+    assert [s for s, _ in got["step/loss"]] == [s["step"] for s in steps]
+    assert [v for _, v in got["step/lr"]] == pytest.approx([s["lr"] for s in steps], rel=1e-6)  # float32 there
+    assert [v for _, v in got["step/step_ms"]] == pytest.approx([s["step_ms"] for s in steps], rel=1e-6)
+    for key in ("train_loss", "val_loss", "val_acc", "samples_per_s", "comm_frac", "lr"):
+        assert [s for s, _ in got[f"epoch/{key}"]] == [e["step"] for e in epochs], key
+        assert [v for _, v in got[f"epoch/{key}"]] == pytest.approx([e[key] for e in epochs], rel=1e-6), key
+    assert got["test/acc"][0][0] == test["step"] and got["test/acc"][0][1] == pytest.approx(test["test_acc"])
+    assert "epoch/test_acc" not in got  # with --val-split the test set is scored once, at the end
+    # --tensorboard asks DataParallel for the averaged gradient's norm every step (measure_grad_norm)
+    assert [v for _, v in got["step/grad_norm"]] == pytest.approx([s["grad_norm"] for s in steps], rel=1e-6)
+    assert all(s["grad_norm"] > 0 for s in steps)
+
+
+def test_scalars_of_each_kind_of_record(tmp_path):
+    pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
+    w = TensorBoardWriter(str(tmp_path))
+    w.write({"kind": "step", "step": 1, "loss": 2.5, "lr": 0.1, "step_ms": 3.0, "grad_norm": 7.0})
+    w.write({"kind": "epoch", "step": 1, "train_loss": 2.0, "test_acc": 0.5, "noise_scale": 900.0,
+             "comm_frac": float("nan"), "allreduce": "text", "skipped_steps": 0})
+    w.close()
+    got = scalars(tmp_path)
+    assert got["step/grad_norm"] == [(1, 7.0)] and got["epoch/noise_scale"] == [(1, 900.0)]
+    assert got["epoch/test_acc"] == [(1, 0.5)] and "epoch/comm_frac" not in got  # NaN: not a point
+    assert not any("allreduce" in t or "skipped" in t for t in got)
+
+
+def test_nothing_is_written_or_imported_without_the_option():
+    w = open_writer(None)
+    w.write({"kind": "step", "step": 1, "loss": 1.0})
+    w.close()
+    code = ("import sys; import mpisgd.trainer, mpisgd.run; from mpisgd.tensorboard import open_writer; "
+            "open_writer(None).close(); print('tensorboardX' in sys.modules, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**clean_env(), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stdout + r.stderr
+
+
+@serial_only
+def test_a_missing_library_is_one_line_at_set_up(tmp_path):
+    fake = tmp_path / "site" / "tensorboardX"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named tensorboardX')\n")
+    r = run_mpi(2, *SYNTH, "--tensorboard", str(tmp_path / "tb"), timeout=120,
+                env={"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}"})
+    assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
+    assert "--tensorboard needs the tensorboardX package: pip install 'mpisgd[tensorboard]'" in r.stderr
+    assert "Traceback" not in r.stderr and "epoch" not in r.stdout
