@@ -27,19 +27,42 @@ _SPELLINGS = ("scipy_cblas_{}64_", "cblas_{}64_", "cblas_{}")
 _MAX_N = 2**31 - 1  # what an LP64 library can take; larger buffers use the ufuncs
 
 
-class Level1:
-    """axpy and axpby for one dtype, on contiguous 1-D NumPy arrays."""
+BLOCK = 256  # a multiple of every kernel's unrolling: a call of a multiple of this many elements has no tail
 
-    def __init__(self, axpy: Any, axpby: Any, ctype: Any) -> None:
+
+class Level1:
+    """axpy and axpby for one dtype, on contiguous 1-D NumPy arrays.
+
+    A BLAS kernel runs the bulk of a call in its vector body (a fused multiply-add per element) and the
+    last n mod its unrolling elements in a scalar tail, which may round differently: where an element
+    falls would decide its bits, so the sharded step, which cuts the buffers elsewhere than the
+    replicated one, would not give its bits. So every call runs its first n - n mod BLOCK elements in
+    one call, and the rest in a second call on a BLOCK-long scratch copy: every element goes through the
+    vector body, wherever a range starts or ends, and any cut of a buffer gives the same bits."""
+
+    def __init__(self, axpy: Any, axpby: Any, ctype: Any, dtype: np.dtype) -> None:
         self._axpy, self._axpby, self._c = axpy, axpby, ctype
+        self._x, self._y = np.zeros(BLOCK, dtype), np.zeros(BLOCK, dtype)  # the remainder's copies
+
+    def _split(self, call: Any, x: np.ndarray, y: np.ndarray) -> None:
+        body = x.size - x.size % BLOCK
+        if body:
+            call(body, x.ctypes.data, y.ctypes.data)
+        rest = x.size - body
+        if rest:
+            self._x[:rest], self._y[:rest] = x[body:], y[body:]
+            call(BLOCK, self._x.ctypes.data, self._y.ctypes.data)
+            y[body:] = self._y[:rest]
 
     def axpy(self, a: float, x: np.ndarray, y: np.ndarray) -> None:
         """y += a * x."""
-        self._axpy(x.size, self._c(a), x.ctypes.data, 1, y.ctypes.data, 1)
+        ca = self._c(a)
+        self._split(lambda n, px, py: self._axpy(n, ca, px, 1, py, 1), x, y)
 
     def axpby(self, a: float, x: np.ndarray, b: float, y: np.ndarray) -> None:
         """y = a * x + b * y."""
-        self._axpby(x.size, self._c(a), x.ctypes.data, 1, self._c(b), y.ctypes.data, 1)
+        ca, cb = self._c(a), self._c(b)
+        self._split(lambda n, px, py: self._axpby(n, ca, px, 1, cb, py, 1), x, y)
 
 
 def level1_for(*arrays: Any) -> Level1 | None:
@@ -71,7 +94,7 @@ def _level1(char: str) -> Level1 | None:
             n, p = ctypes.c_int64, ctypes.c_void_p
             axpy.argtypes, axpy.restype = [n, ctype, p, n, p, n], None
             axpby.argtypes, axpby.restype = [n, ctype, p, n, ctype, p, n], None
-            found = Level1(axpy, axpby, ctype)
+            found = Level1(axpy, axpby, ctype, np.dtype(char))
             if _agrees(found, np.dtype(char)):
                 return found
     return None

@@ -8,7 +8,7 @@ moments) stay whole-sized, each rank keeping its own part current, so checkpoint
 DataParallel gathers them before one is written. Element by element, and call by call, the update is
 the replicated one.
 
-Two things need every rank: whether the averaged gradient is finite (each rank sees only its part:
+Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
 one small all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask
 for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms` all-gathers each
 rank's partial squared norms and sums them in rank order, so every rank applies the same ratios,
@@ -46,33 +46,34 @@ class RankNorms(TensorNorms):
         return every.sum(axis=0)  # rank order, the same on every rank
 
 
-ALIGN = 256  # partition boundaries on multiples of this many elements (see ShardedStep)
-
-
-def partition(n: int, k: int, cuts: list[int]) -> list[int]:
-    """k + 1 bounds splitting [0, n) into k near-equal contiguous parts, each bound chosen among ``cuts``
-    (and 0, n); parts may be empty when n is small."""
-    allowed = sorted({0, n, *cuts})
-    bounds = [0]
+def partition(lo: int, hi: int, k: int, cuts: list[int] | None = None) -> list[int]:
+    """k + 1 bounds splitting [lo, hi) into k near-equal contiguous parts, in rank order; with ``cuts``,
+    each bound is the allowed cut nearest its even share (parts may then be empty)."""
+    if cuts is None:
+        q, rem = divmod(hi - lo, k)
+        bounds = [lo]
+        for c in range(k):
+            bounds.append(bounds[-1] + q + (1 if c < rem else 0))
+        return bounds
+    allowed = sorted({lo, hi, *(c for c in cuts if lo <= c <= hi)})
+    bounds = [lo]
     for r in range(1, k):
-        target = n * r / k
+        target = lo + (hi - lo) * r / k
         bounds.append(max(bounds[-1], min(allowed, key=lambda p: (abs(p - target), p))))
-    return [*bounds, n]
+    return [*bounds, hi]
 
 
 class ShardedStep:
     """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges.
 
-    Rank r owns one contiguous part of the flat buffer (ZeRO's flat partition), [bounds[r], bounds[r+1]);
-    each bucket is reduce-scattered with every rank's share its part's overlap with the bucket, so this
-    rank's gradient arrives contiguous and its update is one call per buffer, as in the replicated step.
-    The bounds fall on multiples of ``ALIGN`` elements, so that a BLAS kernel, which may round the last
-    elements of a call (its scalar tail) differently from the others, splits every element alike in
-    both: the sharded step gives the replicated step's bits (with one BLAS thread per rank).
+    Each bucket is split into k near-equal chunks in rank order (so every rank shares every bucket's
+    reduction work as it arrives) and reduce-scattered; rank r updates its chunk of every bucket. The
+    update calls BLAS on each chunk, whose kernels give every element the same bits wherever a call
+    starts (mpisgd.blas), so the sharded step gives the replicated step's bits.
 
     ``exact`` (the reproducible mode, mpisgd.exact): the buckets hold fixed-point integers, reduce-
-    scattered into an int64 buffer and converted into this rank's floats; the bounds fall on the blocks
-    of :class:`~mpisgd.exact.BlockNorms` instead, so whole-tensor norms do not depend on k."""
+    scattered into an int64 buffer and converted into this rank's floats; the chunks end on the blocks
+    of :class:`~mpisgd.exact.BlockNorms`, so whole-tensor norms do not depend on k."""
 
     def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
                  exact: bool = False) -> None:
@@ -81,18 +82,21 @@ class ShardedStep:
             raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
         self.flat, self.comm, self.reducer, self.exact = flat, comm, reducer, exact
         self.k, self.rank = comm.Get_size(), comm.Get_rank()
-        n = flat.size
-        cuts = block_boundaries(flat.offsets) if exact else list(range(0, n, ALIGN))
-        self.bounds = partition(n, self.k, cuts)
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        self.grads = flat.xp.empty(hi - lo, dtype=flat.dtype)  # this rank's part of the averaged gradient
-        self.shards: list[tuple[int, int, Any]] = [(lo, hi, self.grads)]  # what step_shards takes
-        # what the buckets reduce-scatter into: the part itself, or (exact) its integers
-        self.recv = flat.xp.empty(hi - lo, dtype=np.int64) if exact else self.grads
+        cuts = block_boundaries(flat.offsets) if exact else None
+        bounds = [partition(a, b, self.k, cuts) for a, b in buckets]
+        self.counts = [[bb[c + 1] - bb[c] for c in range(self.k)] for bb in bounds]  # per bucket, every rank's
+        own = [(bb[self.rank], bb[self.rank + 1]) for bb in bounds]  # per bucket, this rank's chunk
+        # this rank's chunks of the averaged gradient, back to back; (exact) their integers likewise
+        self.grads = flat.xp.empty(sum(hi - lo for lo, hi in own), dtype=flat.dtype)
+        self.recv = flat.xp.empty(self.grads.size, dtype=np.int64) if exact else self.grads
+        self.shards: list[tuple[int, int, Any]] = []  # (lo, hi, its gradient): what step_shards takes
+        self._out: list[Any] = []  # per bucket, where its reduce-scatter lands
+        offset = 0
+        for lo, hi in own:
+            self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
+            self._out.append(self.recv[offset:offset + hi - lo])
+            offset += hi - lo
         self.ranges = list(buckets)
-        self.counts = [[max(0, min(b, self.bounds[c + 1]) - max(a, self.bounds[c])) for c in range(self.k)]
-                       for a, b in buckets]  # per bucket, every rank's share of it
-        self._out = [self.recv[max(a, lo) - lo:max(min(b, hi), a, lo) - lo] for a, b in buckets]
 
     @property
     def own(self) -> list[tuple[int, int]]:
@@ -113,9 +117,9 @@ class ShardedStep:
         return bool(votes[0] == 0), float(votes[1])
 
     def decode(self, codec: Any, summed: Any) -> None:
-        """Exact: this rank's integers to its floats."""
-        lo, hi, g = self.shards[0]
-        codec.decode(self.recv, g, lo, hi)
+        """Exact: this rank's integers to its floats, chunk by chunk."""
+        for (lo, hi, g), q in zip(self.shards, self._out):
+            codec.decode(q, g, lo, hi)
 
     def sq_norm_share(self, k: int) -> float:
         """This rank's part of |G|^2 (summed over the ranks: |G|^2)."""

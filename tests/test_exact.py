@@ -142,7 +142,7 @@ def test_block_norms_are_the_same_bits_however_the_tensors_are_cut():
     g = rng.standard_normal(big[-1]).astype(np.float32)
     whole = BlockNorms(big, [(0, big[-1])]).squared([g])
     for k in (2, 3, 5):
-        bounds = partition(big[-1], k, block_boundaries(big))
+        bounds = partition(0, big[-1], k, block_boundaries(big))
         ranges = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:])]
         pieces = [[g[a:b].copy()] for a, b in ranges]  # each "rank" holds its chunk in a buffer of its own
         every = [BlockNorms(big, [r])._blocks(p) for r, p in zip(ranges, pieces)]
@@ -157,7 +157,7 @@ def test_the_sharded_parts_end_only_on_block_boundaries():
     valid = {a + j for a, b in zip(offsets, offsets[1:]) for j in range(0, b - a, 1024)} | {20_000}
     assert set(block_boundaries(offsets, block=1024)) == valid
     for k in (1, 2, 3, 4, 7):
-        bounds = partition(20_000, k, block_boundaries(offsets, block=1024))
+        bounds = partition(0, 20_000, k, block_boundaries(offsets, block=1024))
         parts = np.diff(bounds)
         assert len(parts) == k and bounds[0] == 0 and bounds[-1] == 20_000 and (parts >= 0).all()
         assert set(bounds) <= valid | {0}

@@ -144,18 +144,17 @@ def test_zero_norms_give_ratio_one_and_no_nan(zero, wd):
 
 def test_sharded_steps_with_summed_norms_equal_the_whole_step():
     """Shards that split tensors anywhere, the pieces' squared norms summed (as the ranks' are): the
-    same update as one whole step; bitwise where the shards split only between tensors (with the
-    ufuncs: a BLAS kernel may round a call's tail elements differently from its body)."""
+    same update as one whole step; bitwise where the shards split only between tensors."""
     whole = make()
     w0 = whole.params.copy()
-    lars = LARS(whole, momentum=0.9, weight_decay=0.01, level1=False)
+    lars = LARS(whole, momentum=0.9, weight_decay=0.01)
     for cuts in ([0, 13, 50, 51, 77, whole.size], [0, 30, 35, 75, 79, 103, whole.size]):  # splits; boundaries
         whole.params[...] = w0
         lars.velocity[...] = 0.0
         run(lars, RATES[:5])
         expected = whole.params.copy()
         flat = make()
-        sharded = LARS(flat, momentum=0.9, weight_decay=0.01, level1=False)
+        sharded = LARS(flat, momentum=0.9, weight_decay=0.01)
         for lr in RATES[:5]:
             g = grad_of(flat.params)
             shards = [(lo, hi, g[lo:hi].copy()) for lo, hi in zip(cuts, cuts[1:])]

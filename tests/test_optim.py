@@ -308,3 +308,23 @@ def test_clipping_allocates_no_parameter_sized_temporary():
     finally:
         tracemalloc.stop()
     assert norm == pytest.approx(0.5 * np.sqrt(flat.size)) and peak < n * 8 // 16, f"allocated {peak} bytes"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_blas_gives_every_element_the_same_bits_wherever_a_call_is_cut(dtype):
+    """The sharded step cuts the buffers elsewhere than the replicated step: with a kernel's scalar tail,
+    an element's bits would depend on where its call ended. Every cut gives one call's bits."""
+    rng = np.random.default_rng(7)
+    n = 100_003
+    x, y = (rng.standard_normal(n).astype(dtype) for _ in range(2))
+    b = level1_for(x, y)
+    if b is None:
+        pytest.skip("no BLAS level 1 here")
+    whole_axpy, whole_axpby = y.copy(), y.copy()
+    b.axpy(-0.3, x, whole_axpy)
+    b.axpby(0.7, x, 0.9, whole_axpby)
+    cut_axpy, cut_axpby = y.copy(), y.copy()
+    for lo, hi in [(0, 777), (777, 50_001), (50_001, 50_002), (50_002, 99_999), (99_999, n)]:
+        b.axpy(-0.3, x[lo:hi], cut_axpy[lo:hi])
+        b.axpby(0.7, x[lo:hi], 0.9, cut_axpby[lo:hi])
+    assert np.array_equal(whole_axpy, cut_axpy) and np.array_equal(whole_axpby, cut_axpby)

@@ -50,8 +50,9 @@ def test_same_result_for_every_allreduce_setting(tmp_path):
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
-    """--shard-optimizer: reduce-scatter, 1/k of the update per rank, all-gather; the same parameters
-    up to rounding (summation order at k >= 3, and BLAS's scalar tail at the chunk ends)."""
+    """--shard-optimizer: reduce-scatter, 1/k of the update per rank, all-gather. With the default all-reduce
+    (the node-shared buffer, rank-order sums either way) the same bits as the replicated step, at any k
+    and bucket size; with others the same parameters up to the summation order at k >= 3."""
     ref = train_params(tmp_path, k, 16, "--allreduce", "mpi", "--no-shard-optimizer")
     out = tmp_path / "sharded.npz"
     r = run_mpi(k, *SYNTH, "--batch-size", "16", "--max-steps", "10", "--save-model", str(out),
@@ -60,6 +61,9 @@ def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
     assert f"step sharded (--shard-optimizer): each rank updates 1/{k}" in r.stdout, r.stdout
     assert "no reduce-scatter" not in r.stdout  # auto reduce-scatters in the node-shared buffer
     np.testing.assert_allclose(np.load(out)["flat"], ref, rtol=1e-9, atol=1e-12)
+    for buckets in ("25", "0.002"):  # the default strategy: bitwise, whatever the chunks' bounds
+        rep = train_params(tmp_path, k, 16, "--bucket-cap-mb", buckets, "--no-shard-optimizer")
+        np.testing.assert_array_equal(train_params(tmp_path, k, 16, "--bucket-cap-mb", buckets), rep)
     for other in ("ring", "deterministic"):  # the ring's full all-reduce; the deterministic reduce-scatter
         ours = train_params(tmp_path, k, 16, "--allreduce", other, "--shard-optimizer")
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
