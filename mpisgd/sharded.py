@@ -1,12 +1,11 @@
 """The sharded step: each rank updates 1/k of the parameters (ZeRO stage 1's split of the update).
 
-Rank r owns one contiguous part of the flat buffer. Each bucket of the gradient is reduce-scattered
-instead of all-reduced, every rank receiving the sum over its part's overlap with the bucket; each rank
-checks its part, updates those parameters and their momentum, and an all-gather of the parameters,
-bucket by bucket, gives every rank the same new replica. The optimizer's state buffers (momentum, Adam's
-moments) stay whole-sized, each rank keeping its own part current, so checkpoints do not change;
-DataParallel gathers them before one is written. Element by element, and call by call, the update is
-the replicated one.
+Each bucket of the gradient is reduce-scattered instead of all-reduced, rank r receiving chunk r of the
+bucket's sum; each rank checks its chunks, updates those parameters and their optimizer state, and an
+all-gather of the parameters, bucket by bucket, gives every rank the same new replica. The optimizer's
+state buffers (momentum, Adam's moments) stay whole-sized, each rank keeping its own chunks current, so
+checkpoints do not change; DataParallel gathers them before one is written. Element by element the
+update is the replicated one, and with BLAS bit for bit (mpisgd.blas).
 
 Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
 one small all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask
