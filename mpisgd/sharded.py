@@ -99,11 +99,11 @@ class ShardedStep:
 
     @property
     def own(self) -> list[tuple[int, int]]:
-        """This rank's part of the flat buffer, as [(lo, hi)]."""
+        """This rank's chunks of the flat buffer, one per bucket, as [(lo, hi), ...]."""
         return [(lo, hi) for lo, hi, _ in self.shards]
 
     def start(self, index: int, summed: Any) -> Handle:
-        """Begin bucket ``index``'s reduce-scatter: this rank's share of the sum into its part."""
+        """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
         return self.reducer.start_reduce_scatter(summed, self._out[index], self.counts[index])
 
     def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
