@@ -83,12 +83,6 @@ class StepStats:
     b_small: int = 0  # samples behind one small-batch gradient (0: none measured)
     arrived_check_in: list[float] = field(default_factory=list)  # entering the step check-in
     arrived_gradients: list[float] = field(default_factory=list)  # backward done, waiting for the gradients
-    # prefetch: forward starting, about to wait for the last step's parameters (empty otherwise)
-    arrived_parameters: list[float] = field(default_factory=list)
-
-    def arrivals(self) -> list[list[float]]:
-        """This rank's arrivals at each synchronisation point, one list per point, a time per step."""
-        return [a for a in (self.arrived_check_in, self.arrived_parameters, self.arrived_gradients) if a]
 
 
 def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
@@ -184,8 +178,7 @@ class DataParallel:
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
                  timeline: Any = None, check_in: bool = True, reproducible: bool = False,
                  noise_every: int = 0, stall_timeout_s: float = 300.0, stall_abort_s: float = 1800.0,
-                 clip_grad_norm: float | None = None, measure_grad_norm: bool = False,
-                 prefetch_params: bool = False) -> None:
+                 clip_grad_norm: float | None = None, measure_grad_norm: bool = False) -> None:
         if on_nan not in ("stop", "skip"):
             raise ValueError(f"on_nan must be stop or skip, got {on_nan!r}")
         if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
@@ -249,12 +242,6 @@ class DataParallel:
         self.update: ReplicatedStep | ShardedStep = \
             ShardedStep(self.flat, ranges, self.comm, self.reducer, exact=self.exact is not None) \
             if self.sharded else ReplicatedStep(self.flat, self.reducer, norms)
-        # sharded: the parameters' all-gather may run on into the next step, each bucket awaited just before
-        # forward first needs it (prefetch); whoever else reads the parameters calls finish_parameters()
-        self.prefetch = prefetch_params and self.sharded
-        self._gathers: dict[int, Handle] = {}  # bucket index -> its parameter all-gather still in flight
-        self._bucket_of_param_layer = {i: next(bk for bk in self.buckets if bk.start <= a < bk.stop)
-                                       for i, (a, _) in enumerate(model.layer_param_ranges()) if a >= 0}
         self.broadcast_parameters()
         if self.k > 1:  # auto picks its strategy for these sizes now, not mid-step
             self.reducer.tune([self.summed[b.start:b.stop] for b in self.buckets], reduce_scatter=self.sharded)
@@ -262,14 +249,12 @@ class DataParallel:
     # -- start identical, check identical, continue -----------------------------------------
     def broadcast_parameters(self, root: int = 0) -> None:
         """Every rank takes ``root``'s parameters and optimizer state buffers (momentum, moments)."""
-        self.finish_parameters()
         bcast_(self.comm, self.flat.params, root)
         for _, buf in sorted(self.optimizer.state_buffers().items()):
             bcast_(self.comm, buf, root)
 
     def replica_checksums(self) -> list[str]:
         """Every rank's parameter digest (collective)."""
-        self.finish_parameters()
         digest = hashlib.blake2b(to_numpy(self.flat.params).tobytes(), digest_size=8).hexdigest()
         with self.watchdog.watching(f"replica check at step {self.step_count}"):
             return self.comm.allgather(digest)
@@ -313,8 +298,6 @@ class DataParallel:
         scale = 1.0 / (self.k * n)
         self._measure = self.noise_every > 0 and self.step_count % self.noise_every == 0
         self._local_sq = 0.0
-        if self.prefetch:  # where the others wait for a late rank's parameters: the straggler report's too
-            self.times.arrived_parameters.append(time.perf_counter())
         if self.exact is None:
             loss_sum = self._float_gradients(micro_batches, scale)
         else:
@@ -338,10 +321,7 @@ class DataParallel:
         self.times.optimizer_s += time.perf_counter() - t0
         if finite and self._measure:
             self._note_noise(micro_batches, share)
-        if finite and self.prefetch:  # the next step's forward waits for each bucket as it needs it
-            with self.timeline.span("all-gather start", cat="comm"):
-                self._gathers = dict(enumerate(self.update.start_gather(self.flat.params)))
-        elif finite and self.sharded:
+        if finite and self.sharded:
             self._gather(self.flat.params, f"parameter all-gather of step {self.step_count}")
         self.times.steps += 1
         self.step_count += 1
@@ -366,7 +346,7 @@ class DataParallel:
     def _forward_backward(self, x: Any, y: Any, scale: float, hook: Any) -> Any:
         t0 = time.perf_counter()
         with self.timeline.span("forward"):
-            logits = self.model.forward(x, self._before_layer if self._gathers else None)
+            logits = self.model.forward(x)
             loss = self.loss.forward_array(logits, y)
         self._n_classes = logits.shape[1] if logits.ndim == 2 else None
         t1 = time.perf_counter()
@@ -402,7 +382,6 @@ class DataParallel:
         codec.set_terms(self.k * m)
         if m > 1 and self._scratch is None:
             self._scratch = self.flat.xp.empty(n, dtype=np.int64)
-        arrivals = len(self.times.arrived_gradients)
         while True:
             calibrate = codec.exponents is None  # no scale yet: measure only, then compute the step again
             codec.start_step()
@@ -424,25 +403,15 @@ class DataParallel:
             with self.watchdog.watching(f"fixed-point exponents of step {self.step_count}"):
                 self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
             if flags[0]:
-                self._one_arrival(arrivals)
                 return loss_sum, False
             if not (calibrate or flags[1]):
                 break
             codec.set_exponents(flags[2:])  # this step's own: compute it again at these scales
-        self._one_arrival(arrivals)
         self.update.decode(codec, self.summed if not self.sharded else None)  # at the scales it was encoded with
         codec.set_exponents(flags[2:])  # this step's own: the next step's scales
         if self._measure:
             self._local_sq = codec.sq_sum / m  # the mean over this rank's micro-batches (b samples each)
         return loss_sum, True
-
-    def _one_arrival(self, before: int) -> None:
-        """One arrival at the gradients per step for the straggler report, however often the step was
-        computed (reproducible: a first step or an overflow again): the first."""
-        seen = self.times.arrived_gradients
-        del seen[before + 1:]
-        if self.k > 1 and len(seen) == before:
-            seen.append(time.perf_counter())
 
     def _note_noise(self, micro_batches: Sequence[tuple[Any, Any]], big_sq_share: float) -> None:
         """Add this step's squared norms to the noise statistics, in true units: the buffer holds each
@@ -556,32 +525,6 @@ class DataParallel:
         """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
         return self.update.finite(self.watchdog, self.step_count)[0]
 
-    def _before_layer(self, layer: int) -> None:
-        """Forward is about to read ``layer``'s parameters: wait for its bucket's all-gather (prefetch)."""
-        bucket = self._bucket_of_param_layer.get(layer)
-        if bucket is not None:
-            self._await_gather(bucket.index)
-        for h in self._gathers.values():  # MPI progresses only inside MPI calls: poke the others
-            h.test()
-
-    def _await_gather(self, index: int) -> None:
-        handle = self._gathers.pop(index, None)
-        if handle is None:
-            return
-        t0 = time.perf_counter()
-        with self.watchdog.watching(f"parameter all-gather of step {self.step_count - 1}"), \
-                self.timeline.span("wait all-gather", cat="comm"):
-            handle.wait()
-        elapsed = time.perf_counter() - t0
-        self.times.comm_exposed_s += elapsed  # the part forward could not hide
-        self.times.comm_total_s += elapsed
-
-    def finish_parameters(self) -> None:
-        """Collective where an all-gather is in flight (prefetch): every parameter whole and current.
-        Call it before reading the parameters outside train_step (evaluation, checkpoints, saving)."""
-        for index in sorted(self._gathers):
-            self._await_gather(index)
-
     def _gather(self, buf: Any, what: str) -> None:
         assert isinstance(self.update, ShardedStep)
         with self.timeline.span("all-gather", cat="comm"):
@@ -592,7 +535,6 @@ class DataParallel:
     def gather_optimizer_state(self) -> None:
         """Collective: make every optimizer state buffer whole on every rank (sharded: each rank updated
         only its chunks). Needed before a checkpoint is written; a no-op when the step is not sharded."""
-        self.finish_parameters()
         if self.sharded:
             for name, buf in sorted(self.optimizer.state_buffers().items()):
                 self._gather(buf, f"optimizer state ({name}) all-gather at step {self.step_count}")
@@ -615,7 +557,6 @@ class DataParallel:
     def close(self) -> None:
         """Collective: every rank calls it together. A rank that fails alone must not call it (with a
         watchdog, rank 0 would wait for the others' close); abort the job instead."""
-        self.finish_parameters()
         self.watchdog.close()
         if self.shared_grads and self.exact is None:  # the window goes with the reducer: keep the gradients
             self.model.move_grads(np.empty_like(self.flat.grads))

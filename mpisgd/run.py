@@ -183,7 +183,6 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
-                          prefetch_params=True,  # the loop waits for the parameters before it reads them
                           clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)

@@ -139,16 +139,13 @@ class ShardedStep:
         """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
         optimizer.step_shards(lr, self.shards, self.norms(watchdog, step))
 
-    def start_gather(self, buf: Any) -> list[Handle]:
-        """Begin every rank's chunks of ``buf`` to every rank, in place: one handle per bucket."""
-        return [self.reducer.start_allgather(buf[a:b], counts) for (a, b), counts in zip(self.ranges, self.counts)]
-
     def gather_(self, buf: Any, watchdog: Any, what: str) -> float:
         """Every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place (collective):
         all buckets in flight at once, then wait. Returns the seconds it took."""
         t0 = time.perf_counter()
         with watchdog.watching(what):
-            handles = self.start_gather(buf)
+            handles = [self.reducer.start_allgather(buf[a:b], counts)
+                       for (a, b), counts in zip(self.ranges, self.counts)]
             for h in handles:
                 h.wait()
         return time.perf_counter() - t0

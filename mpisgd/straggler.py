@@ -2,9 +2,8 @@
 
 Every synchronous step waits for its slowest rank, and step times cannot say
 which rank that was: the collective evens them out. So each rank notes when it
-reaches the step's synchronisation points (the check-in at the step's start,
-the start of forward where the sharded step's parameters may still be arriving,
-and the end of its backward, where it starts waiting for the gradients;
+reaches the step's two synchronisation points (the check-in at the step's
+start, and the end of its backward, where it starts waiting for the gradients;
 ``DataParallel.times``), and at an epoch's end rank 0 gathers them. At each
 point the last rank to arrive is the one the others waited for; each other rank
 waited (last arrival - its own), and the mean of those waits is booked to the

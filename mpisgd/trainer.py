@@ -190,7 +190,6 @@ class Trainer:
         """Accuracy, and with ``loss`` the mean loss, of the set ``loader`` holds (collective): each rank
         scores a disjoint part of it, counts and sums are added."""
         run = self.run
-        self.dp.finish_parameters()  # every rank: the sharded step's last all-gather may still be in flight
         n = len(loader.data)
         mine = np.array_split(np.arange(n), run.k)[run.rank]
         correct, loss_sum, ce = 0, 0.0, SoftmaxCrossEntropy()
@@ -286,7 +285,7 @@ class Trainer:
             return {}
         self.clock.sync()
         t = self.dp.times
-        mine = self.clock.common(np.stack(t.arrivals(), axis=1))
+        mine = self.clock.common(np.stack([t.arrived_check_in, t.arrived_gradients], axis=1))
         every = self.comm.gather(mine, root=0)
         return analyse(np.stack(every), step_ms) if self.run.is_root and every[0].size else {}
 
@@ -301,7 +300,6 @@ class Trainer:
     def _finish(self) -> int:
         """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
         run, cfg = self.run, self.cfg
-        self.dp.finish_parameters()  # every rank, before rank 0 writes them
         status, where = self._save_model()
         if cfg.timeline:
             path = f"{cfg.timeline}.rank{run.rank}.json"

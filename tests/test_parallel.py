@@ -297,31 +297,6 @@ def test_sharded_norms_without_every_ranks_pieces_differ(monkeypatch, opt):
     assert not np.allclose(ours, reference(k, b, steps, **opt), rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("allreduce", ["auto", "mpi"])
-def test_prefetched_parameters_give_the_same_bits_and_wait_where_read(allreduce):
-    """prefetch_params: the sharded step's parameter all-gather runs into the next step, each bucket awaited
-    before forward reads it; the same bits as gathering at once, and whole when asked for."""
-    comm = world()
-
-    def run(prefetch: bool) -> tuple[str, bool]:
-        data = synthetic(512, seed=0)
-        model = mlp((16, 8)).materialize(np, "float64", seed=0)
-        dp = DataParallel(model, SGD(model.flat, momentum=0.9), comm, reducer=create_reducer(allreduce, comm),
-                          bucket_cap_mb=0.0005, shard_optimizer=True, prefetch_params=prefetch)
-        loader = BatchLoader(data, np, "float64")
-        batches = GlobalBatches(len(data), comm.Get_size() * 8, comm.Get_rank(), comm.Get_size())
-        perm = epoch_permutation(len(data), 0, 0)
-        for step in range(6):
-            dp.train_step([loader.batch(batches.indices(perm, step, 0))], lr=0.05)
-        pending = bool(dp._gathers)  # in flight after the last step, until someone reads the parameters
-        digest = dp.replica_checksums()[comm.Get_rank()]  # waits for them first
-        dp.close()
-        return digest, pending
-
-    (with_prefetch, pending), (without, _) = run(True), run(False)
-    assert all(comm.allgather(with_prefetch == without)) and pending
-
-
 def test_sharded_step_without_dividing_by_k_still_differs():
     """The equivalence check above can fail: the sharded step with the gradient summed, not averaged."""
     comm = world()

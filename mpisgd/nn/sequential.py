@@ -57,12 +57,8 @@ class Sequential:
             bound.append(params)
         return bound
 
-    def forward(self, x: Array, before_layer: Callable[[int], None] | None = None) -> Array:
-        """The layers in order; ``before_layer(i)`` is called before layer ``i`` (data parallelism waits
-        there for the parameters it is still gathering)."""
-        for i, layer in enumerate(self.layers):
-            if before_layer is not None:
-                before_layer(i)
+    def forward(self, x: Array) -> Array:
+        for layer in self.layers:
             x = layer.forward(x)
         return x
 
