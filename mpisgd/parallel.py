@@ -382,6 +382,7 @@ class DataParallel:
         codec.set_terms(self.k * m)
         if m > 1 and self._scratch is None:
             self._scratch = self.flat.xp.empty(n, dtype=np.int64)
+        arrivals = len(self.times.arrived_gradients)
         while True:
             calibrate = codec.exponents is None  # no scale yet: measure only, then compute the step again
             codec.start_step()
@@ -403,15 +404,25 @@ class DataParallel:
             with self.watchdog.watching(f"fixed-point exponents of step {self.step_count}"):
                 self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
             if flags[0]:
+                self._one_arrival(arrivals)
                 return loss_sum, False
             if not (calibrate or flags[1]):
                 break
             codec.set_exponents(flags[2:])  # this step's own: compute it again at these scales
+        self._one_arrival(arrivals)
         self.update.decode(codec, self.summed if not self.sharded else None)  # at the scales it was encoded with
         codec.set_exponents(flags[2:])  # this step's own: the next step's scales
         if self._measure:
             self._local_sq = codec.sq_sum / m  # the mean over this rank's micro-batches (b samples each)
         return loss_sum, True
+
+    def _one_arrival(self, before: int) -> None:
+        """One arrival at the gradients per step for the straggler report, however often the step was
+        computed (reproducible: a first step or an overflow again): the first."""
+        seen = self.times.arrived_gradients
+        del seen[before + 1:]
+        if self.k > 1 and len(seen) == before:
+            seen.append(time.perf_counter())
 
     def _note_noise(self, micro_batches: Sequence[tuple[Any, Any]], big_sq_share: float) -> None:
         """Add this step's squared norms to the noise statistics, in true units: the buffer holds each
