@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -410,7 +409,8 @@ def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_pa
 def test_sigterm_when_the_checkpoint_cannot_be_written_is_not_75(tag: str, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
-    shutil.rmtree(ck)  # the directory's name becomes a file: the next checkpoint cannot be written there
+    ck.rename(tmp_path / "ck-moved")  # not rmtree: a checkpoint may be written into it meanwhile
+    # the directory's name becomes a file: the next checkpoint cannot be written there
     ck.write_text("not a directory any more")
     os.kill(rank_pids(tag)[1], signal.SIGTERM)  # to a rank: Open MPI's mpiexec would SIGKILL them a second later
     out, err, _ = _wait_end(p, tag, limit_s=40)

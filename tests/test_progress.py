@@ -18,18 +18,20 @@ from mpisgd.report import launcher_terminal
 
 _RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
-# an epoch of a few seconds: tqdm redraws every 0.5 s, so a shorter one might never draw past 0 %
 TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "16384", "--hidden", "16",
          "--batch-size", "8", "--epochs", "1"]
 BAR = ("it/s", "\u2588", "%|")  # what tqdm draws
+# tqdm redraws every 0.5 s, and this epoch alone can take 0.3 s: rank 1 sleeps 3 ms a step so that the
+# epoch lasts at least 3 s whatever the machine's speed
+SLOW = {"MPISGD_DELAY_RANK": "1:3"}
 
 
-def on_terminal(argv: list[str], columns: int = 90) -> str:
+def on_terminal(argv: list[str], columns: int = 90, extra_env: dict[str, str] | None = None) -> str:
     """Run argv with stdin, stdout and stderr on a new pseudo-terminal of ``columns``; what it showed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
     p = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT, start_new_session=True)
     os.close(slave)
     out = b""
@@ -47,7 +49,7 @@ def on_terminal(argv: list[str], columns: int = 90) -> str:
 
 
 def test_launched_from_a_terminal_the_default_shows_a_bar_as_wide_as_it():
-    shown = on_terminal(mpiexec_cmd(2, *TRAIN))
+    shown = on_terminal(mpiexec_cmd(2, *TRAIN), extra_env=SLOW)
     assert all(mark in shown for mark in BAR), shown[-2000:]
     assert "epoch   1/1" in shown and "final test accuracy" in shown
     bars = [part for part in shown.split("\r") if "it/s" in part]
