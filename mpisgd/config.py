@@ -110,7 +110,8 @@ class Config:
                                     "and sharding: exact fixed-point gradient sums (docs/reproducible.md)")
     shard_optimizer: bool | None = opt(None, "reduce-scatter the gradient, update 1/k of the parameters on each "
                                              "rank, all-gather them (the same result); default: on for host buffers "
-                                             "at k >= 2 (docs/benchmarks.md), off on a GPU")
+                                             "at k >= 2 with 1 MiB of parameters or more (docs/benchmarks.md), off "
+                                             "on a GPU")
     shared_grads: bool = opt(True, "every rank on one node (auto strategy, CPU): keep gradients in node-shared "
                                    "memory that peers reduce in place")
     cuda_aware: str = opt("auto", "GPU buffers to MPI: probe (auto), pass device pointers (direct) or stage "

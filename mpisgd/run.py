@@ -177,7 +177,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
-    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu)
+    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
     with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
@@ -250,9 +250,15 @@ def _optimizer(cfg: Config, model: Sequential) -> Optimizer:
     return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
 
 
-def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
-    """Whether to shard the update, and why: as asked, else on for host buffers at k >= 2, where it is the
-    faster of the two with the same bits (docs/benchmarks.md, "The sharded step by default"); off on a GPU,
+# Below this the update is too small to split: sharding saves (1 - 1/k) of an optimizer step that costs
+# about 0.8 ns per parameter here and adds an all-gather of some 0.1 ms, even at k = 2 (LeNet-5's 0.24 MiB
+# lost 3 %, the MLP's 7.1 MiB gained 5 %: docs/benchmarks.md, "The sharded step by default").
+SHARD_MIN_BYTES = 2**20
+
+
+def shard_policy(asked: bool | None, k: int, gpu: bool, param_nbytes: int) -> tuple[bool, str]:
+    """Whether to shard the update, and why: as asked, else on for host buffers at k >= 2 with at least
+    SHARD_MIN_BYTES of parameters, where it is the faster of the two with the same bits; off on a GPU,
     where it has not been measured."""
     if asked is not None:
         why = "--shard-optimizer" if asked else "--no-shard-optimizer"
@@ -261,7 +267,9 @@ def shard_policy(asked: bool | None, k: int, gpu: bool) -> tuple[bool, str]:
         return False, "default on a GPU"
     if k == 1:
         return False, "nothing to split at k=1"
-    return True, "default at k >= 2 on host buffers"
+    if param_nbytes < SHARD_MIN_BYTES:
+        return False, f"default under {SHARD_MIN_BYTES // 2**20} MiB of parameters: too small an update to split"
+    return True, f"default at k >= 2 on host buffers, {SHARD_MIN_BYTES // 2**20} MiB of parameters or more"
 
 
 def _global_batch(cfg: Config, k: int) -> None:

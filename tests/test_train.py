@@ -26,9 +26,8 @@ def train_params(tmp_path: Path, k: int, b: int, *extra: str, steps: int = 10) -
     out = tmp_path / f"k{k}_b{b}_{abs(hash(extra))}.npz"
     r = run_mpi(k, *SYNTH, "--batch-size", str(b), "--max-steps", str(steps), "--save-model", str(out), *extra)
     assert r.returncode == 0, r.stderr + r.stdout
-    if "--no-shard-optimizer" not in extra and k > 1:  # sharded: the ring has no reduce-scatter, the user is told
-        warned = "warning: --allreduce ring has no reduce-scatter" in r.stdout
-        assert warned == ("ring" in extra), r.stdout
+    warned = "warning: --allreduce ring has no reduce-scatter" in r.stdout
+    assert warned == ("step sharded" in r.stdout and "ring" in extra), r.stdout  # sharded: the user is told
     return np.load(out, allow_pickle=False)["flat"]
 
 
@@ -67,11 +66,13 @@ def test_sharded_optimizer_step_gives_the_replicated_result(tmp_path, k):
     for other in ("ring", "deterministic"):  # the ring's full all-reduce; the deterministic reduce-scatter
         ours = train_params(tmp_path, k, 16, "--allreduce", other, "--shard-optimizer")
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
-    if k == 2:  # one rank: nothing to split, and the banner says so; the default at k >= 2 is the sharded step
+    if k == 2:  # one rank: nothing to split, and the banner says so; the default at k >= 2 shards 1 MiB or more
         one = run_mpi(1, *SYNTH, "--max-steps", "2", "--shard-optimizer")
         assert one.returncode == 0 and "nothing to split at k=1" in one.stdout, one.stderr
-        default = run_mpi(2, *SYNTH, "--max-steps", "2")
-        assert "step sharded (default at k >= 2 on host buffers)" in default.stdout, default.stdout
+        small = run_mpi(2, *SYNTH, "--max-steps", "2")  # 0.1 MiB of float64 parameters
+        assert "step replicated (default under 1 MiB of parameters" in small.stdout, small.stdout
+        default = run_mpi(2, *SYNTH, "--max-steps", "2", "--hidden", "512")  # 3.1 MiB
+        assert "step sharded (default at k >= 2 on host buffers, 1 MiB" in default.stdout, default.stdout
         off = run_mpi(2, *SYNTH, "--max-steps", "2", "--no-shard-optimizer")
         assert "step replicated (--no-shard-optimizer)" in off.stdout, off.stdout
 
