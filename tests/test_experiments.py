@@ -197,3 +197,14 @@ def test_plan_validation_quick_run(tmp_path):
     run = json.loads((stamp / "runs" / "local-mlp-k2-r1.json").read_text())
     assert "mpisgd.train" in run["command"] and run["epochs"][-1]["world_size"] == 2
     assert "| this machine, 1 node | mlp |" in (stamp / "validation.md").read_text()
+
+
+def test_noise_cost_times_the_norm_per_measured_step_and_per_step():
+    r = subprocess.run([sys.executable, "experiments/noise_cost.py", "--hidden", "64", "--every", "4",
+                        "--bucket-mb", "0.1", "--repeats", "40"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert "in 2 bucket(s)" in r.stdout, r.stdout
+    measured = float(r.stdout.split("takes ")[1].split(" ms")[0])
+    per_step = float(r.stdout.split("every 4 steps: ")[1].split(" ms")[0])
+    assert measured > 0 and per_step == pytest.approx(measured / 4, abs=1e-3), r.stdout
