@@ -3,18 +3,24 @@ tests that launch their own mpiexec are ordinary serial tests."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# under mpiexec (pytest-mpi), the job's size; a test that starts its own processes runs once, serially
+RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+serial_only = pytest.mark.skipif(RANKS > 1, reason="starts its own processes: run in the serial pass")
 _SESSION_START = time.time()
 
 
@@ -22,12 +28,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The suite aborts MPI jobs on purpose, and MPICH then leaves a file in /dev/shm (about a dozen,
     30 MiB, per run of scripts/test.sh): remove those made during this session that no process holds
     (scripts/clean_shm.py), so that test runs do not fill a node's tmpfs."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from clean_shm import leftovers
-    finally:
-        sys.path.pop(0)
-    for path in leftovers(Path("/dev/shm"), "mpich_shm_*"):
+    for path in script("scripts", "clean_shm").leftovers(Path("/dev/shm"), "mpich_shm_*"):
         try:
             if path.stat().st_mtime >= _SESSION_START:
                 path.unlink()
@@ -166,3 +167,42 @@ def _junit_key():
     from _pytest.junitxml import xml_key
 
     return xml_key
+
+
+def step_peak_bytes(opt, flat, lrs=(0.1, 0.2)) -> int:
+    """The peak bytes Python allocated over ``opt.step(lr)`` for each of ``lrs`` (a first step, with its
+    one-time allocations, runs before the measurement); the gradient is 0.5 everywhere."""
+    flat.grads[...] = 0.5
+    opt.step(lrs[0])
+    tracemalloc.start()
+    try:
+        for lr in lrs:
+            flat.grads[...] = 0.5
+            opt.step(lr)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A real file system that fills up: a tmpfs of ``size`` (e.g. "8k") mounted on ``path`` (made here),
+    unmounted afterwards; the test is skipped where it cannot be mounted (root is needed)."""
+    path.mkdir(exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def script(folder: str, name: str):
+    """The module ``name`` of the repository's ``folder`` (benchmarks/, experiments/, scripts/: not packages)."""
+    sys.path.insert(0, str(ROOT / folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -3,10 +3,9 @@ shards and their summed norms; state round trips; an allocation-free step."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
+from conftest import step_peak_bytes
 
 from mpisgd.adam import LAMB, AdamW
 from mpisgd.flatbuf import FlatBuffer
@@ -232,16 +231,7 @@ def test_step_allocates_no_parameter_sized_temporary(kind, wd):
     flat = FlatBuffer([(n // 512, 512), (512,), (512, 512)], np.float64, np)
     flat.params[...] = 1.0
     opt = kind(flat, weight_decay=wd)
-    flat.grads[...] = 0.5
-    opt.step(0.1)
-    tracemalloc.start()
-    try:
-        for lr in (0.1, 0.2):
-            flat.grads[...] = 0.5
-            opt.step(lr)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = step_peak_bytes(opt, flat)
     assert peak < n * 8 // 16, f"step allocated {peak} bytes at peak"
     assert opt.buffer_nbytes() == 3 * flat.nbytes  # two moments and the scratch buffer
 

@@ -5,7 +5,6 @@ the docs are tested in test_experiments.py."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -13,22 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, run_mpi
+from conftest import ROOT, clean_env, run_mpi, script, serial_only
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import allreduce_bw  # noqa: E402
+allreduce_bw = script("benchmarks", "allreduce_bw")
 
 # under mpiexec without -m mpi every rank would collect these: what starts its own processes runs once
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+pytestmark = serial_only
 
 
 def test_throughput_ratios_are_paired_within_a_repeat():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_throughput as tt
-    finally:
-        sys.path.pop(0)
+    tt = script("benchmarks", "train_throughput")
 
     def run(impl, rep, sps, step):
         return {"impl": impl, "repeat": rep, "samples_per_s": sps, "step_ms": step}
@@ -68,11 +61,7 @@ def test_throughput_ratios_are_paired_within_a_repeat():
 
 
 def test_median_interval_covers_the_median_and_narrows_with_repeats():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_throughput as tt
-    finally:
-        sys.path.pop(0)
+    tt = script("benchmarks", "train_throughput")
     assert tt.median_ci([0.8] * 5) == (0.8, 0.8)
     rng = np.random.default_rng(1)
     few, many = list(rng.normal(0.85, 0.05, 6)), list(rng.normal(0.85, 0.05, 60))

@@ -8,13 +8,12 @@ reached by all ranks, results are gathered, and only then asserted.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import DTYPES, ROOT, gathered, local_values, oracle, run_mpi, world
+from conftest import DTYPES, ROOT, gathered, local_values, oracle, run_mpi, serial_only, world
 
 from mpisgd.comm import STRATEGIES, create_reducer
 from mpisgd.comm.base import InOrder, ScratchPool, add_in_rank_order, chunk_bounds, chunk_counts, flat_view
@@ -22,8 +21,6 @@ from mpisgd.comm.mpi import mpi_sum_type
 
 # Under mpiexec with --with-mpi but without -m mpi, pytest-mpi runs the unmarked tests on every rank too:
 # the tests that start their own processes run once, in the serial pass.
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-own_processes = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 CPU_STRATEGIES = [s for s in STRATEGIES if s != "nccl"]
 
 
@@ -129,7 +126,7 @@ def test_deterministic_option_picks_the_deterministic_strategy_only_where_order_
     red.close()
 
 
-@own_processes
+@serial_only
 def test_cpu_path_never_imports_cupy():
     code = ("import sys, numpy as np; from mpi4py import MPI; from mpisgd.comm import create_reducer, STRATEGIES\n"
             "for n in STRATEGIES[:-1]:\n"
@@ -229,7 +226,7 @@ def test_reduce_scatter_then_allgather_give_the_allreduce(name, n, dtype):
         assert untouched  # a true reduce-scatter, not an all-reduce of buf
 
 
-@own_processes
+@serial_only
 def test_comm_suites_at_four_ranks():
     """The in-process MPI tests of the engine and of data parallelism at k = 4 (oversubscribed:
     correctness, not speed)."""

@@ -4,20 +4,16 @@ effective configuration printed (--print-config) and written beside the outputs,
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env, run_mpi
+from conftest import ROOT, clean_env, run_mpi, serial_only
 from test_config import changed
 
 from mpisgd.config import Config, UsageError, parse_config
 from mpisgd.config_file import read_config, to_toml, values
-
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-serial_only = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 
 
 def toml(tmp_path: Path, text: str, name: str = "run.toml") -> str:

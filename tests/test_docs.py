@@ -31,15 +31,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ONE_THREAD, ROOT, mpiexec_cmd
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd, serial_only
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"<!--\s*test:\s*(run with:\s*(?P<args>.*?)|run|skip:\s*(?P<why>.*?))\s*-->")
 EXEC = re.compile(r"<!--\s*test:\s*exec(?:\s+then:\s*(?P<then>.*?))?\s*-->")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(python3?|mpiexec|bash)\b")  # after VAR=value words
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+pytestmark = serial_only
 
 
 def blocks() -> list[tuple[str, str | None, str]]:

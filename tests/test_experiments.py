@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, is_png
+from conftest import ROOT, clean_env, is_png, script, serial_only
 
 # what starts its own processes runs once, in the serial pass (not on every rank under mpiexec)
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+pytestmark = serial_only
 
 
 def _large_batch():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import large_batch
-    finally:
-        sys.path.pop(0)
-    return large_batch
+    return script("experiments", "large_batch")
 
 
 def test_large_batch_split_keeps_micro_batch_bounded():
@@ -110,11 +103,7 @@ def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
 
 
 def _experiment(name):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
+    return script("experiments", name)
 
 
 def test_critical_batch_fit_recovers_the_tradeoff():

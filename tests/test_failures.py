@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, mpiexec_cmd, open_mpi_launcher, run_mpi
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd, open_mpi_launcher, run_mpi, small_tmpfs
 
 SYNTH = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32",
          "--progress", "off")
@@ -473,17 +473,10 @@ def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tag: str, tm
     """A real full file system: the checkpoint directory on a 256 KiB tmpfs, each checkpoint 400 KB. The
     writes fail with a warning naming the free space, training finishes, no temporary file is left."""
     ck = tmp_path / "ck"
-    ck.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ck)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(ck, "256k"):
         r, _ = launch(2, tag, *SYNTH, "--max-steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
                       "--hidden", "64")
         left = sorted(p.name for p in ck.iterdir())
-    finally:
-        subprocess.run(["umount", str(ck)], capture_output=True)
     assert r.returncode == 0, r.stderr[-2000:]
     warned = [line for line in r.stdout.splitlines() if line.startswith("warning: checkpoint of step")]
     assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.stdout
@@ -568,16 +561,21 @@ def _idx_dir(directory: Path, labels_train, n_test: int = 50, seed: int = 0) -> 
     return directory
 
 
-def test_ranks_with_different_data_are_refused(tag: str, tmp_path: Path) -> None:
-    a = _idx_dir(tmp_path / "a", np.arange(512) % 10)
-    b = _idx_dir(tmp_path / "b", np.arange(512) % 10, seed=1)
+def _two_ranks_two_data_sets(a: Path, b: Path, tag: str) -> subprocess.CompletedProcess:
+    """A k = 2 training whose rank 0 reads the data set in ``a`` and rank 1 the one in ``b``."""
     train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
     one = mpiexec_cmd(1, *train)
     py = one.index(sys.executable)  # env(1) sets each rank's variable: MPICH's -env and Open MPI's -x differ
     first = [*one[:py], "env", f"MPISGD_DATA={a}", *one[py:]]
     second = [*one[1:py], "env", f"MPISGD_DATA={b}", *one[py:]]
     env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
-    r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_ranks_with_different_data_are_refused(tag: str, tmp_path: Path) -> None:
+    a = _idx_dir(tmp_path / "a", np.arange(512) % 10)
+    b = _idx_dir(tmp_path / "b", np.arange(512) % 10, seed=1)
+    r = _two_ranks_two_data_sets(a, b, tag)
     assert r.returncode == 2 and "ranks loaded different data (fingerprint is" in r.stderr, r.stderr
     assert "on rank(s) [0] but" in r.stderr and "on rank 1" in r.stderr, r.stderr
     assert r.stderr.count("mpisgd: error") == 1
@@ -734,13 +732,7 @@ def test_ranks_with_another_test_set_are_refused(tag: str, tmp_path: Path) -> No
     for f in a.iterdir():
         (b / f.name).write_bytes(f.read_bytes())
     write_idx(b / "t10k-images-idx3-ubyte", np.zeros((50, 28, 28), np.uint8))
-    train = ("-m", "mpisgd.train", "--hidden", "16", "--progress", "off", "--max-steps", "3")
-    one = mpiexec_cmd(1, *train)
-    py = one.index(sys.executable)  # env(1) sets each rank's variable: MPICH's -env and Open MPI's -x differ
-    first = [*one[:py], "env", f"MPISGD_DATA={a}", *one[py:]]
-    second = [*one[1:py], "env", f"MPISGD_DATA={b}", *one[py:]]
-    env = {**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag}
-    r = subprocess.run([*first, ":", *second], capture_output=True, text=True, timeout=120, env=env)
+    r = _two_ranks_two_data_sets(a, b, tag)
     line = _one_error(r)
     assert "data" in line and "fingerprint" in line and "give every rank the same data set" in line, line
     assert_no_rank_left(tag)
@@ -796,18 +788,11 @@ def test_a_lock_file_that_is_a_directory_is_one_line(tag: str, tmp_path: Path) -
 # -- a full disk: the metrics stop with a warning, the model goes elsewhere and says where ----------------
 def test_a_full_disk_for_metrics_model_and_timeline_loses_nothing_silently(tag: str, tmp_path: Path) -> None:
     small, ck = tmp_path / "small", tmp_path / "ck"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(small, "8k"):
         r, _ = launch(2, tag, *SYNTH, "--max-steps", "60", "--metrics-file", str(small / "m.jsonl"),
                       "--save-model", str(small / "model.npz"), "--timeline", str(small / "t"),
                       "--checkpoint-dir", str(ck))
         left = sorted(p.name for p in small.iterdir())
-    finally:
-        subprocess.run(["umount", str(small)], capture_output=True)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()
     assert sum("warning: --metrics-file" in x and "No space left on device" in x and "training goes on" in x

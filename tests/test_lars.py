@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
+from conftest import step_peak_bytes
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
@@ -204,16 +203,7 @@ def test_step_allocates_no_parameter_sized_temporary(level1):
     flat = FlatBuffer([(n // 512, 512), (512,), (512, 512)], np.float64, np)
     flat.params[...] = 1.0
     lars = LARS(flat, momentum=0.9, weight_decay=1e-4, level1=level1)
-    flat.grads[...] = 0.5
-    lars.step(0.1)
-    tracemalloc.start()
-    try:
-        for lr in (0.1, 0.2):
-            flat.grads[...] = 0.5
-            lars.step(lr)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = step_peak_bytes(lars, flat)
     assert peak < n * 8 // 16, f"step allocated {peak} bytes at peak"
 
 

@@ -4,7 +4,6 @@ mpisgd.load_model rebuilds it with its weights, python -m mpisgd.evaluate scores
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, run_mpi
+from conftest import ROOT, clean_env, run_mpi, serial_only
 from test_train import image_set
 
 import mpisgd
@@ -20,8 +19,7 @@ from mpisgd.checkpoint import TrainState, save_checkpoint
 from mpisgd.model_file import ModelFileError, read_model
 from mpisgd.nn import build_model
 
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+pytestmark = serial_only
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32",
          "--progress", "off", "--batch-size", "32", "--epochs", "2", "--seed", "4"]
 

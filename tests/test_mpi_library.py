@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import run_mpi
+from conftest import run_mpi, serial_only
 
 EXPECTED = os.environ.get("MPISGD_TEST_MPI_LIBRARY", "")
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 PROBE = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
          "libs = c.gather(MPI.Get_library_version().replace(chr(0), '').splitlines()[0]); "
          "c.Get_rank() == 0 and print(c.Get_size(), *sorted(set(libs)), sep=chr(10))")
@@ -25,7 +24,7 @@ def test_every_rank_runs_the_expected_mpi_library():
     assert libs[0].startswith(EXPECTED), f"this pass expects {EXPECTED!r}; the ranks run {libs[0]!r}"
 
 
-@pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+@serial_only
 def test_the_tests_own_jobs_run_the_expected_mpi_library():
     """The mpiexec and the interpreter the tests launch (conftest.mpiexec_cmd) belong together and to the
     expected library: a launcher of another library would start two singletons of size 1."""

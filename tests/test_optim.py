@@ -6,6 +6,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import step_peak_bytes
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
@@ -111,16 +112,7 @@ def test_step_allocates_no_parameter_sized_temporary(kw):
     flat = FlatBuffer([(n,)], np.float64, np)
     flat.params[...] = 1.0
     opt = SGD(flat, **kw)
-    flat.grads[...] = 0.5
-    opt.step(0.1)  # first step outside the measurement
-    tracemalloc.start()
-    try:
-        for lr in (0.1, 0.2, 0.05):
-            flat.grads[...] = 0.5
-            opt.step(lr)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = step_peak_bytes(opt, flat, (0.1, 0.2, 0.05))
     assert peak < n * 8 // 16, f"step allocated {peak} bytes at peak"
 
 

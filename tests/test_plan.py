@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_env, is_png, mpiexec_cmd
+from conftest import ROOT, clean_env, is_png, mpiexec_cmd, serial_only
 
 from mpisgd import plan
 from mpisgd.schedule import scaled_lr
@@ -252,10 +251,9 @@ def test_module_runs_without_mpi(tmp_path):
     assert r.returncode == 2 and "give the link between them" in r.stderr
 
 
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 
 
-@pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+@serial_only
 def test_plans_from_a_real_training_run(tmp_path):
     """The trainer's own metrics file (k = 1, two micro-batches: it records the noise scale) is a profile."""
     metrics = tmp_path / "m.jsonl"

@@ -11,13 +11,11 @@ import struct
 import subprocess
 import termios
 
-import pytest
-from conftest import ONE_THREAD, ROOT, mpiexec_cmd
+from conftest import ONE_THREAD, ROOT, mpiexec_cmd, serial_only
 
 from mpisgd.report import launcher_terminal
 
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
+pytestmark = serial_only
 TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "16384", "--hidden", "16",
          "--batch-size", "8", "--epochs", "1"]
 BAR = ("it/s", "\u2588", "%|")  # what tqdm draws

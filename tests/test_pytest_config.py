@@ -7,17 +7,15 @@ pytest on a small file in a directory holding a copy of the repository's pytest.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, serial_only
 
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-pytestmark = pytest.mark.skipif(_RANKS > 1, reason="starts its own pytest: run in the serial pass")
+pytestmark = serial_only
 
 PROBE = """
 import pathlib

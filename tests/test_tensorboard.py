@@ -10,12 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_env, run_mpi
+from conftest import ROOT, clean_env, run_mpi, serial_only
 
 from mpisgd.tensorboard import TensorBoardWriter, open_writer
 
-_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-serial_only = pytest.mark.skipif(_RANKS > 1, reason="starts its own processes: run in the serial pass")
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "16",
          "--progress", "off", "--batch-size", "32", "--epochs", "2"]
 

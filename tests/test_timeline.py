@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_mpi
+from conftest import run_mpi, small_tmpfs
 
 
 def test_timeline_has_every_phase_per_rank(tmp_path):
@@ -32,19 +32,12 @@ def test_timeline_has_every_phase_per_rank(tmp_path):
 
 def test_a_timeline_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     """A real full file system (a 64 KiB tmpfs; root needed): save raises OSError, nothing is left."""
-    import subprocess
-
     import pytest
 
     from mpisgd.timeline import Timeline
 
     small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(small, "64k"):
         t = Timeline()
         for i in range(3000):
             with t.span(f"step {i}"):
@@ -52,8 +45,6 @@ def test_a_timeline_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
         with pytest.raises(OSError, match="No space left"):
             t.save(str(small / "trace.rank0.json"))
         left = sorted(p.name for p in small.iterdir())
-    finally:
-        subprocess.run(["umount", str(small)], capture_output=True)
     assert left == []
 
 
