@@ -256,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan_validation: cluster rows skipped: {exc}")
         else:
             for link in args.links.split(","):
-                with nc.NetCluster(hosts=2, ranks_per_host=1, rate=link) as cluster:
+                # the cluster's ranks get its own environment: pass them ENV's settings (one thread, no
+                # plan file: auto measures each link afresh instead of reusing another link's plan)
+                own = {k: v for k, v in ENV.items() if os.environ.get(k) != v}
+                with nc.NetCluster(hosts=2, ranks_per_host=1, rate=link, extra_env=own) as cluster:
                     launch = Launcher(out, cluster, f"emulated {link}")
                     ar = launch.allreduce(f"cluster-{link}-allreduce-k2", "auto")
                     for model in models:
