@@ -2,6 +2,7 @@
 
     python -m mpisgd.plot lr [--ranks K] [--out lr.png] [train options...]
     python -m mpisgd.plot curves METRICS.jsonl [MORE.jsonl ...] [--labels a,b] [--out curves.png]
+                                 (loss, test error, the gradient noise scale, learning rate)
 
 ``lr`` takes the same options as ``python -m mpisgd.train`` and evaluates the very
 Schedule the run would use (for K ranks), with no MPI and no training. matplotlib
@@ -11,6 +12,7 @@ Schedule the run would use (for K ranks), with no MPI and no training. matplotli
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -68,14 +70,23 @@ def plot_lr(cfg: Config, ranks: int, out: str, samples: int | None = None) -> st
     return out
 
 
-def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = None) -> str:
-    """Per-step loss and learning rate, per-epoch test error, one line per metrics file."""
+def noise_points(epochs: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(steps, noise scales) of the epoch records that carry a finite, positive one: early and late in a
+    run the estimate can be inf (|G|^2 estimated <= 0) or missing (--noise-scale-every 0)."""
+    pts = [(r["step"], float(r["noise_scale"])) for r in epochs if isinstance(r.get("noise_scale"), int | float)]
+    kept = [(step, ns) for step, ns in pts if math.isfinite(ns) and ns > 0]
+    return [p[0] for p in kept], [p[1] for p in kept]
+
+
+def curves_figure(paths: Sequence[str], labels: Sequence[str] | None = None) -> Any:
+    """Per-step loss, per-epoch test error, the gradient noise scale beside them (it grows as the loss
+    falls: the batch that still pays grows with it) and the learning rate, one line per metrics file."""
     from mpisgd.metrics import read_metrics  # noqa: PLC0415
 
     if labels is not None and len(labels) != len(paths):
         raise UsageError(f"{len(labels)} label(s) for {len(paths)} metrics file(s)")
     plt = _pyplot()
-    fig, (a_loss, a_err, a_lr) = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, (a_loss, a_err, a_noise, a_lr) = plt.subplots(1, 4, figsize=(17, 3.6))
     for i, path in enumerate(paths):
         try:
             steps, epochs = read_metrics(path, "step"), read_metrics(path, "epoch")
@@ -90,17 +101,30 @@ def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = N
         if epochs:
             a_err.plot([r["epoch"] for r in epochs], [100 * (1 - r["test_acc"]) for r in epochs], "o-",
                        label=label)
+        at, noise = noise_points(epochs)
+        if noise:
+            a_noise.plot(at, noise, "o-", label=label)
     a_loss.set(xlabel="step", ylabel="training loss (mean over B)", yscale="log")
     a_err.set(xlabel="epoch", ylabel="test error (%)")
+    a_noise.set(xlabel="step", ylabel="gradient noise scale (samples)")
+    if a_noise.lines:
+        a_noise.set_yscale("log")
+    else:
+        a_noise.text(0.5, 0.5, "no noise scale recorded", ha="center", va="center", transform=a_noise.transAxes)
     a_lr.set(xlabel="step", ylabel="learning rate")
-    for a in (a_loss, a_err, a_lr):
+    for a in (a_loss, a_err, a_noise, a_lr):
         a.grid(alpha=0.3)
-    a_loss.legend(fontsize=8)  # every file has step records or epoch records; the loss panel shows most
-    if a_err.lines:
-        a_err.legend(fontsize=8)
+    for a in (a_loss, a_err):  # a file has step records, epoch records or both
+        if a.lines:
+            a.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = None) -> str:
+    fig = curves_figure(paths, labels)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, is_png
 
-from mpisgd.plot import main, schedule_for
+from mpisgd.plot import curves_figure, main, noise_points, schedule_for
 
 pytest.importorskip("matplotlib")
 
@@ -60,3 +60,20 @@ def test_plot_cli_as_module(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr
     assert is_png(out)
+
+
+def test_curves_draw_the_noise_scale_where_it_is_finite(tmp_path):
+    """The noise-scale panel shows each epoch's finite estimate at its step; inf (|G|^2 estimated <= 0)
+    and a missing one are left out, not drawn as a spike or a gap that looks like zero."""
+    recs = [{"kind": "epoch", "epoch": e, "step": 10 * e, "lr": 0.1, "train_loss": 0.5, "test_acc": 0.8,
+             **({"noise_scale": ns} if ns is not None else {})}
+            for e, ns in ((1, 120.0), (2, float("inf")), (3, None), (4, 480.0))]
+    p = tmp_path / "m.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert noise_points(recs) == ([10, 40], [120.0, 480.0])
+    fig = curves_figure([str(p)])
+    panel = next(a for a in fig.axes if "noise scale" in a.get_ylabel())
+    (line,) = panel.lines
+    assert list(line.get_xdata()) == [10, 40] and list(line.get_ydata()) == [120.0, 480.0]
+    assert panel.get_yscale() == "log"
+
