@@ -71,7 +71,7 @@ def _gbit(x: float) -> float:
 # link, to be replaced by your own allreduce_bw.py measurement.
 PRESETS: dict[str, tuple[float, float, str]] = {
     "shm": (10e-6, _gbit(160), "measured: allreduce_bw.py, shared strategy, k = 2 on this project's 2-core VM, "
-                               "256 KiB-8 MiB (results/allreduce/backends-2026-12-01.jsonl); 2-3x slower once "
+                               "256 KiB-8 MiB (docs/plan.md, Presets); 2-3x slower once "
                                "the buffers leave the caches (>= 16 MiB)"),
     "emulated-1gbit": (135e-6, _gbit(0.74), "measured: the emulated cluster's 1 Gbit/s tbf link, alpha-beta fit "
                                             "of its MPI_Allreduce probe (docs/cluster.md)"),
@@ -94,22 +94,30 @@ def preset(name: str) -> Link:
     return Link(name, alpha, beta, source)
 
 
-def read_allreduce_json(path: str, backend: str | None = None) -> tuple[list[dict[str, Any]], str, int]:
-    """The rows of one backend (in place where there are any) of an ``allreduce_bw.py --json`` file, the
-    backend's name and the ranks it ran on."""
+def _json_lines(path: str, what: str) -> list[tuple[int, Any]]:
+    """(line number, value) of each non-empty line of a JSON-lines file; PlanError naming ``what`` the file
+    should have been where it cannot be read or a line is not JSON."""
     try:
         with open(path) as f:
-            text = f.read()
+            lines = f.read().splitlines()
     except OSError as exc:
         raise PlanError(f"{path}: cannot read it ({exc.strerror})") from None
-    rows = []
-    for i, line in enumerate(text.splitlines(), 1):
+    values = []
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            r = json.loads(line)
+            values.append((i, json.loads(line)))
         except json.JSONDecodeError:
-            raise PlanError(f"{path}: line {i} is not JSON: not an allreduce_bw.py --json output") from None
+            raise PlanError(f"{path}: line {i} is not JSON: not {what}") from None
+    return values
+
+
+def read_allreduce_json(path: str, backend: str | None = None) -> tuple[list[dict[str, Any]], str, int]:
+    """The rows of one backend (in place where there are any) of an ``allreduce_bw.py --json`` file, the
+    backend's name and the ranks it ran on."""
+    rows = []
+    for i, r in _json_lines(path, "an allreduce_bw.py --json output"):
         if not isinstance(r, dict) or not all(isinstance(r.get(k), int | float) for k in ("size_bytes", "time_us",
                                                                                             "ranks")) \
                 or not isinstance(r.get("backend"), str):
@@ -237,19 +245,8 @@ def _number(r: dict[str, Any], key: str) -> float:
 def read_profile(path: str, epoch: int | None = None, noise_scale: float | None = None) -> Profile:
     """The profile from epoch ``epoch`` (default: the last; the first includes warm-up) of a metrics file;
     the noise scale from its last epoch record (the end of the run) unless ``noise_scale`` is given."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise PlanError(f"{path}: cannot read it ({exc.strerror})") from None
     records = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            raise PlanError(f"{path}: line {i} is not JSON: not an mpisgd.train --metrics-file") from None
+    for i, r in _json_lines(path, "an mpisgd.train --metrics-file"):
         if not isinstance(r, dict):
             raise PlanError(f"{path}: line {i} is not a JSON object: not an mpisgd.train --metrics-file")
         records.append(r)
