@@ -21,6 +21,6 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5", "tensorboardX>=2.6", "tensorboard>=2.14"],
         "torch": ["torch"],  # only for the comparison benchmark
     },
-    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-evaluate=mpisgd.evaluate:main",
-                                      "mpisgd-plan=mpisgd.plan:main"]},
+    entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
+                                      "mpisgd-plan=mpisgd.app.plan:main"]},
 )

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from mpisgd.backend import Backend, select_backend, sync, to_numpy, xp_of  # noqa: E402
 from mpisgd.comm import STRATEGIES, create_reducer  # noqa: E402
 from mpisgd.comm.base import Reducer, node_layout  # noqa: E402
-from mpisgd.config import UsageError  # noqa: E402
 from mpisgd.context import AgreedError, agree  # noqa: E402
 from mpisgd.data import available_bytes  # noqa: E402
+from mpisgd.errors import UsageError  # noqa: E402
 from mpisgd.files import check_output_file  # noqa: E402
 
 CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "shared")

@@ -239,7 +239,7 @@ def main() -> None:
             sys.exit(2)
     run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp}[args.impl]
     result = run(args)
-    from mpisgd.report import peak_rss_mib  # noqa: PLC0415
+    from mpisgd.app.preflight import peak_rss_mib  # noqa: PLC0415
 
     result["peak_rss_mib"] = peak_rss_mib()  # rank 0's (DDP ranks hold the same)
     if result.pop("rank", 0) == 0:

@@ -65,7 +65,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_N
 BASELINES = ("numpy-1t", "numpy-2t", "torch", "torch-ddp")
 DEFAULT_BASELINES = {"mlp": "numpy-1t,numpy-2t,torch-ddp", "cnn": "torch,torch-ddp"}
 WORKLOADS = {"cnn": "LeNet-5 (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool 2, 120, 84, 10, ReLU)"}
-MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.report
+MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.app.report
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
 

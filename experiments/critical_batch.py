@@ -59,10 +59,10 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import numpy as np  # noqa: E402
 
 from mpisgd.data import BatchLoader, Dataset, epoch_permutation, load_fashion_mnist, synthetic  # noqa: E402
-from mpisgd.lars import LARS  # noqa: E402
 from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count  # noqa: E402
 from mpisgd.nn.models import cnn, mlp  # noqa: E402
 from mpisgd.optim import SGD  # noqa: E402
+from mpisgd.optim.lars import LARS  # noqa: E402
 from mpisgd.schedule import Schedule, scaled_lr  # noqa: E402
 
 # the two recipes of docs/large_batch.md: eta0 for B0 = 256 (--sgd-lr, --lars-lr), its scaling, and (LARS) the

@@ -175,7 +175,7 @@ def write_report(records: list[dict[str, Any]], out: Path, title: str) -> None:
     (out / "large_batch.md").write_text("\n".join(lines) + "\n")
     if len({r["batch"] for r in records}) < 2:  # a grid at one B: nothing to draw against B
         return
-    from mpisgd.plot import plot_error_vs_batch
+    from mpisgd.app.plot import plot_error_vs_batch
 
     seen: dict[str, dict[str, set[str]]] = {}  # recipe -> setting -> its values: one line per variant
     for r in records:

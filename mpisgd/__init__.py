@@ -21,14 +21,14 @@ from typing import Any
 # which importing mpi4py.MPI (through context/parallel) does.
 _LAZY = {
     "nn": ("mpisgd.nn", None), "Context": ("mpisgd.context", "Context"), "init": ("mpisgd.context", "init"),
-    "SGD": ("mpisgd.optim", "SGD"), "LARS": ("mpisgd.lars", "LARS"), "AdamW": ("mpisgd.adam", "AdamW"),
-    "LAMB": ("mpisgd.adam", "LAMB"),
+    "SGD": ("mpisgd.optim", "SGD"), "LARS": ("mpisgd.optim", "LARS"), "AdamW": ("mpisgd.optim", "AdamW"),
+    "LAMB": ("mpisgd.optim", "LAMB"),
     "DataParallel": ("mpisgd.parallel", "DataParallel"),
     "NonFiniteError": ("mpisgd.parallel", "NonFiniteError"), "ReplicaError": ("mpisgd.parallel", "ReplicaError"),
     "Schedule": ("mpisgd.schedule", "Schedule"), "effective_batch": ("mpisgd.schedule", "effective_batch"),
     "scaled_lr": ("mpisgd.schedule", "scaled_lr"), "guard": ("mpisgd.abort", "guard"),
-    "create_reducer": ("mpisgd.comm", "create_reducer"), "broadcast_": ("mpisgd.sync", "broadcast_"),
-    "GradientAverager": ("mpisgd.sync", "GradientAverager"), "load_model": ("mpisgd.model_file", "load_model"),
+    "create_reducer": ("mpisgd.comm", "create_reducer"), "broadcast_": ("mpisgd.parallel", "broadcast_"),
+    "GradientAverager": ("mpisgd.parallel", "GradientAverager"), "load_model": ("mpisgd.model_file", "load_model"),
 }
 
 

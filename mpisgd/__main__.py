@@ -1,5 +1,5 @@
 import sys
 
-from mpisgd.train import main
+from mpisgd.app.train import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.config import UsageError
+from mpisgd.errors import UsageError
 
 
 @dataclass(frozen=True)

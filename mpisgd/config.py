@@ -1,8 +1,7 @@
-"""The run's configuration: one flat dataclass, one line per field, strict parsing.
+"""The run's configuration: one flat dataclass, one line per field, its checks.
 
-Every field becomes a command-line flag (``batch_size`` → ``--batch-size``);
-the comment string on its line is the flag's help. Unknown flags and values of
-the wrong type are errors (:class:`UsageError`), never silently ignored.
+Every field becomes a command-line flag (``batch_size`` → ``--batch-size``, mpisgd.app.options); the
+comment string on its line is the flag's help.
 """
 
 from __future__ import annotations
@@ -15,10 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class UsageError(ValueError):
-    """Bad input from the user: reported as one line, exit code 2, on every rank."""
-
+from mpisgd.errors import UsageError
 
 # What a resumed run must share with the run that wrote its checkpoint, unless --resume-allow names it
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
@@ -234,28 +230,13 @@ class Config:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 
-def _parse_int_tuple(text: str) -> tuple[int, ...]:
+def parse_int_tuple(text: str) -> tuple[int, ...]:
     if text.strip() == "":
         return ()
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing and exiting, and prints only on rank 0."""
-
-    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.quiet = quiet
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if not self.quiet:
-            super()._print_message(message, file)
 
 
 # --help in groups, by concern; every field of Config is in exactly one (tests/test_config.py checks)
@@ -278,87 +259,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}
 
 
-def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m mpisgd.train",
-        description="Synchronous data-parallel SGD over MPI. Launch with: mpiexec -n K python -m mpisgd.train",
-        quiet=quiet, allow_abbrev=False,
-    )
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    for title, names in GROUPS.items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            _add_option(group, fields[name])
-    files = parser.add_argument_group("configuration file")
-    files.add_argument("--config", metavar="FILE.toml", help="read options from this TOML file, by their long "
-                       "names (limit-train = 4096); the command line overrides it (docs/api.md)")
-    files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
-                       "TOML that --config reads, and exit")
-    return parser
-
-
-def _add_option(parser: Any, f: dataclasses.Field) -> None:
-    """One field of Config as a command-line option (its help, default, type and choices)."""
-    flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
-    help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)}"
-                                      + "".join(f"; {_show(d[f.name])} for --model {m}"
-                                                for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
-    kind = f.type if isinstance(f.type, str) else str(f.type)
-    if kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
-        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-    elif kind.startswith("tuple"):
-        parser.add_argument(*flags, type=_parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
-    else:
-        base = kind.split("|")[0].strip()
-        conv = {"int": int, "float": float, "str": str}[base]
-        parser.add_argument(*flags, type=conv, default=f.default, choices=f.metadata["choices"],
-                            help=help_text, metavar=None if f.metadata["choices"] else base.upper())
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(map(str, value)) or "none"
-    return str(value)
-
-
 # The stock CNN's own recipe where the command line does not say (why: docs/benchmarks.md, LeNet-5).
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20}}
 
 
-def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
-    """Parse and validate the command line (and the --config file it names, which it overrides). Raises
-    UsageError; prints --help (and --print-config's TOML, then SystemExit) unless quiet.
-
-    ``cfg.given`` holds the fields set on the command line or in the file (a resumed run derives the
-    others); ``cfg.config_file`` the file's path, or None."""
-    parser = build_parser(quiet)
-    ns = parser.parse_args(argv)
-    from_file: dict[str, Any] = {}
-    if ns.config:
-        from mpisgd.config_file import read_config  # noqa: PLC0415 - it imports this module
-
-        from_file = read_config(ns.config)
-        parser.set_defaults(**from_file)
-        ns = parser.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(Config)}
-    quiet_parser = build_parser(quiet=True)
-    quiet_parser.set_defaults(**dict.fromkeys(names, _UNSET))
-    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET and k in names}
-    given |= set(from_file)
-    values = {k: v for k, v in vars(ns).items() if k in names}
-    values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
-    cfg = Config(**values)
-    cfg.validate()
-    cfg.given = given  # type: ignore[attr-defined]
-    cfg.config_file = ns.config  # type: ignore[attr-defined]
-    if ns.print_config:
-        if not quiet:
-            from mpisgd.config_file import to_toml  # noqa: PLC0415
-
-            print(to_toml(cfg, "mpisgd's configuration: python -m mpisgd.train --config FILE.toml reads it (the "
-                                "command line overrides it)"), end="", flush=True)
-        raise SystemExit(0)
-    return cfg
-
-
-_UNSET = object()

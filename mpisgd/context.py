@@ -16,7 +16,7 @@ from mpi4py import MPI
 from mpisgd.agreement import AgreedError, agree
 from mpisgd.backend import Backend, select_backend
 from mpisgd.comm.base import node_layout
-from mpisgd.config import UsageError
+from mpisgd.errors import UsageError
 
 
 @dataclass

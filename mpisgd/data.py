@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.config import UsageError
+from mpisgd.errors import UsageError
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {

@@ -16,7 +16,7 @@ The scale of tensor t is s_t = P - H - E_t with
 - H = ``HEADROOM_BITS``: the gradient may grow that many binades from one step to the next.
 
 A micro-batch whose norm exceeds 2**(E_t + H) would overflow: the step is then computed again with the
-exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel redoes the step), as is
+exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.data_parallel redoes the step), as is
 the first step, which has no previous one. Conversion truncates g * 2**s toward zero: each element
 keeps P - H bits below the bound (50 with M = 64), more than a float32 sum keeps; only what lies more
 than that below the tensor's norm is lost.

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from mpisgd.config import UsageError
+from mpisgd.errors import UsageError
 
 TMP_SUFFIX = ".tmp."  # + pid: what an interrupted write leaves behind
 

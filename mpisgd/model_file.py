@@ -5,7 +5,7 @@ layout):
 
 * ``--save-model PATH``: ``flat`` (every parameter, in model order), one array per parameter
   (``"1.Linear.W"``: layer index, layer class, name) and ``meta``, JSON saying what model it is
-  (:func:`describe`);
+  (:func:`mpisgd.app.run.model_record`);
 * a checkpoint (``ckpt-<step>.npz``): ``params`` and, from this version on, ``model``, the same JSON.
 
 Files written before the model was recorded still load where the model can be told from what they
@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mpisgd.checkpoint import CheckpointError, find_resume, load_checkpoint
-from mpisgd.config import UsageError
+from mpisgd.backend import to_numpy
+from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_checkpoint
+from mpisgd.errors import UsageError
+from mpisgd.files import atomic_write, free_bytes, write_npz
 from mpisgd.nn import Sequential, build_model
-
-if TYPE_CHECKING:
-    from mpisgd.run import Run
 
 FORMAT = "mpisgd-model"
 VERSION = 1
@@ -40,24 +42,10 @@ class ModelFileError(UsageError):
     """A file that holds no model mpisgd can rebuild (one line, exit 2, in mpisgd.evaluate)."""
 
 
-def describe(run: Run, step: int | None = None) -> dict[str, Any]:
-    """What model ``run`` trains, as a JSON-able dict: enough to build it again (the model's name or
-    factory, one sample's shape, the classes, the MLP's hidden widths, the dtype), and how its inputs
-    were scaled (``x * input_scale + input_shift``), the data set's identity and the step."""
-    cfg, data = run.cfg, run.data
-    meta = {"format": FORMAT, "version": VERSION, "model": cfg.model, "in_shape": list(data.in_shape),
-            "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
-            "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
-            "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}
-    if step is not None:
-        meta["step"] = step
-    return meta
-
-
 @dataclass
 class SavedModel:
     model: Sequential  # materialised, with the file's parameters
-    meta: dict[str, Any]  # what describe() says (for older files: what could be told)
+    meta: dict[str, Any]  # what the writer recorded (mpisgd.app.run.model_record) (for older files: what could be told)
     path: str  # the file read (a directory's newest good checkpoint)
 
 
@@ -178,3 +166,51 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
     model.materialize(np if xp is None else xp, meta.get("dtype") or str(flat.dtype), seed=0)
     model.flat.params[...] = model.flat.xp.asarray(flat)
     return model
+
+
+def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike] = (),
+                meta: dict[str, Any] | None = None) -> str:
+    """Write the final parameters (the flat vector and each named parameter, as NumPy arrays) and ``meta``,
+    what model it is (mpisgd.app.run.model_record; the file mpisgd.load_model reads, docs/api.md), to ``path``;
+    where that fails (a full disk, a directory gone), to the first of ``fallback_dirs`` that takes them,
+    under the same file name (never replacing a file there). Returns where they went; SaveError, naming
+    every place tried and why, when nowhere."""
+    named = {name: to_numpy(p) for name, p in model.named_parameters()}
+    flat = to_numpy(model.flat.params)
+    extra = {"meta": np.array(json.dumps(meta))} if meta else {}
+    tried = []
+    for target in [Path(path), *(free_name(Path(d), Path(path).name) for d in fallback_dirs)]:
+        try:
+            atomic_write(target, lambda f: write_npz(f, {"flat": flat, **named, **extra}))
+            return str(target)
+        except OSError as exc:
+            tried.append(f"{target} ({exc.strerror or exc}{_free(target)})")
+    raise SaveError("the final model was not written: " + "; ".join(tried))
+
+
+def model_fallbacks(checkpoint_dir: str | None) -> list[str]:
+    """Where save_params tries when --save-model cannot be written: beside the checkpoints, then the
+    temporary directory."""
+    return [d for d in (checkpoint_dir, tempfile.gettempdir()) if d]
+
+
+def free_name(directory: Path, name: str) -> Path:
+    p, n = directory / name, 1
+    while p.exists():
+        p, n = directory / f"{Path(name).stem}-{n}{Path(name).suffix}", n + 1
+    return p
+
+
+def _free(target: Path) -> str:
+    try:
+        return f"; {free_bytes(target.parent) / 2**20:.0f} MiB free there"
+    except OSError:
+        return ""
+
+
+def model_structure(model: Any) -> dict[str, Any]:
+    """The model's layer structure, for a checkpoint (JSON): each layer's repr and each parameter's
+    name and shape. A resumed run must build the same (resume_point)."""
+    return {"layers": [repr(layer) for layer in model.layers],
+            "shapes": [[f"{i}.{type(layer).__name__}.{name}", list(shape)]
+                       for i, layer in enumerate(model.layers) for name, shape in layer.param_shapes]}

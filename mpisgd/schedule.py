@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpisgd.config import Config, UsageError
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
 
 
 def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> int:
@@ -23,6 +24,12 @@ def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> i
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     return world_size * batch_size * accum_steps
+
+
+def total_steps(epochs: int, steps_per_epoch: int, max_steps: int | None = None) -> int:
+    """The run's optimizer steps: ``epochs`` whole epochs, or ``max_steps`` if that comes first."""
+    whole = epochs * steps_per_epoch
+    return whole if max_steps is None else min(max_steps, whole)
 
 
 def accum_steps_for(global_batch: int, world_size: int, batch_size: int) -> int:

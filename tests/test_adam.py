@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import step_peak_bytes
 
-from mpisgd.adam import LAMB, AdamW
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim import TensorNorms
+from mpisgd.optim.adam import LAMB, AdamW
 
 SHAPES = [(6, 5), (5,), (5, 4, 2), (4,), (8, 3), (3,)]  # weights and biases, one 3-D tensor
 OFFSETS = np.cumsum([0] + [int(np.prod(s)) for s in SHAPES])

@@ -314,7 +314,8 @@ def test_pruning_deletes_only_this_runs_superseded_checkpoints(tmp_path):
 
 
 def test_resuming_into_another_runs_directory_is_refused_and_nothing_is_touched(tmp_path):
-    from mpisgd.checkpoint import RunDirectory, run_id_of
+    from mpisgd.app.run_dir import RunDirectory
+    from mpisgd.checkpoint import run_id_of
 
     theirs, elsewhere = tmp_path / "theirs", tmp_path / "elsewhere"
     for step in (8, 16):
@@ -344,7 +345,7 @@ def test_resuming_into_another_runs_directory_is_refused_and_nothing_is_touched(
 
 
 def test_rolling_back_moves_the_abandoned_checkpoints_aside_so_auto_continues_the_new_line(tmp_path):
-    from mpisgd.checkpoint import RunDirectory
+    from mpisgd.app.run_dir import RunDirectory
 
     for step in (32, 40, 48):
         save_checkpoint(tmp_path, _st(step, "a"))
@@ -365,7 +366,7 @@ def test_rolling_back_moves_the_abandoned_checkpoints_aside_so_auto_continues_th
 
 
 def test_a_file_of_the_same_name_that_is_not_this_runs_is_moved_not_replaced(tmp_path):
-    from mpisgd.checkpoint import RunDirectory
+    from mpisgd.app.run_dir import RunDirectory
 
     save_checkpoint(tmp_path, _st(8, "a"))
     (tmp_path / "ckpt-000000016.npz").write_bytes(b"a newer mpisgd's checkpoint")
@@ -380,7 +381,7 @@ def test_a_file_of_the_same_name_that_is_not_this_runs_is_moved_not_replaced(tmp
 
 
 def test_resume_auto_refuses_when_no_checkpoint_reads_unless_told_to_overwrite(tmp_path):
-    from mpisgd.checkpoint import RunDirectory
+    from mpisgd.app.run_dir import RunDirectory
 
     for step in (8, 16):
         save_checkpoint(tmp_path, _st(step, "a"))
@@ -409,8 +410,9 @@ def test_resume_auto_refuses_when_no_checkpoint_reads_unless_told_to_overwrite(t
 def test_a_lock_that_is_not_a_file_is_one_line(tmp_path, kind):
     import os
 
-    from mpisgd.checkpoint import LOCK, RunDirectory
-    from mpisgd.config import UsageError
+    from mpisgd.app.run_dir import RunDirectory
+    from mpisgd.checkpoint import LOCK
+    from mpisgd.errors import UsageError
 
     (tmp_path / LOCK).mkdir() if kind == "directory" else os.mkfifo(tmp_path / LOCK)
     with pytest.raises(UsageError, match="its lock file .* exists and is not a regular file; remove it"):
@@ -445,10 +447,10 @@ DATA = {"name": "x", "n_train": 640, "n_test": 10, "fingerprint": "f", "fingerpr
 
 
 def _plan(st: TrainState, **kw):
-    from mpisgd.checkpoint import plan_resume
+    from mpisgd.app.resume import resume_point
 
     args = {"config": dict(CONFIG), "given": set(), "allowed": (), "k": 2, "data": dict(DATA), **kw}
-    return plan_resume(st, "ck.npz", args["config"], args["given"], args["allowed"], args["k"], args["data"],
+    return resume_point(st, "ck.npz", args["config"], args["given"], args["allowed"], args["k"], args["data"],
                        structure=kw.get("structure"))
 
 
@@ -479,7 +481,7 @@ def test_a_huge_odd_effective_batch_is_refused_at_once_listing_a_few_divisors():
         _plan(st, data={**DATA, "n_train": 2**62})
     with pytest.raises(CheckpointError, match="is larger than this run's training set"):
         _plan(st)
-    from mpisgd.checkpoint import divisors
+    from mpisgd.app.resume import divisors
 
     assert divisors(64) == ([1, 2, 4, 8, 16, 32, 64], True)
 
@@ -494,7 +496,7 @@ def test_another_optimizer_or_trust_coefficient_is_a_difference_named():
 
 
 def test_another_layer_structure_is_refused_naming_the_layer_and_older_checkpoints_still_load(tmp_path):
-    from mpisgd.checkpoint import model_structure
+    from mpisgd.model_file import model_structure
     from mpisgd.nn import Flatten, Linear, ReLU, Sequential
 
     a = Sequential(Flatten(), Linear(5, 4), ReLU(), Linear(4, 3))
@@ -522,7 +524,8 @@ def test_an_older_fingerprint_compares_the_name_and_sizes_only():
 
 # -- the final model: never lost silently ------------------------------------------------------------
 def test_the_final_model_falls_back_and_says_where_or_raises_naming_every_place(tmp_path):
-    from mpisgd.checkpoint import SaveError, save_params
+    from mpisgd.checkpoint import SaveError
+    from mpisgd.model_file import save_params
     from mpisgd.nn import mlp
 
     model = mlp((4,), n_in=3, n_classes=2).materialize(np, "float32")

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from mpisgd.config import Config, UsageError, parse_config
+from mpisgd.app.options import parse_config
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
 
 
 def test_defaults_are_valid():

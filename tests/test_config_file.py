@@ -12,8 +12,9 @@ import pytest
 from conftest import ROOT, clean_env, run_mpi, serial_only
 from test_config import changed
 
-from mpisgd.config import Config, UsageError, parse_config
-from mpisgd.config_file import read_config, to_toml, values
+from mpisgd.app.options import parse_config, read_config, to_toml, values
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
 
 
 def toml(tmp_path: Path, text: str, name: str = "run.toml") -> str:

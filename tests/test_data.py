@@ -386,9 +386,9 @@ def test_the_fingerprint_reads_a_bounded_part_of_a_large_set():
 def test_memory_mapped_data_is_not_counted_as_this_ranks_memory(tmp_path, monkeypatch):
     """preflight.memory counts what a rank holds; a memory-mapped set is the page cache's (docs/data.md:
     a set larger than memory trains)."""
-    from mpisgd import preflight
-    from mpisgd.config import UsageError
+    from mpisgd.app import preflight
     from mpisgd.data import load_data, resident_nbytes
+    from mpisgd.errors import UsageError
     from mpisgd.nn import build_model
 
     for name, arr in four_arrays(n_train=4096).items():

@@ -160,7 +160,7 @@ def toml_texts() -> list[tuple[str, str]]:
 def test_config_files_in_the_docs_are_ones_config_reads(where, text):
     import tomllib
 
-    from mpisgd.config_file import values
+    from mpisgd.app.options import values
 
     assert values(tomllib.loads(text), where)  # raises UsageError naming a bad key or type
 

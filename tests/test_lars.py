@@ -8,8 +8,8 @@ from conftest import step_peak_bytes
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.lars import LARS
 from mpisgd.optim import SGD, TensorNorms
+from mpisgd.optim.lars import LARS
 
 SHAPES = [(6, 5), (5,), (5, 4, 2), (4,), (8, 3), (3,)]  # weights and biases, one 3-D tensor
 RATES = [0.1 * (1 + t) for t in range(4)] + [0.5 * 0.8 ** t for t in range(8)]  # warmup, then decay

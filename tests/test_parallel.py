@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from conftest import world
 
-from mpisgd.adam import LAMB, AdamW
 from mpisgd.comm import create_reducer
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
-from mpisgd.lars import LARS
 from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
-from mpisgd.parallel import CHECK_IN_WORDS, DataParallel, ReplicaError, verify_same
-from mpisgd.sharded import RankNorms
+from mpisgd.optim.adam import LAMB, AdamW
+from mpisgd.optim.lars import LARS
+from mpisgd.parallel.data_parallel import CHECK_IN_WORDS, DataParallel, ReplicaError, verify_same
+from mpisgd.parallel.sharded import RankNorms
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STRATEGIES = ("mpi", "ring", "auto", "shared", "deterministic")
@@ -423,7 +423,7 @@ def test_sharded_finite_vote_reaches_every_rank():
 
 
 def test_sharded_step_refuses_gpu_buffers_before_any_communication(monkeypatch):
-    monkeypatch.setattr("mpisgd.parallel.is_device_array", lambda a: True)  # parameters "on a GPU"
+    monkeypatch.setattr("mpisgd.parallel.data_parallel.is_device_array", lambda a: True)  # parameters "on a GPU"
     model = mlp((8,)).materialize(np, "float64")
     with pytest.raises(ValueError, match="host buffers only"):
         DataParallel(model, SGD(model.flat), world(), shard_optimizer=True)

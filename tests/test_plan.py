@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, is_png, mpiexec_cmd, serial_only
 
-from mpisgd import plan
+from mpisgd.app import plan
 from mpisgd.schedule import scaled_lr
 
 GRAD = 7454760  # the default MLP's gradient bytes
@@ -241,7 +241,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, args, message)
 def test_module_runs_without_mpi(tmp_path):
     """python -m mpisgd.plan is pure computation: it must not start MPI (no mpi4py.MPI import)."""
     m = write_metrics(tmp_path / "m.jsonl")
-    code = (f"import sys; import mpisgd.plan as p; rc = p.main([{m!r}, '--ranks', '1,2', '--link', '10gbe']); "
+    code = (f"import sys; import mpisgd.app.plan as p; rc = p.main([{m!r}, '--ranks', '1,2', '--link', '10gbe']); "
             "assert 'mpi4py.MPI' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                        env=clean_env())

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, is_png
 
-from mpisgd.plot import curves_figure, main, noise_points, schedule_for
+from mpisgd.app.plot import curves_figure, main, noise_points, schedule_for
 
 pytest.importorskip("matplotlib")
 
@@ -22,7 +22,7 @@ def test_lr_plot_of_a_training_command(tmp_path):
 
 
 def test_lr_schedule_is_the_trainers():
-    from mpisgd.config import parse_config
+    from mpisgd.app.options import parse_config
 
     cfg = parse_config(["--batch-size", "512", "--accum-steps", "4", "--warmup-epochs", "1", "--epochs", "5"])
     sched, spe = schedule_for(cfg, ranks=2)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpisgd.config import Config, UsageError
-from mpisgd.preflight import outputs
+from mpisgd.app.preflight import outputs
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
 
 
 @pytest.fixture
@@ -69,8 +70,8 @@ def test_nothing_lies_among_the_checkpoint_directorys_own_names(tmp_path):
 
 def test_the_memory_estimate_counts_each_optimizer_s_state():
     """Adam keeps two moments, SGD with momentum one, plain SGD none; reproducible sums add int64 buffers."""
+    from mpisgd.app.preflight import state_buffers
     from mpisgd.config import Config
-    from mpisgd.preflight import state_buffers
 
     assert state_buffers(Config(momentum=0.0)) == 2
     assert state_buffers(Config()) == 3  # SGD with momentum 0.9, the default

@@ -13,7 +13,7 @@ import termios
 
 from conftest import ONE_THREAD, ROOT, mpiexec_cmd, serial_only
 
-from mpisgd.report import launcher_terminal
+from mpisgd.app.report import launcher_terminal
 
 pytestmark = serial_only
 TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "16384", "--hidden", "16",
@@ -70,7 +70,7 @@ def test_progress_off_shows_nothing_even_on_a_terminal():
 
 def test_no_launcher_terminal_when_stderr_is_captured():
     """pytest captures this process's output, and no MPI launcher started it."""
-    r = subprocess.run(mpiexec_cmd(1, "-c", "from mpisgd.report import launcher_terminal as t; print(t())"),
+    r = subprocess.run(mpiexec_cmd(1, "-c", "from mpisgd.app.report import launcher_terminal as t; print(t())"),
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and r.stdout.strip() == "None", r.stdout + r.stderr
     assert launcher_terminal() is None

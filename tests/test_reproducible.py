@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import run_mpi, world
 
-from mpisgd.adam import LAMB, AdamW
 from mpisgd.comm import create_reducer
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, synthetic
-from mpisgd.lars import LARS
 from mpisgd.nn import mlp
 from mpisgd.optim import SGD
+from mpisgd.optim.adam import LAMB, AdamW
+from mpisgd.optim.lars import LARS
 from mpisgd.parallel import DataParallel
 
 B_OVER_B = 6  # micro-batches per step over all ranks: k = 1, 2, 3 and 6 divide it

@@ -7,7 +7,8 @@ import math
 import pytest
 from conftest import run_mpi
 
-from mpisgd.config import UsageError, parse_config
+from mpisgd.app.options import parse_config
+from mpisgd.errors import UsageError
 from mpisgd.schedule import Schedule, effective_batch, scaled_lr
 
 

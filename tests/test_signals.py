@@ -1,4 +1,4 @@
-"""SIGTERM's grace period (mpisgd.signals) without MPI: it runs from the job's last progress, not from the
+"""SIGTERM's grace period (mpisgd.app.signals) without MPI: it runs from the job's last progress, not from the
 signal, so a long evaluation or start-up is not taken for a stuck job."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mpisgd import signals
+from mpisgd.app import signals
 
 
 def test_the_grace_restarts_while_the_job_makes_progress_and_ends_it_once_it_stops(monkeypatch):

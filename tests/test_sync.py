@@ -1,4 +1,4 @@
-"""Synchronising arrays mpisgd.nn did not make (mpisgd.sync), under mpiexec (-n 2 and -n 3; test_comm.py
+"""Synchronising arrays mpisgd.nn did not make (mpisgd.parallel.sync), under mpiexec (-n 2 and -n 3; test_comm.py
 runs it at k = 4): a hand-written model's averaged step is one process's step on the k-times batch,
 in place or not, NumPy or PyTorch; a mismatch between ranks raises everywhere."""
 

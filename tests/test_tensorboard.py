@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, run_mpi, serial_only
 
-from mpisgd.tensorboard import TensorBoardWriter, open_writer
+from mpisgd.app.tensorboard import TensorBoardWriter, open_writer
 
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "16",
          "--progress", "off", "--batch-size", "32", "--epochs", "2"]
@@ -71,7 +71,7 @@ def test_nothing_is_written_or_imported_without_the_option():
     w = open_writer(None)
     w.write({"kind": "step", "step": 1, "loss": 1.0})
     w.close()
-    code = ("import sys; import mpisgd.trainer, mpisgd.run; from mpisgd.tensorboard import open_writer; "
+    code = ("import sys; import mpisgd.app.trainer, mpisgd.app.run; from mpisgd.app.tensorboard import open_writer; "
             "open_writer(None).close(); print('tensorboardX' in sys.modules, 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**clean_env(), "PYTHONPATH": str(ROOT)})

@@ -50,7 +50,7 @@ def test_a_timeline_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
 
 def test_metrics_on_a_full_disk_warn_once_and_the_run_goes_on(capsys):
     """/dev/full answers every write with ENOSPC: one warning, later writes are dropped, close is clean."""
-    from mpisgd.metrics import MetricsWriter
+    from mpisgd.app.metrics import MetricsWriter
 
     m = MetricsWriter("/dev/full")
     for i in range(5):

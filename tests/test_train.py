@@ -1,4 +1,4 @@
-"""The CLI (mpisgd.train, mpisgd.trainer, mpisgd.report) end to end, under real mpiexec: equivalence
+"""The CLI (mpisgd.train, mpisgd.app.trainer, mpisgd.app.report) end to end, under real mpiexec: equivalence
 across k, metrics, banner and final lines, bad input."""
 
 from __future__ import annotations

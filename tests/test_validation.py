@@ -112,7 +112,7 @@ def test_counts_summed_over_ranks_equal_one_process_counts():
     from conftest import world
     from mpi4py import MPI
 
-    from mpisgd.evaluate import score
+    from mpisgd.app.evaluate import score
     from mpisgd.nn import build_model
 
     comm = world()

@@ -1,6 +1,6 @@
 """The training loop behind the CLI: epochs of steps, evaluation, checkpoints, metrics records.
 
-Set-up is mpisgd.run's (``build_run``); what rank 0 prints is mpisgd.report's. :class:`Trainer`
+Set-up is mpisgd.app.run's (``build_run``); what rank 0 prints is mpisgd.app.report's. :class:`Trainer`
 drives the run's objects through their methods and keeps only the loop's own state: where it is,
 what it wrote, what each epoch measured.
 """
@@ -15,20 +15,21 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd import model_file, report
+from mpisgd.app import preflight, report
+from mpisgd.app.inject import NoHooks
+from mpisgd.app.metrics import MetricsWriter
+from mpisgd.app.run import Run, model_record
+from mpisgd.app.signals import EXIT_PREEMPTED, EXIT_TERMINATED
+from mpisgd.app.straggler import REPORT_SHARE, Clock, analyse
+from mpisgd.app.straggler import describe as describe_straggler
+from mpisgd.app.tensorboard import open_writer
 from mpisgd.backend import to_numpy
-from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, model_fallbacks, save_params
+from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
-from mpisgd.inject import NoHooks
-from mpisgd.metrics import MetricsWriter
+from mpisgd.model_file import model_fallbacks, save_params
 from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.noise import estimate
-from mpisgd.run import Run
-from mpisgd.signals import EXIT_PREEMPTED, EXIT_TERMINATED
-from mpisgd.straggler import REPORT_SHARE, Clock, analyse
-from mpisgd.straggler import describe as describe_straggler
-from mpisgd.tensorboard import open_writer
 
 
 class NoSignals:
@@ -42,8 +43,8 @@ class NoSignals:
 class Trainer:
     """The loop over one run: every rank builds one, then ``fit()`` returns the exit status (0, or
     EXIT_PREEMPTED when a SIGTERM stopped it at a step with a checkpoint). ``signals`` says when to
-    stop (mpisgd.signals); ``hooks.before_step(step, rank)`` runs before each step's compute (the
-    test suite's injected failures, mpisgd.inject)."""
+    stop (mpisgd.app.signals); ``hooks.before_step(step, rank)`` runs before each step's compute (the
+    test suite's injected failures, mpisgd.app.inject)."""
 
     def __init__(self, run: Run, signals: Any = None, hooks: Any = None) -> None:
         self.run, self.cfg, self.dp = run, run.cfg, run.dp
@@ -172,7 +173,7 @@ class Trainer:
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
             grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
-            environment=run.environment, structure=run.structure, model=model_file.describe(run))
+            environment=run.environment, structure=run.structure, model=model_record(run))
         try:
             return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
@@ -235,7 +236,7 @@ class Trainer:
             self.comm.Allreduce(local, total, op=MPI.SUM)
             scores = self._scores()
             # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
-            mem = np.array([report.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
+            mem = np.array([preflight.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
             self.comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
             step_time = train_time / max(1, steps)
             straggler = self._straggler(1e3 * step_time)
@@ -322,7 +323,7 @@ class Trainer:
             return 0, ""
         try:
             where = save_params(cfg.save_model, self.run.model, model_fallbacks(cfg.checkpoint_dir),
-                                model_file.describe(self.run, self.global_step))
+                                model_record(self.run, self.global_step))
         except SaveError as exc:
             ckpt = checkpoint_path(cfg.checkpoint_dir, self.global_step) if cfg.checkpoint_dir else None
             kept = f"; the checkpoint {ckpt} holds the same parameters" if ckpt and ckpt.is_file() else ""

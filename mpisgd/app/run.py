@@ -5,7 +5,7 @@ directory, the data, the model, the resume plan and the memory, then builds the 
 optimizer, the data-parallel step, the batches and the schedule. A stage that can fail on some ranks
 only runs through :func:`agreed`: if it fails anywhere, every rank raises the same AgreedError, so
 rank 0 prints one line and every rank exits 2 before any training. The result is one typed
-description of the run, which the loop (mpisgd.trainer) drives and the banner (mpisgd.report) reads.
+description of the run, which the loop (mpisgd.app.trainer) drives and the banner (mpisgd.app.report) reads.
 """
 
 from __future__ import annotations
@@ -16,31 +16,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpisgd import data, preflight, run_files
-from mpisgd.adam import LAMB, AdamW
+from mpisgd import data
 from mpisgd.agreement import ReplicaError, agree
+from mpisgd.app import preflight, run_files
+from mpisgd.app.preflight import peak_rss_mib
+from mpisgd.app.resume import ResumePoint, resume_point
+from mpisgd.app.run_dir import RunDirectory
 from mpisgd.backend import environment as backend_environment
 from mpisgd.backend import set_threads
-from mpisgd.checkpoint import (
-    CheckpointError,
-    ResumePlan,
-    RunDirectory,
-    TrainState,
-    find_resume,
-    model_structure,
-    plan_resume,
-)
+from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
-from mpisgd.config import Config, UsageError
+from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
-from mpisgd.lars import LARS
+from mpisgd.errors import UsageError
+from mpisgd.model_file import FORMAT, VERSION, model_structure
 from mpisgd.nn import Sequential, build_model
 from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD, Optimizer
+from mpisgd.optim.adam import LAMB, AdamW
+from mpisgd.optim.lars import LARS
 from mpisgd.parallel import DataParallel
-from mpisgd.report import peak_rss_mib
-from mpisgd.schedule import Schedule, accum_steps_for, effective_batch
+from mpisgd.schedule import Schedule, accum_steps_for, effective_batch, total_steps
 from mpisgd.timeline import Timeline
 
 T = TypeVar("T")
@@ -84,7 +81,7 @@ class Run:
     test_loader: BatchLoader
     timeline: Timeline
     run_dir: RunDirectory | None  # rank 0's lock on the checkpoint directory
-    resume: ResumePlan | None  # where the run continues from, if it does
+    resume: ResumePoint | None  # where the run continues from, if it does
     rss_start_mib: float  # this rank's memory before any data: the runtime's own
     t_launch: float
     environment: dict[str, Any]  # what exact bits depend on (BLAS, threads, CPU), kept in checkpoints
@@ -159,7 +156,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     structure = model_structure(model)
     stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
-        resume, state, warnings = _plan_resume(cfg, world, run_data.identity, run_dir, structure)
+        resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
     environment = backend_environment(ctx.backend, threads)
     if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
@@ -189,12 +186,12 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
                                                          cfg.accum_steps))
     spe = batches.steps_per_epoch
-    total_steps = cfg.epochs * spe if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * spe)
-    schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, total_steps))
+    n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
+    schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
     with wd.watching("set-up: the rank map"):
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
-              total_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
+              n_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
               timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
               val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
     if resume is not None:
@@ -291,8 +288,8 @@ def _reducer(cfg: Config, world: Any, ctx: Context) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any], run_dir: RunDirectory | None,
-                 structure: dict[str, Any]) -> tuple[ResumePlan | None, TrainState | None, list[str]]:
+def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: RunDirectory | None,
+                 structure: dict[str, Any]) -> tuple[ResumePoint | None, TrainState | None, list[str]]:
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
@@ -302,7 +299,7 @@ def _plan_resume(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Run
             state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
                 find_resume(cfg.resume, cfg.checkpoint_dir)
             if state is not None:
-                plan = plan_resume(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
+                plan = resume_point(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
                                    world.Get_size(), identity, structure=structure)
         except CheckpointError as exc:
             error = exc
@@ -332,3 +329,17 @@ def _restore(run: Run, state: TrainState | None) -> None:
     optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
     run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)
+
+
+def model_record(run: Run, step: int | None = None) -> dict[str, Any]:
+    """What model ``run`` trains, as a JSON-able dict: enough to build it again (the model's name or
+    factory, one sample's shape, the classes, the MLP's hidden widths, the dtype), and how its inputs
+    were scaled (``x * input_scale + input_shift``), the data set's identity and the step."""
+    cfg, data = run.cfg, run.data
+    meta = {"format": FORMAT, "version": VERSION, "model": cfg.model, "in_shape": list(data.in_shape),
+            "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
+            "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
+            "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}
+    if step is not None:
+        meta["step"] = step
+    return meta

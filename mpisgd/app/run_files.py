@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mpisgd import config_file, tensorboard
-from mpisgd.config import Config, UsageError
+from mpisgd.app import tensorboard
+from mpisgd.app.options import to_toml
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, check_output_dir, check_output_file
 
 
@@ -17,7 +19,7 @@ def check(cfg: Config, rank: int) -> None:
     """Rank 0's outputs beyond preflight.outputs: the configuration's copies, the TensorBoard directory."""
     if rank != 0:
         return
-    for path in config_file.copies(cfg):
+    for path in copies(cfg):
         if not _is_input(path, cfg):
             check_output_file(str(path), "the configuration's copy")
     if cfg.tensorboard:
@@ -36,10 +38,10 @@ def _is_input(path: Path, cfg: Config) -> bool:
 def write_config(cfg: Config, k: int) -> list[str]:
     """Write the effective configuration beside the metrics file and into the checkpoint directory, each
     all or nothing (rank 0); never over the --config file itself. Returns warnings for the banner."""
-    text = config_file.to_toml(cfg, f"the effective configuration of a run on k={k} rank(s), written at its "
+    text = to_toml(cfg, f"the effective configuration of a run on k={k} rank(s), written at its "
                                     "start;\nrun it again with: python -m mpisgd.train --config THIS_FILE")
     warnings = []
-    for path in config_file.copies(cfg):
+    for path in copies(cfg):
         if _is_input(path, cfg):
             warnings.append(f"warning: {path} is this run's --config: not replaced by the effective configuration")
             continue
@@ -48,3 +50,14 @@ def write_config(cfg: Config, k: int) -> list[str]:
         except (OSError, UsageError) as exc:
             warnings.append(f"warning: the effective configuration was not written to {path} ({exc})")
     return warnings
+
+
+def copies(cfg: Config) -> list[Path]:
+    """Where a run writes its effective configuration: beside the metrics file and in the checkpoint
+    directory (rank 0)."""
+    out = []
+    if cfg.metrics_file:
+        out.append(Path(f"{cfg.metrics_file}.config.toml"))
+    if cfg.checkpoint_dir:
+        out.append(Path(cfg.checkpoint_dir) / "config.toml")
+    return out

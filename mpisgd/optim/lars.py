@@ -1,5 +1,5 @@
 """LARS: SGD with a layer-wise trust ratio (You, Gitman & Ginsburg 2017, "Large Batch Training of
-Convolutional Networks"), on the same flat buffers as mpisgd.optim.SGD.
+Convolutional Networks"), on the same flat buffers as mpisgd.optim.base.SGD.
 
 For each parameter tensor with weights w and averaged gradient g (wd = weight decay, c = trust_coef):
 
@@ -7,7 +7,7 @@ For each parameter tensor with weights w and averaged gradient g (wd = weight de
     d     = ratio * (g + wd * w)
 
 then SGD's update with d: v = mu*v + d; w -= eta*v (or Nesterov, or the momentum-corrected form),
-exactly as :class:`~mpisgd.optim.SGD` does it with no decay of its own. The ratio makes each layer's
+exactly as :class:`~mpisgd.optim.base.SGD` does it with no decay of its own. The ratio makes each layer's
 step about c * eta * ||w|| long whatever the size of its gradient, which is what lets the global
 rate eta grow with the batch where plain SGD diverges (docs/large_batch.md).
 
@@ -16,9 +16,9 @@ them is the usual practice) but still take weight decay, as SGD applies it to ev
 zero norm (a layer initialised to zero, or a gradient that vanished) falls back to ratio 1 instead of
 stalling the layer or dividing by zero.
 
-The squared norms come from a :class:`~mpisgd.optim.TensorNorms`: in the replicated step this rank's
+The squared norms come from a :class:`~mpisgd.optim.base.TensorNorms`: in the replicated step this rank's
 whole tensors; in the sharded step, where a rank holds only its chunks of the averaged gradient, one
-that adds every rank's pieces (mpisgd.sharded), so that every rank applies the same ratios.
+that adds every rank's pieces (mpisgd.parallel.sharded), so that every rank applies the same ratios.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import math
 import numpy as np
 
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim import SGD, Shards, TensorNorms
+from mpisgd.optim.base import Shards, TensorNorms
+from mpisgd.optim.sgd import SGD
 
 
 class LARS(SGD):

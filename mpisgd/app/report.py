@@ -10,21 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from mpisgd.noise import why_none
 
-if TYPE_CHECKING:  # report reads the run; set-up (mpisgd.run) imports report for peak_rss_mib only
+if TYPE_CHECKING:  # report reads the run
+    from mpisgd.app.run import Run
     from mpisgd.config import Config
-    from mpisgd.run import Run
 
 MAX_WIDTH = 120  # a banner line longer than this is cut, ending in "..."
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
-    try:
-        import resource  # noqa: PLC0415 - Unix only
-    except ImportError:
-        return 0.0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
 class _NoBar:

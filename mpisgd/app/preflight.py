@@ -1,6 +1,6 @@
 """Checks before any work: what would otherwise fail after hours of training, or hang a collective.
 
-Each check raises UsageError naming the problem; set-up (mpisgd.run) runs it on every rank through
+Each check raises UsageError naming the problem; set-up (mpisgd.app.run) runs it on every rank through
 ``agreement.agree``, so that every rank stops together, exit 2, before the first step.
 """
 
@@ -9,15 +9,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpisgd.agreement import differing_ranks, name_differences
-from mpisgd.checkpoint import is_run_file, structure_difference
-from mpisgd.config import Config, UsageError
+from mpisgd.app.resume import structure_difference
+from mpisgd.checkpoint import is_run_file
+from mpisgd.config import Config
 from mpisgd.data import available_bytes, input_files
+from mpisgd.errors import UsageError
 from mpisgd.files import check_output_dir, check_output_file
 
 
@@ -141,3 +144,13 @@ def same_model(structure: dict[str, Any], comm: Any) -> None:
         diff = structure_difference(every[usual], every[odd[0]]).replace("the checkpoint's", f"on rank {usual}")
         raise UsageError(f"ranks {odd} built another model than rank {usual} ({diff} on rank {odd[0]}): the model "
                          "factory must build the same layers on every rank")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix only
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux

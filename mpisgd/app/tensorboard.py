@@ -3,7 +3,7 @@
 The writer is tensorboardX's ``SummaryWriter`` (``pip install 'mpisgd[tensorboard]'``): pure Python on
 protobuf, no TensorFlow or PyTorch. It is imported only when the option is given; without it,
 :func:`open_writer` returns a writer that does nothing. Each record the loop writes to the metrics file
-(mpisgd.metrics) is also a set of scalars here, against the optimizer step:
+(mpisgd.app.metrics) is also a set of scalars here, against the optimizer step:
 
 * step records: ``step/loss`` (rank 0's batch), ``step/lr``, ``step/step_ms``, ``step/grad_norm`` (when
   the step has one);
@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Any
 
-from mpisgd.config import UsageError
+from mpisgd.errors import UsageError
 
 MISSING = "--tensorboard needs the tensorboardX package: pip install 'mpisgd[tensorboard]' (or tensorboardX)"
 SCALARS = {

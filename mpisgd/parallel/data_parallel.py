@@ -12,7 +12,7 @@
   4. waits for all buckets, then (optionally) clips the averaged gradient by its global norm and
      applies the identical optimizer step.
 
-With ``shard_optimizer`` (k > 1) the update is split across ranks instead (mpisgd.sharded): each
+With ``shard_optimizer`` (k > 1) the update is split across ranks instead (mpisgd.parallel.sharded): each
 bucket is reduce-scattered, each rank updates its chunk, the parameters are all-gathered.
 """
 
@@ -36,7 +36,7 @@ from mpisgd.exact import BlockNorms, FixedPoint
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.nn.sequential import Sequential
 from mpisgd.optim import Optimizer, Shards, TensorNorms, clip_grad_norm_
-from mpisgd.sharded import ShardedStep
+from mpisgd.parallel.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
 from mpisgd.watchdog import default_watchdog
 
@@ -63,7 +63,7 @@ class Bucket:
 @dataclass
 class StepStats:
     """Seconds spent and gradient statistics, summed over steps since the last reset; and when this rank
-    reached each step's synchronisation points (perf_counter), for the straggler report (mpisgd.straggler).
+    reached each step's synchronisation points (perf_counter), for the straggler report (mpisgd.app.straggler).
 
     The gradient noise scale (mpisgd.noise) needs, on every ``noise_every``-th step, the squared norm of
     a small-batch gradient (each rank's own before the all-reduce; at k = 1 the first micro-batch's) and

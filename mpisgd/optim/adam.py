@@ -1,4 +1,4 @@
-"""AdamW and LAMB, on the same flat buffers as mpisgd.optim.SGD.
+"""AdamW and LAMB, on the same flat buffers as mpisgd.optim.base.SGD.
 
 AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), as ``torch.optim.AdamW``
 computes it; t counts the steps taken (this one included), g is the averaged gradient, wd the decay:
@@ -16,10 +16,10 @@ Adam's direction with the decay inside it, scaled per weight tensor by a trust r
     w    -= lr * ratio * r
 
 so each weight tensor steps lr*||w|| whatever the scale of its gradient, as LARS's steps about
-c*lr*||w|| (mpisgd.lars says why biases keep ratio 1 and still take the decay). The squared norms come
-from the :class:`~mpisgd.optim.TensorNorms` the step is given: in the sharded step every rank's pieces.
+c*lr*||w|| (mpisgd.optim.lars says why biases keep ratio 1 and still take the decay). The squared norms come
+from the :class:`~mpisgd.optim.base.TensorNorms` the step is given: in the sharded step every rank's pieces.
 
-State (the Optimizer protocol of mpisgd.optim): the moments ``exp_avg`` and ``exp_avg_sq`` (PyTorch's
+State (the Optimizer protocol of mpisgd.optim.base): the moments ``exp_avg`` and ``exp_avg_sq`` (PyTorch's
 names), parameter-sized, and the step count t (steps skipped for a non-finite gradient do not count).
 One more parameter-sized buffer is scratch, so a step allocates nothing: ufuncs with ``out=``, the
 same code on NumPy and CuPy, and LAMB's norms reach the host once per step, not once per tensor.
@@ -33,12 +33,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim import Shards, TensorNorms, load_buffers
+from mpisgd.optim.base import Shards, TensorNorms, load_buffers
 
 
 class AdamW:
     """Adam with decoupled weight decay. ``step(lr)``, ``step_shards(lr, shards, norms)`` and the state
-    (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.Optimizer)."""
+    (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.base.Optimizer)."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:

@@ -1,0 +1,181 @@
+"""Score a trained model: ``python -m mpisgd.evaluate PATH [data options]`` (or ``mpisgd-evaluate``).
+
+PATH is a ``--save-model`` file, a checkpoint, or a checkpoint directory (its newest good checkpoint).
+The data options are the training command's (``--data``, ``--data-dir``, ``--dataset``, ``--limit-test``,
+``--seed`` for the synthetic set); the test set is scored. It prints the accuracy, the mean loss and a
+table per class. On one process as it is; under ``mpiexec -n K`` each rank scores 1/K of the samples
+and the counts are summed. Bad input: one line from rank 0, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import numpy as np
+
+from mpisgd.app.options import _add_option, _Parser
+from mpisgd.config import Config
+from mpisgd.errors import UsageError
+
+FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                   "Ankle boot")
+DATA_OPTIONS = ("dataset", "data", "data_dir", "limit_test")
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m mpisgd.evaluate", quiet=quiet, allow_abbrev=False,
+                     description="Accuracy and a per-class table of a trained model on a test set.")
+    parser.add_argument("path", metavar="PATH", help="a --save-model .npz, a checkpoint, or a checkpoint directory")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for name in DATA_OPTIONS:  # the training command's own options, help and defaults
+        _add_option(parser, fields[name])
+    parser.add_argument("--seed", type=int, default=None, help="--dataset synthetic: the seed its test set is made "
+                        "from (default: the seed the model was trained with)")
+    parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass (default: 256)")
+    return parser
+
+
+def load_test_set(args: argparse.Namespace, seed: int = 0) -> tuple[Any, str, str, int]:
+    """(test set, its name, where it came from, its classes) as the training command would load it."""
+    from mpisgd import data  # noqa: PLC0415
+
+    if args.dataset == "synthetic":
+        test, name, source = data.synthetic(2000, seed, split=1), "synthetic", "synthetic"
+        if args.limit_test:
+            test = test.head(args.limit_test)
+        classes = data.validate(test, test)
+    else:
+        train, test, name, source = data.load_data(args.data, args.data_dir)
+        if args.limit_test:
+            test = test.head(args.limit_test)
+        classes = data.validate(train, test)
+    return test, name, source, classes
+
+
+def check_fit(meta: dict[str, Any], test: Any, name: str, classes: int, path: str) -> list[str]:
+    """UsageError where the model cannot score these samples; warnings where it can but may not fit."""
+    shape = tuple(test.images.shape[1:])
+    want = tuple(meta["in_shape"])
+    if shape != want and not (len(want) == 1 and int(np.prod(shape)) == want[0]):
+        raise UsageError(f"{path} takes samples of shape {'x'.join(map(str, want))}; this data's are "
+                         f"{'x'.join(map(str, shape))}")
+    if classes > int(meta["classes"]):
+        raise UsageError(f"{path} scores {meta['classes']} classes; this data has labels up to {classes - 1}")
+    warnings = []
+    trained = (meta.get("data") or {}).get("name")
+    if trained and trained != name:
+        warnings.append(f"warning: the model was trained on {trained}; this is {name}")
+    scale, shift = meta.get("input_scale"), meta.get("input_shift")
+    if scale is not None and (not np.isclose(scale, test.scale) or not np.isclose(shift, test.shift)):
+        warnings.append(f"warning: the model was trained on inputs scaled as x * {scale:.4g} + {shift:.4g}, these "
+                        f"are scaled as x * {test.scale:.4g} + {test.shift:.4g}: pass the data options it was "
+                        "trained with")
+    return warnings
+
+
+def score(model: Any, test: Any, n_classes: int, batch: int, rank: int, size: int) -> np.ndarray:
+    """Per class: [samples, correct, summed loss] over this rank's share of the test set."""
+    from mpisgd.data import BatchLoader  # noqa: PLC0415
+
+    loader = BatchLoader(test, np, model.flat.dtype)
+    mine = np.array_split(np.arange(len(test)), size)[rank]
+    counts = np.zeros((n_classes, 3))
+    for start in range(0, len(mine), batch):
+        x, y = loader.batch(mine[start:start + batch])
+        logits = model.forward(x)
+        right = logits.argmax(axis=1) == y
+        z = logits - logits.max(axis=1, keepdims=True)  # cross-entropy per sample, stable
+        losses = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]
+        np.add.at(counts[:, 0], y, 1)
+        np.add.at(counts[:, 1], y, right)
+        np.add.at(counts[:, 2], y, losses)
+    return counts
+
+
+def table(counts: np.ndarray, names: tuple[str, ...] | None) -> list[str]:
+    n, right, loss = counts.sum(axis=0)
+    lines = [f"accuracy {right / n:.4f} ({int(right):,} of {int(n):,}) | mean loss {loss / n:.4f}", "",
+             f"{'class':>5}  {'name':<12}  {'samples':>7}  {'correct':>7}  {'accuracy':>8}"]
+    for c, (samples, ok, _) in enumerate(counts):
+        name = names[c] if names and c < len(names) else ""
+        acc = f"{ok / samples:.4f}" if samples else "-"
+        lines.append(f"{c:>5}  {name:<12}  {int(samples):>7,}  {int(ok):>7,}  {acc:>8}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpisgd.abort import guard  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    with guard(comm):  # anything else that fails on one rank ends the job, rather than a wait in a collective
+        return _main(argv, comm)
+
+
+def _main(argv: list[str] | None, comm: Any) -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpisgd.agreement import AgreedError, agree  # noqa: PLC0415
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    error: BaseException | None = None
+    try:
+        args = build_parser(quiet=rank != 0).parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UsageError as exc:
+        error = exc
+    try:
+        agree(comm, error)
+        result = None
+        try:
+            result = _prepare(args)
+        except UsageError as exc:
+            error = exc
+        agree(comm, error)
+    except AgreedError as exc:
+        if rank == 0:
+            print(f"mpisgd-evaluate: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    saved, test, name, source, classes, warnings = result
+    n_classes = int(saved.meta["classes"])
+    counts = score(saved.model, test, n_classes, args.batch_size, rank, size)
+    comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    if rank == 0:
+        meta = saved.meta
+        trained = meta.get("data") or {}
+        step = f", step {meta['step']}" if "step" in meta else ""
+        print(f"model: {saved.path} | {meta['model']}, {saved.model.flat.size:,} parameters {meta.get('dtype')}"
+              f" | trained on {trained.get('name', '?')} ({trained.get('n_train', '?')} train){step}")
+        print(f"data: {source} | {len(test):,} test samples "
+              f"{'x'.join(map(str, test.images.shape[1:]))} {test.images.dtype}, {classes} classes"
+              + (f" | {size} ranks" if size > 1 else ""))
+        for line in warnings:
+            print(line)
+        for line in table(counts, FASHION_CLASSES if name == "fashion-mnist" and n_classes == 10 else None):
+            print(line)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
+    from mpisgd.model_file import read_model  # noqa: PLC0415
+
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.limit_test is not None and args.limit_test < 1:
+        raise UsageError(f"--limit-test must be >= 1, got {args.limit_test}")
+    if args.data and args.dataset == "synthetic":
+        raise UsageError("--data and --dataset synthetic: choose one")
+    if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
+        saved = read_model(args.path, in_shape=(1, 28, 28))
+        seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
+        test, name, source, classes = load_test_set(args, seed)
+    else:
+        test, name, source, classes = load_test_set(args)
+        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]))
+    warnings = check_fit(saved.meta, test, name, classes, saved.path)
+    return saved, test, name, source, classes, warnings

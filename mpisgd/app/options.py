@@ -1,0 +1,240 @@
+"""The command line and configuration files: ``python -m mpisgd.train`` options in, the effective
+configuration out.
+
+Every field of :class:`~mpisgd.config.Config` becomes a flag (``batch_size`` -> ``--batch-size``), its
+comment string the help. ``--config FILE.toml`` sets options by their long names, one per line
+(``limit-train = 4096``, ``hidden = [512, 256]`` or ``hidden = "512,256"``, ``nesterov = true``); the
+command line overrides it. Unknown keys and flags and values of the wrong type are errors
+(:class:`UsageError`, naming them), never silently ignored. :func:`to_toml` writes a configuration as
+such a file, which :func:`read_config` reads back to the same values: what ``--print-config`` prints and
+what a run writes beside its metrics and checkpoints. Stdlib only (``argparse``, ``tomllib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+from typing import Any
+
+from mpisgd.config import ALIASES, GROUPS, MODEL_DEFAULTS, Config, parse_int_tuple
+from mpisgd.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing and exiting, and prints only on rank 0."""
+
+    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m mpisgd.train",
+        description="Synchronous data-parallel SGD over MPI. Launch with: mpiexec -n K python -m mpisgd.train",
+        quiet=quiet, allow_abbrev=False,
+    )
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_option(group, fields[name])
+    files = parser.add_argument_group("configuration file")
+    files.add_argument("--config", metavar="FILE.toml", help="read options from this TOML file, by their long "
+                       "names (limit-train = 4096); the command line overrides it (docs/api.md)")
+    files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
+                       "TOML that --config reads, and exit")
+    return parser
+
+
+def _add_option(parser: Any, f: dataclasses.Field) -> None:
+    """One field of Config as a command-line option (its help, default, type and choices)."""
+    flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
+    help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)}"
+                                      + "".join(f"; {_show(d[f.name])} for --model {m}"
+                                                for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+    elif kind.startswith("tuple"):
+        parser.add_argument(*flags, type=parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
+    else:
+        base = kind.split("|")[0].strip()
+        conv = {"int": int, "float": float, "str": str}[base]
+        parser.add_argument(*flags, type=conv, default=f.default, choices=f.metadata["choices"],
+                            help=help_text, metavar=None if f.metadata["choices"] else base.upper())
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
+    """Parse and validate the command line (and the --config file it names, which it overrides). Raises
+    UsageError; prints --help (and --print-config's TOML, then SystemExit) unless quiet.
+
+    ``cfg.given`` holds the fields set on the command line or in the file (a resumed run derives the
+    others); ``cfg.config_file`` the file's path, or None."""
+    parser = build_parser(quiet)
+    ns = parser.parse_args(argv)
+    from_file: dict[str, Any] = {}
+    if ns.config:
+        from_file = read_config(ns.config)
+        parser.set_defaults(**from_file)
+        ns = parser.parse_args(argv)
+    names = {f.name for f in dataclasses.fields(Config)}
+    quiet_parser = build_parser(quiet=True)
+    quiet_parser.set_defaults(**dict.fromkeys(names, _UNSET))
+    given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET and k in names}
+    given |= set(from_file)
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
+    cfg = Config(**values)
+    cfg.validate()
+    cfg.given = given  # type: ignore[attr-defined]
+    cfg.config_file = ns.config  # type: ignore[attr-defined]
+    if ns.print_config:
+        if not quiet:
+            print(to_toml(cfg, "mpisgd's configuration: python -m mpisgd.train --config FILE.toml reads it (the "
+                                "command line overrides it)"), end="", flush=True)
+        raise SystemExit(0)
+    return cfg
+
+
+_UNSET = object()
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+# every spelling a key may take: the long option (limit-train), the field (limit_train), an alias (bucket-mb)
+_NAMES = {**{n.replace("_", "-"): n for n in FIELDS}, **{n: n for n in FIELDS},
+          **{a.lstrip("-"): n for n, aliases in ALIASES.items() for a in aliases}}
+
+
+def _toml() -> Any:
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise UsageError("--config needs Python >= 3.11 (tomllib) or the tomli package: pip install tomli") \
+                from None
+    return tomllib
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The options a TOML file sets, as Config field names and values (UsageError naming what is wrong)."""
+    toml = _toml()
+    try:
+        with open(path, "rb") as f:
+            table = toml.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except toml.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
+    return values(table, f"--config {path}")
+
+
+def values(table: dict[str, Any], where: str) -> dict[str, Any]:
+    """Config field -> value for the keys of ``table`` (a parsed TOML document)."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise UsageError(f"{where}: [{key}] is a table; options go at the top level, one per line")
+        name = _NAMES.get(key)
+        if name is None:
+            close = difflib.get_close_matches(key.replace("_", "-"), [n.replace("_", "-") for n in FIELDS], n=1)
+            raise UsageError(f"{where}: {key!r} is not an option" + (f"; did you mean {close[0]!r}?" if close else
+                             "; python -m mpisgd.train --help lists them"))
+        if name in out:
+            raise UsageError(f"{where}: {key!r} sets {name.replace('_', '-')!r} a second time")
+        out[name] = _convert(FIELDS[name], key, value, where)
+    return out
+
+
+def _kind(f: dataclasses.Field) -> tuple[str, bool]:
+    """The field's base type (bool, int, float, str, tuple) and whether it may be unset (None)."""
+    text = f.type if isinstance(f.type, str) else str(f.type)
+    base = text.split("|")[0].strip()
+    return ("tuple" if base.startswith("tuple") else base), "None" in text
+
+
+def _convert(f: dataclasses.Field, key: str, value: Any, where: str) -> Any:
+    kind, _ = _kind(f)
+    got = _TOML_TYPES.get(type(value).__name__, type(value).__name__)
+    wrong = f"{where}: {key} must be {_WANT[kind]}, got {got} {json.dumps(value, default=str)}"
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise UsageError(wrong)
+        return value
+    if isinstance(value, bool):  # TOML's true is no number
+        raise UsageError(wrong)
+    if kind == "int":
+        if not isinstance(value, int):
+            raise UsageError(wrong)
+        return value
+    if kind == "float":
+        if not isinstance(value, int | float):
+            raise UsageError(wrong)
+        return float(value)
+    if kind == "tuple":
+        if isinstance(value, str):
+            try:
+                return parse_int_tuple(value)
+            except Exception:  # argparse's error type: say it in this file's terms
+                raise UsageError(wrong) from None
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+        raise UsageError(wrong)
+    if not isinstance(value, str):
+        raise UsageError(wrong)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UsageError(f"{where}: {key} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+_TOML_TYPES = {"str": "string", "int": "integer", "bool": "boolean", "list": "array", "float": "float"}
+
+
+_WANT = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+         "tuple": 'a list of integers ([1024, 1024] or "1024,1024")'}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(map(str, v)) + "]"
+    if isinstance(v, float):
+        return repr(v)  # shortest round-trip form: 0.1, 25.0, 0.0005, 1e-05
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+
+
+def to_toml(cfg: Config, header: str = "") -> str:
+    """``cfg`` as a TOML file that --config reads back to the same values, grouped as --help groups
+    them. Options that are not set (None) appear as comments."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for title, names in GROUPS.items():
+        lines.append(f"\n# {title}")
+        for name in names:
+            key, v = name.replace("_", "-"), getattr(cfg, name)
+            lines.append(f"# {key} = (not set)" if v is None else f"{key} = {_value(v)}")
+    return "\n".join(lines).lstrip("\n") + "\n"

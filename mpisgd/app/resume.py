@@ -1,0 +1,170 @@
+"""Resuming a run: whether a checkpoint may be continued by this configuration, and at which b and m
+(``resume_point``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpisgd.checkpoint import CheckpointError, TrainState
+from mpisgd.config import IDENTITY, OPTIMIZER_OPTIONS, STRUCTURE, Config
+from mpisgd.schedule import total_steps
+
+
+def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
+    """The differences between two runs' identities, as '--key OLD -> NEW'. Raises CheckpointError for
+    any not in ``allowed`` (and always for the model's structure), naming every one. A key the saved
+    configuration lacks (an older mpisgd's) compares as that option's default; an option that neither
+    run's optimizer reads (OPTIMIZER_OPTIONS: SGD's momentum in two AdamW runs) does not count."""
+    def show(key: str, v: Any) -> str:
+        if isinstance(v, dict):  # the data set
+            return f"{v.get('name')} ({v.get('n_train')} train, {v.get('n_test')} test, {v.get('fingerprint')})"
+        return ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
+
+    defaults = Config().to_dict()
+    saved = {k: saved.get(k, defaults.get(k)) for k in IDENTITY}
+    for k, readers in OPTIMIZER_OPTIONS.items():  # an option neither run's update rule reads may change
+        if saved.get("optimizer") not in readers and now.get("optimizer") not in readers:
+            saved[k] = now.get(k)
+    diffs = {k: (saved.get(k), now.get(k)) for k in IDENTITY
+             if json.dumps(saved.get(k), default=list) != json.dumps(now.get(k), default=list)}
+    text = {k: f"--{k.replace('_', '-')} {show(k, a)} -> {show(k, b)}" for k, (a, b) in diffs.items()}
+    refused = [k for k in diffs if k in STRUCTURE or k not in allowed]
+    if refused:
+        hint = "" if all(k in STRUCTURE for k in refused) else \
+            "; to continue with these changes on purpose pass --resume-allow " + ",".join(
+                k for k in refused if k not in STRUCTURE)
+        raise CheckpointError("this run differs from the checkpoint's: " + "; ".join(text[k] for k in refused)
+                              + hint)
+    return [text[k] for k in diffs]
+
+
+def structure_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between two model_structure() records, in words ("" if nothing)."""
+    a, b = saved.get("layers", []), now.get("layers", [])
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"layer {i} is {y}, the checkpoint's {x}"
+    if len(a) != len(b):
+        extra = b[len(a)] if len(b) > len(a) else a[len(b)]
+        return f"the model has {len(b)} layers, the checkpoint's {len(a)} (first unmatched: {extra})"
+    for (name_a, shape_a), (name_b, shape_b) in zip(saved.get("shapes", []), now.get("shapes", []), strict=False):
+        if (name_a, shape_a) != (name_b, shape_b):
+            return f"parameter {name_b} has shape {tuple(shape_b)}, the checkpoint's {name_a} {tuple(shape_a)}"
+    if len(saved.get("shapes", [])) != len(now.get("shapes", [])):
+        return f"the model has {len(now.get('shapes', []))} parameter arrays, the checkpoint's " \
+               f"{len(saved.get('shapes', []))}"
+    return ""
+
+
+@dataclass
+class ResumePoint:
+    """How a run continues from a checkpoint (decided on rank 0, then broadcast)."""
+
+    path: str
+    global_step: int
+    epoch: int
+    step_in_epoch: int
+    skipped_steps: int
+    optimizer_state: dict[str, float]  # the optimizer's scalars (its buffers: rank 0 reads, then broadcasts)
+    world_size: int  # the checkpoint's k
+    batch_size: int  # this run's b and m: as given, or derived to keep the checkpoint's B
+    accum_steps: int
+    changes: list[str]  # differences from the checkpoint's run that --resume-allow accepted
+    derived: str  # what was derived, for the banner ("" if nothing)
+    grad_exponents: list[int] | None = None  # reproducible: the next step's fixed-point exponents
+    environment: dict[str, Any] = field(default_factory=dict)  # the checkpoint's (BLAS, threads, CPU)
+
+
+def divisors(n: int, limit: int = 1 << 20) -> tuple[list[int], bool]:
+    """The divisors of ``n`` in increasing order, by trial division up to min(sqrt(n), limit); the flag
+    says whether the list is complete (False: only those <= limit and their cofactors)."""
+    small, large, d = [], [], 1
+    root = math.isqrt(n)
+    while d <= min(root, limit):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1], root <= limit
+
+
+def resume_point(state: TrainState, path: str, config: dict[str, Any], given: set[str], allowed: tuple[str, ...],
+                k: int, data: dict[str, Any], structure: dict[str, Any] | None = None) -> ResumePoint:
+    """Check that this run (``config`` at k ranks, on ``data``, building the model ``structure``, from
+    model_structure()) can continue the checkpoint's, and find its b and m: the same effective batch
+    B = k*b*m keeps the data order and the schedule; where the user gave neither --batch-size nor
+    --accum-steps they are derived from B (keeping b in a reproducible run, whose bits depend on it), and
+    where --batch-size alone, m follows from B. CheckpointError says what to change. The model's structure is
+    compared when both are known (older checkpoints hold none); the checkpoint's position must lie
+    within this run."""
+    B, old_k = state.effective_batch, state.world_size
+    old_b, old_m = state.config.get("batch_size"), state.config.get("accum_steps", 1)
+    b, m, derived = config["batch_size"], config["accum_steps"], ""
+    if structure is not None and state.structure:
+        diff = structure_difference(state.structure, structure)
+        if diff:
+            raise CheckpointError(f"this run's model differs from the checkpoint's ({path}): {diff}; a resumed run "
+                                  "must build the same layers")
+    n_train = data.get("n_train")
+    if isinstance(n_train, int) and B > n_train:
+        raise CheckpointError(f"{path}: the checkpoint's effective batch B={B} is larger than this run's training "
+                              f"set ({n_train} samples)")
+    if k * b * m != B and "batch_size" in given and "accum_steps" not in given and B % (k * b) == 0:
+        m = B // (k * b)  # --batch-size given: the micro-batches follow from B and k
+        derived = f"m={m} derived to keep B={B} (the checkpoint's run: k={old_k}, b={old_b}, m={old_m})"
+    elif k * b * m != B:
+        if given & {"batch_size", "accum_steps"}:
+            raise CheckpointError(
+                f"the checkpoint's run has effective batch B={B} (k={old_k} x b={old_b} x m={old_m}), this run "
+                f"k*b*m={k * b * m}: resuming needs the same B, so that the data order and the schedule continue; "
+                f"pass --batch-size and --accum-steps with {k} x b x m = {B}, or neither, and they are derived")
+        if config.get("reproducible") and old_b and B % (k * old_b) == 0:
+            fits = [B // (k * old_b)]  # the same micro-batches of b samples: the same bits on any k
+        else:
+            fits = [mm for mm in dict.fromkeys((old_m, 1)) if B % (k * mm) == 0]
+        if not fits:
+            ks, complete = divisors(B)
+            more = ", ..." if len(ks) > 16 or not complete else ""
+            raise CheckpointError(f"the checkpoint's effective batch B={B} cannot be split over k={k} ranks: k must "
+                                  f"divide B ({', '.join(map(str, ks[:16]))}{more})")
+        b, m = B // (k * fits[0]), fits[0]
+        derived = f"b={b}, m={m} derived to keep B={B} (the checkpoint's run: k={old_k}, b={old_b}, m={old_m})"
+    if isinstance(n_train, int):
+        _check_position(state, path, config, n_train // B)
+    saved_data, now_data = _comparable(state.data, data)
+    saved = dict(state.config, data=saved_data)
+    now = dict(config, data=now_data if state.data else {})  # checkpoints of older versions hold no data identity
+    changes = identity_changes(saved, now, allowed)
+    exponents = None if state.grad_exponents is None else [int(e) for e in state.grad_exponents]
+    return ResumePoint(path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps,
+                      state.optimizer_state, old_k, b, m, changes, derived, exponents, state.environment)
+
+
+def _check_position(st: TrainState, path: str, config: dict[str, Any], spe: int) -> None:
+    """The checkpoint's place (epoch, step within it, step count) lies within this run of ``spe`` steps
+    per epoch: a position past the last epoch with steps still to do would train nothing and report
+    success."""
+    epochs, max_steps = config.get("epochs"), config.get("max_steps")
+    if st.step_in_epoch >= spe:
+        raise CheckpointError(f"{path}: its position, step {st.step_in_epoch} of epoch {st.epoch + 1}, lies past the "
+                              f"end of an epoch of this run ({spe} steps): a checkpoint edited by hand, or a smaller "
+                              "data set?")
+    if isinstance(epochs, int):
+        total = total_steps(epochs, spe, max_steps)
+        if st.epoch >= epochs and st.global_step < total:
+            raise CheckpointError(f"{path}: its position, epoch {st.epoch + 1}, is past this run's last epoch "
+                                  f"({epochs}) although only {st.global_step} of its {total} steps are done: a "
+                                  "checkpoint edited by hand?")
+
+
+def _comparable(saved: dict[str, Any], now: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two data identities to compare: fingerprints of different kinds (an older checkpoint's) are left
+    out of both, so that the name and sizes still are compared."""
+    if saved.get("fingerprint_version") == now.get("fingerprint_version"):
+        return saved, now
+    strip = ("fingerprint", "fingerprint_version")
+    return ({k: v for k, v in saved.items() if k not in strip}, {k: v for k, v in now.items() if k not in strip})
