@@ -165,7 +165,7 @@ def build(s: dict[str, Any], in_shape: tuple[int, ...]) -> tuple[Any, SGD]:
         model = cnn(10, in_shape)
     else:
         model = mlp(tuple(int(h) for h in s["hidden"].split(",")), n_in=int(np.prod(in_shape)))
-    model.materialize(np, "float32", seed=s["seed"])
+    model = model.materialize(np, "float32", seed=s["seed"])
     if s["optimizer"] == "lars":
         return model, LARS(model.flat, s["momentum"], weight_decay=s["weight_decay"], trust_coef=s["trust_coef"])
     return model, SGD(model.flat, s["momentum"], weight_decay=s["weight_decay"])

@@ -157,7 +157,7 @@ class LayerTimes:
         self.step_s: dict[tuple[int, str], float] = {}  # this step's seconds so far (im2col runs per chunk)
         self.ms: dict[tuple[int, str], list[float]] = {}
         self._wrapped: list[tuple[object, str]] = []
-        for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
+        for i, layer in enumerate(m for m in model.modules() if not m.children()):  # type: ignore[attr-defined]
             self.names[i] = repr(layer)
             for method in ("forward", "backward", *self.PARTS):
                 if hasattr(layer, method):

@@ -1,4 +1,4 @@
-"""The trained model as a file, and back: ``mpisgd.load_model(path) -> Sequential``.
+"""The trained model as a file, and back: ``mpisgd.load_model(path) -> Model``.
 
 Two kinds of file hold a model (both ``.npz``, read with ``allow_pickle=False``; docs/api.md has the
 layout):
@@ -32,7 +32,8 @@ from mpisgd.backend import to_numpy
 from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_checkpoint
 from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, free_bytes, write_npz
-from mpisgd.nn import Sequential, build_model
+from mpisgd.nn import Model, Module, build_model
+from mpisgd.nn.module import parameter_shapes
 
 FORMAT = "mpisgd-model"
 VERSION = 1
@@ -44,13 +45,13 @@ class ModelFileError(UsageError):
 
 @dataclass
 class SavedModel:
-    model: Sequential  # materialised, with the file's parameters
+    model: Model  # materialised, with the file's parameters
     meta: dict[str, Any]  # what the writer recorded (mpisgd.app.run.model_record) (for older files: what could be told)
     path: str  # the file read (a directory's newest good checkpoint)
 
 
-def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> Sequential:
-    """The ``Sequential`` that ``path`` (a --save-model file, a checkpoint, or a checkpoint directory:
+def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> Model:
+    """The model that ``path`` (a --save-model file, a checkpoint, or a checkpoint directory:
     its newest good checkpoint) holds, with its parameters, on ``xp`` (NumPy by default). ``in_shape``
     (one sample's) is needed only for older files that do not record it. ModelFileError says what is
     wrong."""
@@ -137,33 +138,28 @@ def _infer(named: dict[str, np.ndarray], flat: np.ndarray, in_shape: tuple[int, 
             model = build_model(meta["model"], tuple(meta["in_shape"]), meta["classes"], tuple(meta["hidden"]))
         except ValueError:
             continue
-        if {n: s for _, n, s in _param_shapes(model)} == shapes:
+        if dict(parameter_shapes(model)) == shapes:
             return {**meta, "dtype": str(flat.dtype)}
     raise ModelFileError(f"{p} does not say what model it holds (written by an older mpisgd, and its parameters "
                          "are not those of the stock mlp or cnn for this input shape)")
 
 
-def _param_shapes(model: Sequential) -> list[tuple[int, str, tuple[int, ...]]]:
-    return [(i, f"{i}.{type(layer).__name__}.{name}", tuple(shape))
-            for i, layer in enumerate(model.layers) for name, shape in layer.param_shapes]
-
-
-def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray], p: Path, xp: Any) -> Sequential:
+def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray], p: Path, xp: Any) -> Model:
     try:
-        model = build_model(meta["model"], tuple(meta["in_shape"]), int(meta["classes"]),
+        module = build_model(meta["model"], tuple(meta["in_shape"]), int(meta["classes"]),
                             tuple(meta.get("hidden") or ()))
     except (KeyError, TypeError) as exc:
         raise ModelFileError(f"{p}: its model description lacks {exc}") from None
     except ValueError as exc:
         raise ModelFileError(f"{p}: cannot build its model ({exc})") from None
-    size = sum(math.prod(s) for _, _, s in _param_shapes(model))
+    size = sum(math.prod(s) for _, s in parameter_shapes(module))
     if flat.ndim != 1 or flat.size != size:
         raise ModelFileError(f"{p} holds {flat.size} parameters; its model ({meta['model']}, in_shape "
                              f"{tuple(meta['in_shape'])}, {meta['classes']} classes) has {size}")
-    wrong = [n for _, n, s in _param_shapes(model) if n in named and tuple(named[n].shape) != s]
+    wrong = [n for n, s in parameter_shapes(module) if n in named and tuple(named[n].shape) != s]
     if wrong:
         raise ModelFileError(f"{p}: parameters {', '.join(wrong)} do not have the shapes its model gives them")
-    model.materialize(np if xp is None else xp, meta.get("dtype") or str(flat.dtype), seed=0)
+    model = module.materialize(np if xp is None else xp, meta.get("dtype") or str(flat.dtype), seed=0)
     model.flat.params[...] = model.flat.xp.asarray(flat)
     return model
 
@@ -208,9 +204,9 @@ def _free(target: Path) -> str:
         return ""
 
 
-def model_structure(model: Any) -> dict[str, Any]:
-    """The model's layer structure, for a checkpoint (JSON): each layer's repr and each parameter's
-    name and shape. A resumed run must build the same (resume_point)."""
-    return {"layers": [repr(layer) for layer in model.layers],
-            "shapes": [[f"{i}.{type(layer).__name__}.{name}", list(shape)]
-                       for i, layer in enumerate(model.layers) for name, shape in layer.param_shapes]}
+def model_structure(module: Module) -> dict[str, Any]:
+    """The model's structure, for a checkpoint (JSON): the repr of each of the root's children (of the
+    root, if it has none) and each parameter's qualified name and shape. A resumed run must build the
+    same (resume_point)."""
+    return {"layers": [repr(m) for _, m in module.children()] or [repr(module)],
+            "shapes": [[name, list(shape)] for name, shape in parameter_shapes(module)]}

@@ -170,8 +170,8 @@ def test_maxpool_needs_a_window():
 
 def lenet_reference(model: Sequential, x: np.ndarray) -> np.ndarray:
     """LeNet-5 written out in NCHW, conv-ReLU-pool, from the model's own parameters."""
-    convs = [layer for layer in model.layers if isinstance(layer, Conv2d)]
-    linears = [layer for layer in model.layers if isinstance(layer, Linear)]
+    convs = [layer for layer in model.modules() if isinstance(layer, Conv2d)]
+    linears = [layer for layer in model.modules() if isinstance(layer, Linear)]
     h = x
     for conv in convs:
         h = maxpool_reference(np.maximum(conv_reference(h, conv.params["W"], conv.params["b"], conv.stride,
@@ -201,7 +201,7 @@ def test_cnn_matches_pytorch_lenet5():
         torch.nn.Conv2d(6, 16, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
         torch.nn.Linear(400, 120), torch.nn.ReLU(), torch.nn.Linear(120, 84), torch.nn.ReLU(),
         torch.nn.Linear(84, 10)).double()
-    ours = [layer for layer in model.layers if layer.param_shapes]
+    ours = [layer for layer in model.modules() if layer.param_shapes]
     theirs = [m for m in net if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     for a, b in zip(ours, theirs, strict=True):
         with torch.no_grad():
@@ -283,7 +283,7 @@ def test_whole_model_grad(build, shape):
 
 def test_params_are_views_of_one_flat_buffer():
     model = mlp((8,), n_in=6, n_classes=2).materialize(np, "float32", seed=0)
-    lin = model.layers[1]
+    lin = model.module.layers[1]
     assert np.shares_memory(lin.params["W"], model.flat.params)
     assert np.shares_memory(lin.grads["W"], model.flat.grads)
     model.flat.params[:] = 1.5

@@ -54,7 +54,7 @@ def test_the_saved_file_says_what_model_it_holds(trained):
 def test_load_model_from_the_file_and_from_a_checkpoint(trained):
     d, _ = trained
     model = mpisgd.load_model(str(d / "model.npz"))
-    assert [type(layer).__name__ for layer in model.layers] == ["Flatten", "Linear", "ReLU", "Linear"]
+    assert [type(layer).__name__ for layer in model.module.layers] == ["Flatten", "Linear", "ReLU", "Linear"]
     np.testing.assert_array_equal(model.flat.params, np.load(d / "model.npz")["flat"])
     for path in (d / "ckpt", d / "ckpt" / "ckpt-000000032.npz"):  # the directory: its newest checkpoint
         np.testing.assert_array_equal(mpisgd.load_model(str(path)).flat.params, model.flat.params)

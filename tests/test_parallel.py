@@ -262,7 +262,7 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     arena = dp.reducer.shared
     in_arena = arena is not None and arena.offset_of(dp.flat.grads) == 0
     layer_grads_in_arena = all(arena.offset_of(g.reshape(-1)) is not None
-                               for layer in dp.model.layers for g in layer.grads.values())
+                               for layer in dp.model.modules() for g in layer.grads.values())
     sums, n_buckets = dp.replica_checksums(), len(dp.buckets)
     ours, grads = dp.flat.params.copy(), dp.flat.grads.copy()
     owned = sum(hi - lo for lo, hi in dp.update.own) if shard else 0

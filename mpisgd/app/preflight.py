@@ -22,6 +22,7 @@ from mpisgd.config import Config
 from mpisgd.data import available_bytes, input_files
 from mpisgd.errors import UsageError
 from mpisgd.files import check_output_dir, check_output_file
+from mpisgd.nn.module import parameter_shapes
 
 
 def same_options(cfg: Config, comm: Any) -> None:
@@ -120,7 +121,7 @@ def memory(model: Any, dtype: str, data_nbytes: int, ranks_here: int, buffers: f
     before the model is materialised). ``data_nbytes``: the data this rank holds in its own memory
     (data.resident_nbytes: a memory-mapped set is the page cache's, shared by the node's ranks and read
     as needed, so it does not count); ``buffers``: parameter-sized buffers of state (state_buffers)."""
-    n_params = sum(int(np.prod(shape)) for layer in model.layers for _, shape in layer.param_shapes)
+    n_params = sum(int(np.prod(shape)) for _, shape in parameter_shapes(model))
     state = int(buffers * n_params * np.dtype(dtype).itemsize)  # parameters, gradients, optimizer state
     need = state + data_nbytes
     available = available_bytes() / max(1, ranks_here)

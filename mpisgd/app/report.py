@@ -135,9 +135,9 @@ def memory_line(peak: float, start: float, state: float) -> str:
 
 
 def describe_model(model: Any) -> str:
-    """The layers that hold parameters, each with its weight's shape."""
-    parts = [f"{type(layer).__name__} {'x'.join(map(str, layer.param_shapes[0][1]))}"
-             for layer in model.layers if layer.param_shapes]
+    """The modules that hold parameters, each with its first parameter's shape."""
+    parts = [f"{type(m).__name__} {'x'.join(map(str, m.param_shapes[0][1]))}"
+             for m in model.modules() if m.param_shapes]
     return ", ".join(parts)
 
 

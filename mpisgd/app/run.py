@@ -31,7 +31,7 @@ from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
 from mpisgd.model_file import FORMAT, VERSION, model_structure
-from mpisgd.nn import Sequential, build_model
+from mpisgd.nn import Model, Module, build_model
 from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD, Optimizer
 from mpisgd.optim.adam import LAMB, AdamW
@@ -71,7 +71,7 @@ class Run:
     threads: int  # BLAS threads per rank, and where that number came from
     threads_from: str
     data: RunData
-    model: Sequential
+    model: Model
     optimizer: Optimizer
     dp: DataParallel
     batches: GlobalBatches
@@ -152,8 +152,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
-    model = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: its layers must match
-    structure = model_structure(model)
+    module = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: it must match
+    structure = model_structure(module)
     stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
@@ -165,11 +165,11 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
                         "--reproducible promises the same bits only on the same one")
     if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(model, cfg.dtype, data.resident_nbytes(
+        stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
                                                      ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
-    model.materialize(xp, cfg.dtype, cfg.seed)
+    model = module.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
@@ -222,21 +222,21 @@ def _load_data(cfg: Config) -> RunData:
     return RunData(train, test, source, identity, warnings, val)
 
 
-def _build_model(cfg: Config, run_data: RunData) -> Sequential:
+def _build_model(cfg: Config, run_data: RunData) -> Module:
     try:
         return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunData) -> None:
+def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -> None:
     try:
         check_output(model, xp, run_data.in_shape, run_data.n_classes, cfg.dtype)
     except ValueError as exc:
         raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
-def _optimizer(cfg: Config, model: Sequential) -> Optimizer:
+def _optimizer(cfg: Config, model: Model) -> Optimizer:
     if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
         rule = AdamW if cfg.optimizer == "adamw" else LAMB
         return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)

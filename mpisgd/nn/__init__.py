@@ -1,9 +1,14 @@
-"""Model replicas: layers, the loss, Sequential, and the stock models."""
+"""Model replicas: modules that nest, layers, containers, the loss, and the stock models.
 
-from mpisgd.nn.layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, Permute, ReLU
+``module.materialize(xp, dtype, seed)`` turns a tree of modules into a :class:`Model`, whose
+parameters, gradients and buffers are views of flat buffers (docs/modules.md: writing your own).
+"""
+
+from mpisgd.nn.containers import Residual, Sequential
+from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
 from mpisgd.nn.loss import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
-from mpisgd.nn.sequential import Sequential
+from mpisgd.nn.module import Context, Layer, Model, Module
 
-__all__ = ["Conv2d", "Flatten", "Layer", "Linear", "MaxPool2d", "Permute", "ReLU", "Sequential",
-           "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]
+__all__ = ["Context", "Conv2d", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute", "ReLU",
+           "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]

@@ -1,7 +1,7 @@
 """Layers with explicit forward and backward on the array module of their input.
 
-A layer owns no parameter memory: :meth:`Layer.bind` hands it views into the
-model's flat parameter and gradient buffers. Outputs go to buffers kept per
+A layer owns no parameter memory: the model (mpisgd.nn.module.Model) hands it views into its flat
+parameter and gradient buffers. Outputs go to buffers kept per
 shape and reused, so the hot path allocates nothing; a returned array is valid
 until the layer's next call. Backward writes gradients in place (``out=``), or
 adds to them when ``accumulate`` is set (gradient accumulation).
@@ -13,64 +13,16 @@ Linear, ReLU and Flatten take (N, ...) arrays; Conv2d and MaxPool2d take
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from mpisgd.backend import xp_of
+from mpisgd.nn.module import Array, Module
 
-Array = Any  # numpy.ndarray or cupy.ndarray
 CHUNK_BYTES = 512 * 1024  # im2col columns per chunk: within a core's L2, so the GEMM reads them from cache
 
 
-class Layer:
-    """Base class: no parameters, buffer cache, gradient-accumulation flag."""
-
-    param_shapes: list[tuple[str, tuple[int, ...]]] = []
-
-    def __init__(self) -> None:
-        self.params: dict[str, Array] = {}
-        self.grads: dict[str, Array] = {}
-        self.accumulate = False  # add to .grads instead of overwriting them
-        self._bufs: dict[tuple[str, tuple[int, ...]], Array] = {}
-
-    def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
-        return {}
-
-    def bind(self, params: dict[str, Array], grads: dict[str, Array]) -> None:
-        self.params, self.grads = params, grads
-
-    def _buf(self, name: str, shape: tuple[int, ...], like: Array, dtype: Any = None, zeroed: bool = False) -> Array:
-        """The layer's buffer ``name`` of this shape, on ``like``'s device, of ``like``'s dtype unless
-        ``dtype`` is given; ``zeroed`` fills it with zeros when it is made (not on later calls)."""
-        key = (name, shape)
-        dtype = like.dtype if dtype is None else np.dtype(dtype)
-        buf = self._bufs.get(key)
-        if buf is None or buf.dtype != dtype:
-            xp = xp_of(like)
-            buf = (xp.zeros if zeroed else xp.empty)(shape, dtype=dtype)
-            self._bufs[key] = buf
-        return buf
-
-    def _grad_out(self, name: str, value_shape: tuple[int, ...], like: Array) -> Array:
-        """Where backward writes a gradient: the grad view itself, or scratch to add from."""
-        return self._buf("acc_" + name, value_shape, like) if self.accumulate else self.grads[name]
-
-    def _grad_done(self, name: str, out: Array) -> None:
-        if self.accumulate:
-            self.grads[name] += out
-
-    def forward(self, x: Array) -> Array:
-        raise NotImplementedError
-
-    def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return type(self).__name__ + "()"
-
-
-class Linear(Layer):
+class Linear(Module):
     """y = x W + b, with W of shape (in, out) so that forward is one GEMM with no transpose copy."""
 
     def __init__(self, n_in: int, n_out: int) -> None:
@@ -111,7 +63,7 @@ class Linear(Layer):
         return f"Linear({self.n_in}, {self.n_out})"
 
 
-class ReLU(Layer):
+class ReLU(Module):
     """max(x, 0); ``inplace`` overwrites the input (safe after a layer that owns its output)."""
 
     def __init__(self, inplace: bool = False) -> None:
@@ -133,7 +85,7 @@ class ReLU(Layer):
         return dy
 
 
-class Flatten(Layer):
+class Flatten(Module):
     """(N, ...) -> (N, prod(...)), a view."""
 
     def __init__(self) -> None:
@@ -148,7 +100,7 @@ class Flatten(Layer):
         return dy.reshape(self._shape) if need_dx else None
 
 
-class Permute(Layer):
+class Permute(Module):
     """y = x.transpose(axes), copied into a contiguous buffer: changes the layout between layers."""
 
     def __init__(self, axes: tuple[int, ...]) -> None:
@@ -172,7 +124,7 @@ class Permute(Layer):
         return f"Permute({self.axes})"
 
 
-class Conv2d(Layer):
+class Conv2d(Module):
     """2-D convolution (cross-correlation), square kernel, on (C, H, W, N) arrays: batch last (CHWN).
 
     im2col copies the k x k windows, through a strided view of the zero-padded input, into columns
@@ -302,7 +254,7 @@ class Conv2d(Layer):
         return f"Conv2d({self.c_in}, {self.c_out}, kernel={self.k}, stride={self.stride}, padding={self.pad})"
 
 
-class MaxPool2d(Layer):
+class MaxPool2d(Module):
     """Non-overlapping max pooling (kernel = stride) on (C, H, W, N) arrays, as Conv2d; odd edges are dropped.
 
     Separable: the max over each k x k window is the max along W of k neighbours, then along H of k

@@ -1,8 +1,8 @@
 """The models the CLI offers, and your own: ``--model package.module:function``.
 
 Built on the host; ``materialize`` puts them on a device. A model factory takes the input shape (one
-sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`Sequential` whose output
-is one score per class.
+sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`~mpisgd.nn.Module` (e.g.
+a :class:`Sequential`) whose output is one score per class.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import math
 import traceback
 from collections.abc import Callable
 
+from mpisgd.nn.containers import Sequential
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
-from mpisgd.nn.sequential import Sequential
+from mpisgd.nn.module import Model, Module
 
 
 def mlp(hidden: tuple[int, ...] = (1024, 1024), n_in: int = 784, n_classes: int = 10) -> Sequential:
@@ -55,7 +56,7 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
     )
 
 
-def factory(name: str) -> Callable[..., Sequential]:
+def factory(name: str) -> Callable[..., Module]:
     """``mlp``, ``cnn``, or ``package.module:function`` (importable from the working directory or
     PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
     does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
@@ -90,9 +91,9 @@ def _raised(exc: BaseException) -> str:
 
 
 def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
-                hidden: tuple[int, ...] = (1024, 1024)) -> Sequential:
+                hidden: tuple[int, ...] = (1024, 1024)) -> Module:
     """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
-    name, a factory that raises or exits, or one that does not return a Sequential)."""
+    name, a factory that raises or exits, or one that does not return a Module)."""
     make = factory(name)
     if name in ("mlp", "cnn"):
         model = make(in_shape, n_classes, hidden)
@@ -101,8 +102,9 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: i
             model = make(in_shape, n_classes)
         except (Exception, SystemExit) as exc:  # the user's code: say whose error it is, in one line
             raise ValueError(f"--model {name} {_raised(exc)}") from None
-    if not isinstance(model, Sequential):
-        raise ValueError(f"--model {name} must return an mpisgd.nn.Sequential, got {type(model).__name__}")
+    if not isinstance(model, Module):
+        raise ValueError(f"--model {name} must return an mpisgd.nn.Module (e.g. a Sequential), got "
+                         f"{type(model).__name__}")
     return model
 
 
@@ -111,9 +113,9 @@ BATCH_LAST_HINT = ("Conv2d and MaxPool2d take batch-last (C, H, W, N) arrays whi
                    "(see examples/model_factory.py)")
 
 
-def _layout_hint(model: Sequential) -> str:
+def _layout_hint(model: Model) -> str:
     """The hint for a model whose Conv2d or MaxPool2d has no Permute before it ("" otherwise)."""
-    for layer in model.layers:
+    for layer in model.modules():
         if isinstance(layer, Permute):
             return ""
         if isinstance(layer, Conv2d | MaxPool2d):
@@ -121,7 +123,7 @@ def _layout_hint(model: Sequential) -> str:
     return ""
 
 
-def check_output(model: Sequential, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str) -> None:
+def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str) -> None:
     """Two samples through the materialised model, forward then backward (a loss gradient of ones): it must
     give one score per class, and both passes must run. ValueError names the failing pass and the user's
     exception, with a hint when a convolution lacks its layout change. The gradients this leaves are

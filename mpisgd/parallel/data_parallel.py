@@ -34,7 +34,7 @@ from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.exact import BlockNorms, FixedPoint
 from mpisgd.nn.loss import SoftmaxCrossEntropy
-from mpisgd.nn.sequential import Sequential
+from mpisgd.nn.module import Model
 from mpisgd.optim import Optimizer, Shards, TensorNorms, clip_grad_norm_
 from mpisgd.parallel.sharded import ShardedStep
 from mpisgd.timeline import NullTimeline
@@ -85,7 +85,7 @@ class StepStats:
     arrived_gradients: list[float] = field(default_factory=list)  # backward done, waiting for the gradients
 
 
-def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
+def make_buckets(model: Model, itemsize: int, bucket_cap_mb: float) -> list[Bucket]:
     """Group layers' parameter ranges into buckets of about ``bucket_cap_mb``, last layer first."""
     ranges = [(i, a, b) for i, (a, b) in enumerate(model.layer_param_ranges()) if a >= 0]
     buckets: list[Bucket] = []
@@ -103,7 +103,7 @@ def make_buckets(model: Sequential, itemsize: int, bucket_cap_mb: float) -> list
     return buckets
 
 
-def model_layout(model: Sequential) -> str:
+def model_layout(model: Model) -> str:
     """What every rank's replica must share: its layers, their parameter shapes and the dtype."""
     assert model.flat is not None
     return f"{model!r} {model.flat.shapes} {model.flat.dtype}"
@@ -173,7 +173,7 @@ class DataParallel:
     ends the job (0: never; both 0: no watchdog).
     """
 
-    def __init__(self, model: Sequential, optimizer: Optimizer, comm: Any, *, reducer: Reducer | None = None,
+    def __init__(self, model: Model, optimizer: Optimizer, comm: Any, *, reducer: Reducer | None = None,
                  loss: Any = None, bucket_cap_mb: float = 25.0, overlap: bool = True, on_nan: str = "stop",
                  shard_optimizer: bool = False, shared_grads: bool = True, watchdog: Any = None,
                  timeline: Any = None, check_in: bool = True, reproducible: bool = False,
