@@ -5,10 +5,11 @@ parameters, gradients and buffers are views of flat buffers (docs/modules.md: wr
 """
 
 from mpisgd.nn.containers import Residual, Sequential
+from mpisgd.nn.dropout import Dropout
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
 from mpisgd.nn.loss import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
 
-__all__ = ["Context", "Conv2d", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute", "ReLU",
+__all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute", "ReLU",
            "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]
