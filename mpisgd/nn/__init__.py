@@ -11,5 +11,5 @@ from mpisgd.nn.loss import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
 
-__all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute", "ReLU",
-           "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]
+__all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute",
+           "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]
