@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import numpy as np  # noqa: E402
 
 from mpisgd.data import BatchLoader, Dataset, epoch_permutation, load_fashion_mnist, synthetic  # noqa: E402
-from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count  # noqa: E402
+from mpisgd.nn import SoftmaxCrossEntropy, scoring  # noqa: E402
 from mpisgd.nn.models import cnn, mlp  # noqa: E402
 from mpisgd.optim import SGD  # noqa: E402
 from mpisgd.optim.lars import LARS  # noqa: E402
@@ -151,13 +151,8 @@ class Data:
 
 def evaluate(model: Any, x: np.ndarray, y: np.ndarray, chunk: int = 1000) -> tuple[float, float]:
     """Mean loss and error of the current parameters on (x, y)."""
-    loss_fn = SoftmaxCrossEntropy()
-    total, wrong = 0.0, 0
-    for i in range(0, len(y), chunk):
-        logits = model.forward(x[i:i + chunk])
-        total += float(loss_fn.forward_array(logits, y[i:i + chunk])) * len(y[i:i + chunk])
-        wrong += len(y[i:i + chunk]) - accuracy_count(logits, y[i:i + chunk])
-    return total / len(y), wrong / len(y)
+    t = scoring.score(model, ((x[i:i + chunk], y[i:i + chunk]) for i in range(0, len(y), chunk)))
+    return t.mean_loss, 1.0 - t.accuracy
 
 
 def build(s: dict[str, Any], in_shape: tuple[int, ...]) -> tuple[Any, SGD]:

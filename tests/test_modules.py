@@ -167,3 +167,23 @@ def test_residual_shapes_must_match():
     model = Sequential(Residual(Linear(4, 3))).materialize(np)
     with pytest.raises(ValueError, match="shortcut"):
         model.forward(np.zeros((2, 4)))
+
+
+def test_scoring_runs_in_eval_mode_and_restores_the_mode():
+    from mpisgd.nn import Dropout, scoring
+
+    model = Sequential(Linear(4, 16), Dropout(0.5), Linear(16, 3)).materialize(np, "float64", seed=0)
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((10, 4)), rng.integers(0, 3, 10)
+    first = scoring.score(model, [(x, y)], n_classes=3)
+    assert model.training  # put back
+    again = scoring.score(model, [(x[:5], y[:5]), (x[5:], y[5:])], n_classes=3)
+    assert (first.targets, first.correct) == (again.targets, again.correct) == (10, first.correct)
+    assert abs(first.loss_sum - again.loss_sum) < 1e-12  # no dropout: the same scores however batched
+    np.testing.assert_array_equal(first.per_class[:, 0], np.bincount(y, minlength=3))
+    logits = model.eval().forward(x)
+    z = logits - logits.max(axis=1, keepdims=True)
+    want = float(np.sum(np.log(np.exp(z).sum(axis=1)) - z[np.arange(10), y]))
+    assert abs(first.loss_sum - want) < 1e-9 and first.correct == int((logits.argmax(1) == y).sum())
+    tokens = scoring.score(model, [(x, np.where(np.arange(10) < 4, -1, y))], ignore_index=-1)
+    assert tokens.targets == 6

@@ -19,6 +19,7 @@ import numpy as np
 from mpisgd.app.options import _add_option, _Parser
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
+from mpisgd.nn import scoring
 
 FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                    "Ankle boot")
@@ -77,21 +78,14 @@ def check_fit(meta: dict[str, Any], test: Any, name: str, classes: int, path: st
 
 
 def score(model: Any, test: Any, n_classes: int, batch: int, rank: int, size: int) -> np.ndarray:
-    """Per class: [samples, correct, summed loss] over this rank's share of the test set."""
+    """Per class: [samples, correct, summed loss] over this rank's share of the test set (eval mode)."""
     from mpisgd.data import BatchLoader  # noqa: PLC0415
 
     loader = BatchLoader(test, np, model.flat.dtype)
     mine = np.array_split(np.arange(len(test)), size)[rank]
-    counts = np.zeros((n_classes, 3))
-    for start in range(0, len(mine), batch):
-        x, y = loader.batch(mine[start:start + batch])
-        logits = model.forward(x)
-        right = logits.argmax(axis=1) == y
-        z = logits - logits.max(axis=1, keepdims=True)  # cross-entropy per sample, stable
-        losses = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]
-        np.add.at(counts[:, 0], y, 1)
-        np.add.at(counts[:, 1], y, right)
-        np.add.at(counts[:, 2], y, losses)
+    batches = (loader.batch(mine[start:start + batch]) for start in range(0, len(mine), batch))
+    counts = scoring.score(model, batches, n_classes).per_class
+    assert counts is not None
     return counts
 
 

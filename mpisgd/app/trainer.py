@@ -28,7 +28,8 @@ from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.model_file import model_fallbacks, save_params
-from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
+from mpisgd.nn import scoring
+from mpisgd.nn.scoring import Tally
 from mpisgd.noise import estimate
 
 
@@ -191,22 +192,14 @@ class Trainer:
         """Accuracy, and with ``loss`` the mean loss, of the set ``loader`` holds (collective): each rank
         scores a disjoint part of it, counts and sums are added."""
         run = self.run
-        n = len(loader.data)
-        mine = np.array_split(np.arange(n), run.k)[run.rank]
-        correct, loss_sum, ce = 0, 0.0, SoftmaxCrossEntropy()
+        mine = np.array_split(np.arange(len(loader.data)), run.k)[run.rank]
         b = run.batches.local_batch  # the training shape: the model's activation buffers are reused, not doubled
-        for start in range(0, len(mine), b):
-            self.signals.note_progress()  # a long evaluation is not a stuck job
-            x, y = loader.batch(mine[start:start + b])
-            logits = run.model.forward(x)
-            correct += accuracy_count(logits, y)
-            if loss:
-                loss_sum += float(ce.forward_array(logits, y)) * len(y)
-        if not loss:
-            return self.comm.allreduce(correct) / n, None
-        sums = np.array([correct, loss_sum], dtype=np.float64)
+        batches = (loader.batch(mine[start:start + b]) for start in range(0, len(mine), b))
+        # a long evaluation is not a stuck job: each batch is progress
+        sums = scoring.score(run.model, batches, on_batch=self.signals.note_progress).to_array()
         self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-        return float(sums[0]) / n, float(sums[1]) / n
+        total = Tally.from_array(sums)
+        return total.accuracy, total.mean_loss if loss else None
 
     def _scores(self) -> dict[str, float]:
         """What an epoch's end measures on held-out data: the test set's accuracy or, with --val-split,

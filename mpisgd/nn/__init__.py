@@ -4,6 +4,7 @@
 parameters, gradients and buffers are views of flat buffers (docs/modules.md: writing your own).
 """
 
+from mpisgd.nn import scoring
 from mpisgd.nn.containers import Residual, Sequential
 from mpisgd.nn.dropout import Dropout
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
@@ -12,4 +13,5 @@ from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
 
 __all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute",
-           "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp"]
+           "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp",
+           "scoring"]
