@@ -160,6 +160,12 @@ class Module:
         return sum(int(buf.nbytes) for buf in self._bufs.values())
 
     # -- making a model ----------------------------------------------------------------------
+    @property
+    def flat(self) -> Any:
+        """A module has no flat buffers; the model it materialises does (a common slip, said plainly)."""
+        raise AttributeError(f"{type(self).__name__} has no flat buffers: materialize() it first "
+                             "(model = module.materialize(xp, dtype, seed); then model.flat)")
+
     def materialize(self, xp: Any, dtype: str | np.dtype = "float32", seed: int = 0) -> Model:
         """The model of this tree: flat buffers on ``xp``, parameters initialised from ``seed`` (drawn on
         the host with NumPy, in pre-order, so CPU and GPU runs with the same seed start alike)."""
