@@ -187,7 +187,7 @@ def test_cli_defaults_follow_the_nodes(tmp_path, capsys):
 
 
 def test_console_script_is_declared():
-    assert "mpisgd-plan=mpisgd.plan:main" in (ROOT / "setup.py").read_text()
+    assert "mpisgd-plan=mpisgd.app.plan:main" in (ROOT / "setup.py").read_text()
 
 
 @pytest.mark.parametrize("case,args,message", [
