@@ -111,7 +111,7 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
                               f"B={B}: a resumed run keeps its B, so that the data order and the schedule continue; "
                               f"pass --global-batch {B}, or leave it out")
     bits = bool(config.get("reproducible") and state.config.get("reproducible") and old_b)  # b decides the bits
-    b0 = old_b if bits and isinstance(old_b, int) else 1  # the checkpoint's b where it decides the bits (checked: an integer >= 1)
+    b0 = old_b if bits and isinstance(old_b, int) else 1  # the checkpoint's b, where it decides the bits
     if structure is not None and state.structure:
         diff = structure_difference(state.structure, structure)
         if diff:
