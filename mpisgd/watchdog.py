@@ -52,6 +52,7 @@ class Watchdog:
         application's world communicator). Aborting a duplicate ends only the local rank when a node is
         unreachable, and the launcher then waits. :meth:`configure` changes the three later (the CLI makes
         its watchdog before it has read its options)."""
+        _check_bounds(timeout_s, abort_after_s)
         from mpi4py import MPI  # noqa: PLC0415 - only needed once a watchdog is made
 
         self._MPI = MPI
@@ -83,8 +84,7 @@ class Watchdog:
     def configure(self, timeout_s: float, abort: bool = False, abort_after_s: float = 0.0) -> None:
         """Set the bounds (this rank's; every rank keeps watching and reporting to rank 0 alike, so ranks
         given other bounds still agree on the protocol). Both 0: nothing is reported or aborted."""
-        if not (timeout_s >= 0 and abort_after_s >= 0):  # NaN fails too
-            raise ValueError(f"stall bounds must be >= 0 seconds, got {timeout_s} and {abort_after_s}")
+        _check_bounds(timeout_s, abort_after_s)
         self.timeout_s, self.abort, self.abort_after_s = float(timeout_s), abort, float(abort_after_s)
         self._poll_s = min(0.2, max(0.01, (self.timeout_s or self.abort_after_s or 4.0) / 20))
 
@@ -250,6 +250,11 @@ class NullWatchdog:
     def configure(self, timeout_s: float, abort: bool = False, abort_after_s: float = 0.0) -> None: ...
 
     def close(self) -> None: ...
+
+
+def _check_bounds(timeout_s: float, abort_after_s: float) -> None:
+    if not (timeout_s >= 0 and abort_after_s >= 0):  # NaN fails too
+        raise ValueError(f"stall bounds must be >= 0 seconds, got {timeout_s} and {abort_after_s}")
 
 
 def _say(msg: str) -> None:
