@@ -16,7 +16,8 @@ mask), and one thread of ours waits for them (``sigwait``) and acts at once:
   step could be written). The job's grace, ``TERM_GRACE_S`` without progress (a peer stuck or gone: the
   loop calls :meth:`Signals.note_progress` at each step and evaluation batch), runs from the end of
   set-up: a set-up stage may take longer (loading data, a checkpoint), and one that is stuck is the
-  stall watchdog's (``--stall-abort-s``). Past the grace the rank aborts the job: 143.
+  stall watchdog's (``--stall-abort-s``). Past the grace the rank aborts the job: 143 (not once every
+  rank has agreed to stop: writing a large checkpoint may take longer; the watchdog bounds that).
 - A second SIGTERM or SIGUSR1 before every rank has agreed to stop: the next check-in stops every rank
   at once, without a checkpoint, 143; a job that reaches no check-in within ``URGENT_S`` (a long step,
   set-up, a stuck rank) is aborted with 143. Once every rank has agreed to stop (:meth:`Signals.stopping`),

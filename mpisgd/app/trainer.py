@@ -155,7 +155,8 @@ class Trainer:
         self.signals.note_progress()
         path = self._save(epoch, step) if self.cfg.checkpoint_dir and not stop.urgent else None
         where = f"before step {self.global_step} (epoch {epoch + 1}, step {step} of {self.run.batches.steps_per_epoch})"
-        written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
+        with self.dp.watchdog.watching(f"the stop before step {self.global_step}"):  # bounded: no grace now
+            written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
         code = EXIT_PREEMPTED if written else EXIT_TERMINATED  # 75 promises the checkpoint of this very step
         if self.run.is_root:
             why = "a second signal asked to end at once" if stop.urgent else \
