@@ -9,6 +9,7 @@ One place for the rules every check across ranks follows:
   (the most common value is the reference, rank 0's on a tie); every check of
   "the same on every rank" names those ranks.
 - :func:`verify_same` / :func:`name_differences`: the check, raising on every rank.
+- :func:`same_arithmetic`: every rank rounds alike (BLAS, threads, NumPy's SIMD, the level-1 switch).
 - :func:`layout_digest`: a short digest of shapes and dtypes, compared before
   collectives on buffers of those shapes.
 - :func:`bcast_`: a broadcast in place that stages device arrays through the host.
@@ -82,6 +83,17 @@ def name_differences(records: Sequence[dict[str, Any]], flag: bool = False) -> l
         out.append(f"{name} is {values[usual[0]]!r} on rank(s) {usual} but "
                    + ", ".join(f"{values[r]!r} on rank {r}" for r in odd))
     return out
+
+
+def same_arithmetic(comm: Any, record: dict[str, str], error: type[Exception] = ReplicaError) -> None:
+    """Raise ``error`` on every rank when the ranks' arithmetic differs (mpisgd.backend.arithmetic), naming
+    the ranks and the difference: they would round the same inputs differently, so replicas would drift
+    apart silently and a reproducible run's bits would depend on which rank computed what."""
+    diffs = name_differences(comm.allgather(record))
+    if diffs:
+        raise error("the ranks would round differently (" + "; ".join(diffs) + "): give every rank the same BLAS "
+                    "kernel and threads (--threads; OPENBLAS_CORETYPE for OpenBLAS's kernel), NumPy and its SIMD "
+                    "targets (NPY_DISABLE_CPU_FEATURES) and MPISGD_BLAS_LEVEL1")
 
 
 def layout_digest(items: Any) -> str:

@@ -109,19 +109,60 @@ def set_threads(n: int) -> None:
 
 
 def environment(backend: Backend, threads: int) -> dict[str, str | int]:
-    """What a run's exact bits depend on besides its inputs: the BLAS and its threads, NumPy (or the GPU),
-    the CPU model. Two runs that differ here may round differently (docs/reproducible.md)."""
+    """What a run's exact bits depend on besides its inputs: the BLAS and its threads, NumPy and the SIMD
+    targets its loops run (or the GPU), the CPU model. Two runs that differ here may round differently
+    (docs/reproducible.md)."""
     if backend.is_gpu:
         return {"device": backend.gpu_name, "array": f"cupy {backend.xp.__version__}"}
-    from threadpoolctl import threadpool_info  # noqa: PLC0415
-
-    blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')})"
-            for i in threadpool_info() if i.get("user_api") == "blas"]
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    return {"blas": ", ".join(blas) or "none found", "threads": threads, "array": f"numpy {np.__version__}",
+    return {"blas": blas_kernel(), "threads": threads, "array": f"numpy {np.__version__}", "simd": numpy_simd(),
             "cpu": cpu or "unknown"}
+
+
+def arithmetic(params: Any, level1: bool) -> dict[str, str]:
+    """What decides this process's floating-point results besides its inputs, for a model whose parameters
+    are ``params`` and an optimizer whose level-1 BLAS path is on or off: on the host, the BLAS (library,
+    version, the CPU kernel it picked) and its threads, NumPy and the SIMD targets its loops dispatch to,
+    the level-1 switch; on a GPU, the device and CuPy. Ranks that differ here round differently: their
+    replicas drift apart, and a reproducible run's bits depend on which rank computed what."""
+    if is_device_array(params):
+        import cupy  # noqa: PLC0415
+
+        props = cupy.cuda.runtime.getDeviceProperties(params.device.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return {"device": name, "array": f"cupy {cupy.__version__}", "dtype": str(params.dtype)}
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    threads = [str(i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas"]
+    return {"blas": blas_kernel(), "blas threads": ", ".join(threads) or "-", "array": f"numpy {np.__version__}",
+            "simd": numpy_simd(), "level-1 BLAS update": "on" if level1 else "off", "dtype": str(params.dtype)}
+
+
+def blas_kernel() -> str:
+    """The BLAS libraries this process loaded, each with its version and the CPU kernel it picked
+    (OpenBLAS's 'Haswell', 'SkylakeX': OPENBLAS_CORETYPE can force one)."""
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')})"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    return ", ".join(blas) or "none found"
+
+
+def numpy_simd() -> str:
+    """The SIMD targets NumPy's loops run here: its baseline and the dispatched targets this CPU has
+    (NPY_DISABLE_CPU_FEATURES can turn some off); "unknown" where NumPy does not say."""
+    try:
+        from numpy._core import _multiarray_umath as umath  # type: ignore[attr-defined]  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]  # noqa: PLC0415
+    baseline = getattr(umath, "__cpu_baseline__", None)
+    dispatch, features = getattr(umath, "__cpu_dispatch__", None), getattr(umath, "__cpu_features__", None)
+    if baseline is None or dispatch is None or features is None:
+        return "unknown"
+    found = [t for t in dispatch if features.get(t)]
+    return " ".join(baseline) + (" + " + " ".join(found) if found else "")

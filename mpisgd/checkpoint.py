@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.errors import UsageError
+from mpisgd.exact import NO_EXPONENT
 from mpisgd.files import TMP_SUFFIX, atomic_write, write_npz
 
 FORMAT = 2
@@ -44,6 +45,7 @@ READS = (1, 2)  # the formats this version loads
 BUFFER = "state."  # the key prefix of the optimizer's state buffers
 _NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
 LOCK = ".mpisgd.lock"  # the lock file of a checkpoint directory (mpisgd.app.run_dir)
+EXPONENT_RANGE = 1100  # frexp's exponents of finite float64 values lie in [-1073, 1024]
 SCALARS = ("global_step", "epoch", "step_in_epoch", "skipped_steps", "world_size", "effective_batch")
 
 
@@ -192,8 +194,17 @@ def _check_scalars(path: str | os.PathLike, st: TrainState) -> None:
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: inconsistent checkpoint: {what}")
 
-    if not isinstance(st.config, dict) or not isinstance(st.data, dict) or not isinstance(st.structure, dict):
-        raise bad("its configuration, data or structure record is not a JSON object")
+    if not all(isinstance(r, dict) for r in (st.config, st.data, st.structure, st.environment, st.model)):
+        raise bad("its configuration, data, structure, environment or model record is not a JSON object")
+    layers, shapes = st.structure.get("layers", []), st.structure.get("shapes", [])
+    if not (isinstance(layers, list) and all(isinstance(x, str) for x in layers) and isinstance(shapes, list)
+            and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], list)
+                    and all(_positive(d) for d in x[1]) for x in shapes)):
+        raise bad("its model structure is not a list of layers and of [name, shape] pairs")
+    for name in ("batch_size", "accum_steps"):  # resuming derives b and m from them
+        if name in st.config and not _positive(st.config[name]):
+            raise bad(f"its configuration's {name} is {json.dumps(st.config[name])[:40]}, not an integer >= 1")
+    _check_exponents(st.grad_exponents, len(shapes) if shapes else None, bad)
     for name in SCALARS:
         if getattr(st, name) < 0:
             raise bad(f"{name} is {getattr(st, name)}")
@@ -213,6 +224,24 @@ def _check_scalars(path: str | os.PathLike, st: TrainState) -> None:
         raise bad(f"previous learning rate {prev_lr}")
     if opt.get("step", 0) < 0:
         raise bad(f"optimizer step count {opt['step']}")
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _check_exponents(e: np.ndarray | None, n_tensors: int | None, bad: Any) -> None:
+    """A reproducible run's fixed-point exponents: one integer per parameter tensor, each the exponent of a
+    finite float64 norm or mpisgd.exact.NO_EXPONENT (a tensor whose gradient was zero)."""
+    if e is None:
+        return
+    if e.ndim != 1 or e.dtype.kind not in "iu" or (n_tensors is not None and e.size != n_tensors):
+        raise bad(f"its fixed-point exponents must be {n_tensors or 'one per parameter tensor'} integers, got "
+                  f"{e.dtype} {e.shape}")
+    wrong = e[(e != NO_EXPONENT) & ((e < -EXPONENT_RANGE) | (e > EXPONENT_RANGE))]
+    if wrong.size:
+        raise bad(f"a fixed-point exponent is {int(wrong[0])}, outside what a finite gradient needs "
+                  f"(|e| <= {EXPONENT_RANGE})")
 
 
 def find_resume(resume: str, directory: str | None, overwrite: bool = False

@@ -23,6 +23,7 @@ IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_ba
             "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "reproducible", "beta1",
             "beta2", "eps", "clip_grad_norm")
 STRUCTURE = ("model", "hidden", "dtype")
+MAX_THREADS = 1024  # BLAS threads per rank: beyond any node's cores, and within what BLAS libraries take
 OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
 # The options only some update rules read, and which: the others ignore them, so a resumed run of
 # those may change them freely (mpisgd.checkpoint.identity_changes).
@@ -115,7 +116,7 @@ class Config:
     check_replicas: int = opt(0, "compare parameter checksums across ranks every N steps (0: never)")
     on_nan: str = opt("stop", "non-finite gradient after the all-reduce: stop or skip the step", ("stop", "skip"))
     stall_timeout_s: float = opt(300.0, "seconds a collective may wait before rank 0 reports which ranks have not "
-                                        "reached it (0: no watchdog)")
+                                        "reached it (0: no report)")
     stall_abort: bool = opt(False, "abort the job as soon as the stall check fires")
     stall_abort_s: float = opt(1800.0, "abort the job when a collective has waited this many seconds, reported or "
                                        "not: the bound on every wait (0: never)")
@@ -164,6 +165,8 @@ class Config:
                             "global-batch": self.global_batch}.items():
             if value is not None and value < 1:
                 raise UsageError(f"--{name} must be >= 1, got {value}")
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise UsageError(f"--threads must be at most {MAX_THREADS} (BLAS threads per rank), got {self.threads}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:

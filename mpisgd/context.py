@@ -16,6 +16,7 @@ from mpi4py import MPI
 from mpisgd.agreement import AgreedError, agree
 from mpisgd.backend import Backend, select_backend
 from mpisgd.comm.base import node_layout
+from mpisgd.config import MAX_THREADS
 from mpisgd.errors import UsageError
 
 
@@ -67,8 +68,11 @@ def blas_threads(requested: int | None, local_size: int) -> tuple[int, str]:
     if requested:
         return requested, "--threads"
     env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) >= 1:
+    if env.isdigit() and 1 <= int(env) <= MAX_THREADS:
         return int(env), "OMP_NUM_THREADS"
+    if env.isdigit() and int(env) >= 1:
+        raise UsageError(f"OMP_NUM_THREADS={env[:24]}: at most {MAX_THREADS} BLAS threads per rank; set it lower, "
+                         "or pass --threads")
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -5,7 +5,8 @@ Every output a run will write is checked at start-up (:func:`check_output_file`,
 before the work, not after it. :func:`atomic_write` writes a temporary file
 beside the target, fsyncs it and renames it over the target, so the target is
 either the old file or the complete new one; a target that exists but is not a
-regular file (a device node, a directory) is refused rather than replaced.
+regular file (a device node, a directory) is refused rather than replaced, and a
+symbolic link is written through (the file it names is replaced, not the link).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def check_output_dir(path: str, what: str) -> None:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` through ``write(f)`` all or nothing: temporary file, fsync, rename, fsync of the
-    directory. The temporary file is removed whatever happens (a full disk included)."""
-    target = Path(path)
+    directory. The temporary file is removed whatever happens (a full disk included). A symbolic link is
+    written through: the file it names is replaced, the link stays (a rename onto the link would replace it)."""
+    target = Path(os.path.realpath(path))
     if _not_regular(target):
         raise OSError(f"{target} exists and is not a regular file: not replaced")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,12 @@ Files written before the model was recorded still load where the model can be to
 hold: a ``--save-model`` file of the stock ``mlp`` or ``cnn`` from its parameters' names and shapes, a
 checkpoint from its configuration (an ``mlp``'s input size from the parameter count; anything else
 needs ``in_shape``).
+
+Reading a file runs no code it names: the stock models are built by mpisgd's own builders, and a model
+of the user's own (``package.module:function`` in the file) is built only by a factory the caller names
+(``factory=``, ``--model-factory``), as ``torch.load(weights_only=True)`` loads no code by default. Every
+field of the description is type-checked before use (:func:`check_meta`), and the parameters must be
+finite floats.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,10 @@ from mpisgd.nn.module import parameter_shapes
 
 FORMAT = "mpisgd-model"
 VERSION = 1
+STOCK = ("mlp", "cnn")  # the models mpisgd builds itself; anything else is a factory of the user's
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
+_LARGE = 1 << 31  # no dimension, width or class count of a real model is this large
+Factory = Callable[[tuple[int, ...], int], Module]
 
 
 class ModelFileError(UsageError):
@@ -50,15 +61,22 @@ class SavedModel:
     path: str  # the file read (a directory's newest good checkpoint)
 
 
-def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> Model:
+def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None,
+               factory: str | Factory | None = None) -> Model:
     """The model that ``path`` (a --save-model file, a checkpoint, or a checkpoint directory:
     its newest good checkpoint) holds, with its parameters, on ``xp`` (NumPy by default). ``in_shape``
     (one sample's) is needed only for older files that do not record it. ModelFileError says what is
-    wrong."""
-    return read_model(path, in_shape, xp).model
+    wrong.
+
+    A file of the stock ``mlp`` or ``cnn`` is built by mpisgd's own builders. A file of a model of your
+    own names its factory, which is never imported from the file: pass ``factory``, a function of
+    ``(input_shape, n_classes)`` returning the module, or its ``"package.module:function"`` (then
+    imported and called; name only code you trust)."""
+    return read_model(path, in_shape, xp, factory).model
 
 
-def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> SavedModel:
+def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None,
+               factory: str | Factory | None = None) -> SavedModel:
     """load_model, with the file's description of the model."""
     p = Path(path)
     if p.is_dir():
@@ -81,20 +99,82 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
                 flat, meta = _from_checkpoint(p, in_shape)
             elif "flat" in files:
                 flat = z["flat"]
+                _check_params(flat, p)
                 meta = json.loads(str(z["meta"])) if "meta" in files else _infer(named, flat, in_shape, p)
             else:
                 raise ModelFileError(f"{p} holds neither a --save-model file's 'flat' nor a checkpoint's 'params' "
                                      f"(it holds {', '.join(sorted(files)) or 'nothing'})")
     except ModelFileError:
         raise
-    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+    except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, RecursionError,
+            zipfile.BadZipFile) as exc:
         raise ModelFileError(f"{p} is not a usable model file ({type(exc).__name__}: {exc})") from None
+    check_meta(meta, p)
     if meta.get("in_shape") is None:
         if in_shape is None:
             raise ModelFileError(f"{p} does not record its input shape (written by an older mpisgd): pass in_shape")
         meta["in_shape"] = list(in_shape)
-    model = _build(meta, flat, named, p, xp)
+    model = _build(meta, flat, named, p, xp, factory)
     return SavedModel(model, meta, str(p))
+
+
+def _check_params(flat: Any, p: Path) -> None:
+    """The parameters: a 1-D array of finite float32 or float64 values."""
+    if not isinstance(flat, np.ndarray) or flat.ndim != 1 or flat.dtype not in (np.float32, np.float64):
+        raise ModelFileError(f"{p}: its parameters must be a 1-D float32 or float64 array, got "
+                             f"{getattr(flat, 'dtype', type(flat).__name__)} {getattr(flat, 'shape', '')}")
+    bad = int(np.count_nonzero(~np.isfinite(flat)))
+    if bad:
+        raise ModelFileError(f"{p}: its parameters hold {bad:,} non-finite values (NaN or inf): not a model to use")
+
+
+def _count(x: Any, low: int = 1) -> bool:
+    """An integer (not a bool) in [low, 2**31)."""
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x < _LARGE
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_meta(meta: Any, p: Path | str) -> None:
+    """Every field of a model description (mpisgd.app.run.model_record) of the right type and range before
+    anything uses it; ModelFileError names the first that is not. Fields an older file lacks may be
+    missing (``in_shape`` then comes from the caller)."""
+    def bad(field: str, want: str) -> ModelFileError:
+        got = json.dumps(meta.get(field), default=str)
+        return ModelFileError(f"{p}: its model description is not mpisgd's: {field} must be {want}, got "
+                              f"{got[:80]}{'...' if len(got) > 80 else ''}")
+
+    if not isinstance(meta, dict):
+        raise ModelFileError(f"{p}: its model description must be a JSON object, got {type(meta).__name__}")
+    if "format" in meta and meta["format"] != FORMAT:
+        raise ModelFileError(f"{p} is not an mpisgd model file: its format is {json.dumps(meta['format'])[:80]}, "
+                             f"not {FORMAT!r}")
+    if "version" in meta and not (_count(meta["version"]) and meta["version"] <= VERSION):
+        raise ModelFileError(f"{p}: model file version {json.dumps(meta['version'])[:40]}, this mpisgd reads "
+                             f"{VERSION}: use the mpisgd that wrote it, or a newer one")
+    name = meta.get("model")
+    if not (isinstance(name, str) and (name in STOCK or _FACTORY.match(name))):
+        raise bad("model", "mlp, cnn or package.module:function")
+    shape = meta.get("in_shape")
+    if shape is not None and not (isinstance(shape, list) and 1 <= len(shape) <= 8 and all(map(_count, shape))):
+        raise bad("in_shape", "a list of 1 to 8 positive integers (one sample's shape)")
+    if not _count(meta.get("classes")):
+        raise bad("classes", "a positive integer")
+    hidden = meta.get("hidden")
+    if hidden is not None and not (isinstance(hidden, list) and all(map(_count, hidden))):
+        raise bad("hidden", "a list of positive integers")
+    if meta.get("dtype") is not None and meta["dtype"] not in ("float32", "float64"):
+        raise bad("dtype", "float32 or float64")
+    for field in ("parameters", "seed", "step"):
+        if field in meta and not _count(meta[field], 0):
+            raise bad(field, "an integer >= 0")
+    for field in ("input_scale", "input_shift"):
+        if meta.get(field) is not None and not _finite(meta[field]):
+            raise bad(field, "a finite number")
+    if meta.get("data") is not None and not isinstance(meta["data"], dict):
+        raise bad("data", "a JSON object (the training set's identity)")
 
 
 def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndarray, dict[str, Any]]:
@@ -103,12 +183,14 @@ def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndar
     except CheckpointError as exc:
         raise ModelFileError(str(exc)) from None
     if state.model:
+        check_meta(state.model, p)
         return state.params, {**state.model, "step": state.global_step}
     cfg = state.config  # an older checkpoint: what its configuration says
     meta = {"model": cfg.get("model", "mlp"), "hidden": cfg.get("hidden", [1024, 1024]),
             "dtype": cfg.get("dtype", str(state.params.dtype)), "classes": state.data.get("classes", 10),
             "data": state.data, "seed": cfg.get("seed", 0), "step": state.global_step,
             "in_shape": list(in_shape) if in_shape else None}
+    check_meta(meta, p)
     if meta["in_shape"] is None and meta["model"] == "mlp":  # its input size follows from the parameter count
         widths = [*meta["hidden"], meta["classes"]]
         rest = sum(a * b + b for a, b in zip(widths, widths[1:])) + widths[0]
@@ -144,12 +226,27 @@ def _infer(named: dict[str, np.ndarray], flat: np.ndarray, in_shape: tuple[int, 
                          "are not those of the stock mlp or cnn for this input shape)")
 
 
-def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray], p: Path, xp: Any) -> Model:
+def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray], p: Path, xp: Any,
+           factory: str | Factory | None) -> Model:
+    """The model the checked ``meta`` describes, with ``flat`` as its parameters: the stock models by
+    mpisgd's builders; a model of the user's own only by the ``factory`` the caller named."""
+    in_shape, classes, name = tuple(meta["in_shape"]), int(meta["classes"]), meta["model"]
     try:
-        module = build_model(meta["model"], tuple(meta["in_shape"]), int(meta["classes"]),
-                            tuple(meta.get("hidden") or ()))
-    except (KeyError, TypeError) as exc:
-        raise ModelFileError(f"{p}: its model description lacks {exc}") from None
+        if name in STOCK:
+            module = build_model(name, in_shape, classes, tuple(meta.get("hidden") or ()))
+        elif factory is None:
+            raise ModelFileError(
+                f"{p} holds a model of its own, built by {name}; reading a file runs no code it names: if you "
+                f"trust that code, pass it as the factory (load_model(path, factory={name!r}), or "
+                f"python -m mpisgd.evaluate --model-factory {name})")
+        elif isinstance(factory, str):
+            module = build_model(factory, in_shape, classes)
+        else:
+            module = factory(in_shape, classes)
+            if not isinstance(module, Module):
+                raise ModelFileError(f"the factory must return an mpisgd.nn.Module, got {type(module).__name__}")
+    except ModelFileError:
+        raise
     except ValueError as exc:
         raise ModelFileError(f"{p}: cannot build its model ({exc})") from None
     size = sum(math.prod(s) for _, s in parameter_shapes(module))

@@ -46,22 +46,20 @@ PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
 class Watchdog:
     def __init__(self, comm: Any, timeout_s: float, abort: bool = False, abort_comm: Any = None,
                  abort_after_s: float = 0.0) -> None:
-        """``abort``: end the job when the stall is reported; ``abort_after_s`` (0: never): end it when a
-        rank has waited that long in one collective, reported or not (the bound on every wait).
-        ``abort_comm``: what to MPI_Abort (the application's world communicator). Aborting a
-        duplicate ends only the local rank when a node is unreachable, and the launcher then waits."""
-        if timeout_s <= 0:
-            raise ValueError(f"stall timeout must be > 0 seconds, got {timeout_s}")
-        if abort_after_s < 0:
-            raise ValueError(f"abort_after_s must be >= 0 seconds, got {abort_after_s}")
-        self.abort_after_s = float(abort_after_s)
+        """``timeout_s`` (0: no report): report a collective that waited that long; ``abort``: end the job
+        when the stall is reported; ``abort_after_s`` (0: never): end it when a rank has waited that long
+        in one collective, reported or not (the bound on every wait). ``abort_comm``: what to MPI_Abort (the
+        application's world communicator). Aborting a duplicate ends only the local rank when a node is
+        unreachable, and the launcher then waits. :meth:`configure` changes the three later (the CLI makes
+        its watchdog before it has read its options)."""
+        _check_bounds(timeout_s, abort_after_s)
         from mpi4py import MPI  # noqa: PLC0415 - only needed once a watchdog is made
 
         self._MPI = MPI
         self.comm = comm.Dup()
         self.abort_comm = comm if abort_comm is None else abort_comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout_s, self.abort = float(timeout_s), abort
+        self.configure(timeout_s, abort, abort_after_s)
         self.threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE  # may the thread call MPI?
         # this rank's current wait (written by the main thread, read by ours)
         self._seq = 0
@@ -78,11 +76,17 @@ class Watchdog:
         self._reported = 0  # the newest collective already reported (by number), by us or by rank 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._poll_s = min(0.2, max(0.01, self.timeout_s / 20))
         self._thread: threading.Thread | None = None
         if self.size > 1:
             self._thread = threading.Thread(target=self._run, name="mpisgd-watchdog", daemon=True)
             self._thread.start()
+
+    def configure(self, timeout_s: float, abort: bool = False, abort_after_s: float = 0.0) -> None:
+        """Set the bounds (this rank's; every rank keeps watching and reporting to rank 0 alike, so ranks
+        given other bounds still agree on the protocol). Both 0: nothing is reported or aborted."""
+        _check_bounds(timeout_s, abort_after_s)
+        self.timeout_s, self.abort, self.abort_after_s = float(timeout_s), abort, float(abort_after_s)
+        self._poll_s = min(0.2, max(0.01, (self.timeout_s or self.abort_after_s or 4.0) / 20))
 
     # -- called by the training loop (main thread) ----------------------------------------
     @contextmanager
@@ -179,6 +183,16 @@ class Watchdog:
                 del self._first_seen[s]  # everybody is past these
 
     def _check(self, now: float) -> None:
+        if self.timeout_s:
+            self._check_report(now)
+        waited = now - self._t_enter
+        if self._waiting and self.abort_after_s and waited > self.abort_after_s:
+            _say(f"mpisgd: stall: rank {self.rank} has waited {waited:.1f} s in {self._what}, longer than the bound "
+                 f"of {self.abort_after_s:g} s (--stall-abort-s)")
+            self._abort(why="--stall-abort-s")
+
+    def _check_report(self, now: float) -> None:
+        """The stall report after timeout_s (rank 0's, naming the ranks; a rank's own after twice that)."""
         if self.rank == 0 and self.threaded:
             report = self._stall_report(now)
             if report:
@@ -195,10 +209,6 @@ class Watchdog:
                  + ("" if self.rank == 0 else " and rank 0 has not reported which ranks reached it"))
             if self.abort:
                 self._abort()
-        if self._waiting and self.abort_after_s and waited > self.abort_after_s:
-            _say(f"mpisgd: stall: rank {self.rank} has waited {waited:.1f} s in {self._what}, longer than the bound "
-                 f"of {self.abort_after_s:g} s (--stall-abort-s)")
-            self._abort(why="--stall-abort-s")
 
     def _stall_report(self, now: float) -> str | None:
         """Rank 0: the stall message for the newest collective, once, when it is overdue."""
@@ -237,7 +247,14 @@ class NullWatchdog:
     def watching(self, what: str) -> Iterator[None]:
         yield
 
+    def configure(self, timeout_s: float, abort: bool = False, abort_after_s: float = 0.0) -> None: ...
+
     def close(self) -> None: ...
+
+
+def _check_bounds(timeout_s: float, abort_after_s: float) -> None:
+    if not (timeout_s >= 0 and abort_after_s >= 0):  # NaN fails too
+        raise ValueError(f"stall bounds must be >= 0 seconds, got {timeout_s} and {abort_after_s}")
 
 
 def _say(msg: str) -> None:

@@ -36,7 +36,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             continue
 
 
-os.environ.setdefault("MPISGD_PLAN_FILE", "off")  # auto measures afresh in tests: no plan from earlier runs
+os.environ.setdefault("MPISGD_TUNING_FILE", "off")  # auto measures afresh in tests: no choice from earlier runs
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
 
 

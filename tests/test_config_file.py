@@ -85,7 +85,8 @@ def test_every_option_round_trips_through_the_toml_it_prints():
         import tomllib
 
         got = dataclasses.replace(Config(), **values(tomllib.loads(to_toml(cfg, "a header\nof two lines")), "t"))
-        assert got == cfg
+        # with --global-batch, m is left to set-up (it follows from B, k and b): written as a comment
+        assert got == (cfg if cfg.global_batch is None else dataclasses.replace(cfg, accum_steps=1))
 
 
 def test_print_config_prints_what_config_reads_back(tmp_path, capsys):
@@ -146,3 +147,83 @@ def test_bad_config_is_one_line_exit_2_on_every_rank(tmp_path):
     r = run_mpi(2, "-m", "mpisgd.train", "--config", toml(tmp_path, "hiden = [4]\n"), timeout=120)
     assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
     assert "'hiden' is not an option; did you mean 'hidden'?" in r.stderr and "Traceback" not in r.stderr
+
+
+def _returns_promptly(fn, timeout_s: float = 20):
+    """fn() in a thread: its result or exception, or a failure if it blocks."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "blocked (every rank would hang before the watchdog exists)"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "stdin", "directory"])
+def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
+    """Every rank reads --config itself: a FIFO nobody writes, or /dev/stdin under mpiexec, blocked every rank
+    for ever before any watchdog existed."""
+    import os
+
+    path = tmp_path / "run.toml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    r, w = os.pipe()  # /dev/stdin as a pipe nobody writes to, as under mpiexec
+    saved = os.dup(0)
+    os.dup2(r, 0)
+    try:
+        out = _returns_promptly(lambda: read_config("/dev/stdin" if kind == "stdin" else str(path)))
+    finally:
+        os.dup2(saved, 0)
+        for fd in (r, w, saved):
+            os.close(fd)
+    assert isinstance(out.get("error"), UsageError), out
+    assert "is not a regular file" in str(out["error"]) or "cannot read it" in str(out["error"]), out["error"]
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"hidden = [8]\n# caf\xe9\n")  # Latin-1
+    with pytest.raises(UsageError, match=r"not UTF-8 text \(byte 0xe9 at offset 18\)"):
+        read_config(str(path))
+
+
+def test_print_config_of_a_global_batch_run_reads_back(tmp_path, capsys):
+    """--global-batch sets m at start-up from B, k and b: the printed file leaves --accum-steps out (a comment),
+    so that it reads back on any k. It printed accum-steps = 1, which --config then refused (B=256 with b=32
+    means m=4 at k=2)."""
+    with pytest.raises(SystemExit):
+        parse_config(["--global-batch", "256", "--batch-size", "32", "--print-config"])
+    text = capsys.readouterr().out
+    assert "# accum-steps = (follows from global-batch" in text and "\naccum-steps" not in text
+    path = toml(tmp_path, text)
+    cfg = parse_config(["--config", path], quiet=True)
+    assert (cfg.global_batch, cfg.batch_size) == (256, 32) and "accum_steps" not in cfg.given
+    from mpisgd.app.run import _global_batch
+
+    _global_batch(cfg, 2)  # what set-up does at k = 2: m follows, no contradiction
+    assert cfg.accum_steps == 4
+
+
+@pytest.mark.parametrize("threads", ["100000000000000000000", "1025"])
+def test_an_absurd_thread_count_is_one_line(threads, monkeypatch):
+    with pytest.raises(UsageError, match="--threads must be at most 1024"):
+        parse_config(["--threads", threads], quiet=True)
+    from mpisgd.context import blas_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)  # the same number from the environment
+    with pytest.raises(UsageError, match=f"OMP_NUM_THREADS={threads[:24]}: at most 1024"):
+        blas_threads(None, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert blas_threads(None, 1) == (3, "OMP_NUM_THREADS")

@@ -341,21 +341,42 @@ def test_finiteness_is_checked_in_the_models_dtype_and_names_the_sample():
         validate(*_sets(a), dtype="float32")  # never a range past the set's end (was "samples 0..4095")
 
 
-def test_one_stray_label_warns_and_an_absurd_one_is_refused_by_name_and_place():
+def test_a_class_without_samples_warns_and_a_stray_label_is_refused_by_name_and_place():
+    """A class with no training sample (a small --limit-train) is warned about; one stray label, 200 among
+    0..9, would make a 201-class model of which 191 outputs score classes no sample has: refused (it trained
+    with a warning before)."""
     from mpisgd.data import label_warnings, validate
 
     a = four_arrays()
     a["y_train"] = np.arange(64) % 10
     assert label_warnings(*_sets(a), validate(*_sets(a))) == []
+    a["y_train"][a["y_train"] == 4] = 3
+    a["y_test"] = a["y_test"] % 4  # 0..3: class 4 has no sample at all, yet most classes do
+    (w,) = label_warnings(*_sets(a), validate(*_sets(a)))
+    assert "labels 0..9 make 10 classes, but 1 of them have no training sample (4)" in w
     a["y_train"][17] = 200
-    classes = validate(*_sets(a))
-    assert classes == 201
-    (w,) = label_warnings(*_sets(a), classes)
-    assert "labels 0..200 make 201 classes, but 190 of them have no training sample (10, 11, 12, 13, 14, ...)" in w
-    assert "the largest label, 200, is training sample 17" in w
+    with pytest.raises(DataError, match=r"training label 200 \(sample 17\) makes 201 classes \(labels are 0..C-1\), "
+                                        r"but only 10 of them have a sample: a stray label\?"):
+        validate(*_sets(a))
     a["y_train"][17] = 10**9
     with pytest.raises(DataError, match=r"training label 1000000000 \(sample 17\) makes 1,000,000,001 classes"):
         validate(*_sets(a))
+
+
+def test_uint8_training_inputs_with_float_test_inputs_are_warned_about(tmp_path):
+    """x_train uint8 (divided by 255 as it is fed) with x_test float (fed as it is): the test accuracy would be
+    that of inputs on another scale; said at start-up (it was silent)."""
+    from mpisgd.data import load_arrays, scale_warnings
+
+    a = four_arrays()
+    a["x_train"] = (np.abs(a["x_train"]) * 50).astype(np.uint8)
+    a["x_test"] = a["x_train"][:16].astype(np.float32)
+    np.savez(tmp_path / "mixed.npz", **a)
+    (w,) = scale_warnings(*load_arrays(str(tmp_path / "mixed.npz")))
+    assert "training inputs are uint8, fed as x * 0.003922 + 0, test inputs float32, fed as x * 1 + 0" in w
+    a["x_test"] = a["x_test"].astype(np.uint8)
+    np.savez(tmp_path / "same.npz", **a)
+    assert scale_warnings(*load_arrays(str(tmp_path / "same.npz"))) == []
 
 
 # -- the fingerprint the ranks compare ---------------------------------------------------------------------

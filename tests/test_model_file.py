@@ -16,6 +16,7 @@ from test_train import image_set
 
 import mpisgd
 from mpisgd.checkpoint import TrainState, save_checkpoint
+from mpisgd.errors import UsageError
 from mpisgd.model_file import ModelFileError, read_model
 from mpisgd.nn import build_model
 
@@ -87,10 +88,12 @@ def test_a_model_of_your_own_on_your_data(tmp_path):
                 "--epochs", "1", "--batch-size", "32", "--progress", "off", "--save-model", str(out), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     final = re.search(r"final test accuracy (\d\.\d{4})", r.stdout).group(1)
-    e = evaluate(str(out), "--data", str(data))
+    refused = evaluate(str(out), "--data", str(data))  # the file names its factory: never imported from it
+    assert refused.returncode == 2 and "--model-factory examples.model_factory:small_convnet" in refused.stderr
+    e = evaluate(str(out), "--data", str(data), "--model-factory", "examples.model_factory:small_convnet")
     assert e.returncode == 0 and f"accuracy {final} (" in e.stdout, e.stderr + e.stdout
     assert "3x12x12 float32, 4 classes" in e.stdout
-    wrong = evaluate(str(out))  # Fashion-MNIST's 1x28x28 images: not what this model takes
+    wrong = evaluate(str(out), "--model-factory", "examples.model_factory:small_convnet")  # 1x28x28 images
     assert wrong.returncode == 2 and "takes samples of shape 3x12x12; this data's are 1x28x28" in wrong.stderr
 
 
@@ -146,3 +149,103 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case, says):
     else:
         with pytest.raises(ModelFileError, match=says):
             mpisgd.load_model(str(path))
+
+
+# -- a file runs no code, and every field is checked -------------------------------------------------------
+def _hostile_file(path: Path, meta_changes: dict, params=None) -> Path:
+    """A --save-model file of a small MLP with its description changed by ``meta_changes``."""
+    from mpisgd.model_file import FORMAT, VERSION, save_params
+
+    model = build_model("mlp", (1, 4, 4), 3, (5,)).materialize(np, "float32", seed=1)
+    meta = {"format": FORMAT, "version": VERSION, "model": "mlp", "in_shape": [1, 4, 4], "classes": 3, "hidden": [5],
+            "dtype": "float32", "parameters": int(model.flat.size), "input_scale": 1.0, "input_shift": 0.0,
+            "data": {"name": "x"}, "seed": 0, "step": 3, **meta_changes}
+    save_params(str(path), model, meta=meta)
+    if params is not None:
+        with np.load(path) as z:
+            arrays = dict(z)
+        arrays["flat"] = params(arrays["flat"])
+        np.savez(path, **arrays)
+    return path
+
+
+def test_reading_a_file_runs_no_code_it_names(tmp_path, monkeypatch):
+    """A model file is something people download and share: load_model imported and called the
+    module:function its metadata named (subprocess:call with in_shape ["touch", X] ran touch X). Now the stock
+    models come from mpisgd's own builders and a factory only from the caller: the file alone runs nothing."""
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                      "def build(in_shape, n_classes):\n    raise SystemExit('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    touched = tmp_path / "touched"
+    for meta in ({"model": "evil:build"}, {"model": "subprocess:call", "in_shape": ["touch", str(touched)]}):
+        path = _hostile_file(tmp_path / "m.npz", meta)
+        with pytest.raises(ModelFileError) as err:
+            mpisgd.load_model(str(path))
+        assert not marker.exists() and not touched.exists() and "evil" not in sys.modules
+        assert "runs no code it names" in str(err.value) or "in_shape must be" in str(err.value), err.value
+    # a checkpoint's model record: the same rule
+    model = build_model("mlp", (1, 4, 4), 3, (5,)).materialize(np, "float32", seed=1)
+    st = TrainState(params=model.flat.params.copy(), buffers={}, optimizer_state={}, global_step=1, epoch=0,
+                    step_in_epoch=1, skipped_steps=0, world_size=1, effective_batch=8,
+                    config={"batch_size": 8}, model={"model": "evil:build", "in_shape": [1, 4, 4], "classes": 3})
+    with pytest.raises(ModelFileError, match="runs no code it names"):
+        read_model(str(save_checkpoint(tmp_path / "ck", st)))
+    assert not marker.exists()
+
+
+def test_a_factory_the_caller_names_builds_the_model(tmp_path):
+    from mpisgd.nn import Flatten, Linear, Sequential
+
+    model = Sequential(Flatten(), Linear(16, 3)).materialize(np, "float32", seed=2)
+    from mpisgd.model_file import save_params
+
+    path = tmp_path / "own.npz"
+    save_params(str(path), model, meta={"format": "mpisgd-model", "version": 1, "model": "mine.net:build",
+                                        "in_shape": [1, 4, 4], "classes": 3, "dtype": "float32"})
+    got = mpisgd.load_model(str(path), factory=lambda in_shape, n: Sequential(Flatten(), Linear(16, n)))
+    np.testing.assert_array_equal(got.flat.params, model.flat.params)
+    with pytest.raises(ModelFileError, match="the factory must return an mpisgd.nn.Module"):
+        mpisgd.load_model(str(path), factory=lambda in_shape, n: "not a model")
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"model": 7}, "model must be mlp, cnn or package.module:function, got 7"),
+    ({"model": "os.system"}, "model must be mlp, cnn or package.module:function"),
+    ({"in_shape": "28x28"}, "in_shape must be a list of 1 to 8 positive integers"),
+    ({"in_shape": [1, 0, 4]}, "in_shape must be"), ({"in_shape": [1, 4.0, 4]}, "in_shape must be"),
+    ({"classes": "3"}, "classes must be a positive integer"), ({"classes": True}, "classes must be"),
+    ({"classes": 10**30}, "classes must be"), ({"hidden": [5, -1]}, "hidden must be a list of positive integers"),
+    ({"hidden": {"a": 1}}, "hidden must be"), ({"dtype": "int8"}, "dtype must be float32 or float64"),
+    ({"seed": -1}, "seed must be an integer >= 0"), ({"step": "3"}, "step must be"),
+    ({"parameters": 1.5}, "parameters must be"), ({"input_scale": float("nan")}, "input_scale must be a finite"),
+    ({"input_shift": "0"}, "input_shift must be"), ({"data": "x"}, "data must be a JSON object"),
+    ({"format": "onnx"}, "is not an mpisgd model file: its format is \"onnx\""),
+    ({"version": 2}, "model file version 2, this mpisgd reads 1"), ({"version": "1"}, "model file version \"1\""),
+])
+def test_every_field_of_the_description_is_type_checked(tmp_path, change, says):
+    """A hand-edited or foreign description: one ModelFileError naming the field (evaluate: one line, exit 2),
+    never a TypeError or KeyError from deep inside."""
+    with pytest.raises(ModelFileError, match=re.escape(says)):
+        read_model(str(_hostile_file(tmp_path / "m.npz", change)))
+
+
+@pytest.mark.parametrize("params,says", [
+    (lambda f: np.where(np.arange(f.size) == 3, np.nan, f).astype(f.dtype), "hold 1 non-finite values"),
+    (lambda f: f.astype(np.int32), "parameters must be a 1-D float32 or float64 array, got int32"),
+    (lambda f: f.reshape(1, -1), "got float32 (1,"),
+])
+def test_nan_or_integer_parameters_are_refused(tmp_path, params, says):
+    with pytest.raises(ModelFileError, match=re.escape(says)):
+        read_model(str(_hostile_file(tmp_path / "m.npz", {}, params=params)))
+
+
+@pytest.mark.parametrize("option", ["--data", "--data-dir", "PATH"])
+def test_evaluate_with_an_empty_path_is_refused_not_fashion_mnist(tmp_path, option):
+    """`evaluate --data ''` (an unset shell variable) scored Fashion-MNIST."""
+    from mpisgd.app.evaluate import _prepare, build_parser
+
+    model = str(_hostile_file(tmp_path / "m.npz", {}))
+    argv = ["", "--data", str(tmp_path)] if option == "PATH" else [model, option, ""]
+    with pytest.raises(UsageError, match=f"{re.escape(option)} is empty: give a path"):
+        _prepare(build_parser(quiet=True).parse_args(argv))

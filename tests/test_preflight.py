@@ -77,3 +77,24 @@ def test_the_memory_estimate_counts_each_optimizer_s_state():
     assert state_buffers(Config()) == 3  # SGD with momentum 0.9, the default
     assert state_buffers(Config(optimizer="adamw")) == 4
     assert state_buffers(Config(reproducible=True)) == 3 + 4  # float32: two int64 buffers are four float ones
+
+
+def test_the_config_file_and_the_configurations_copies_are_among_the_checked_files(tmp_path):
+    """--config is an input and the configuration's copies (METRICS.config.toml, CKPT/config.toml) are outputs:
+    a --metrics-file on the --config file would append JSON to the user's TOML, one on the checkpoint
+    directory's config.toml or a --save-model on the metrics file's copy would be replaced by the copy. A copy
+    that is the --config file itself is fine: it is not written (run_files.write_config)."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("hidden = [8]\n")
+    cfg = Config(dataset="synthetic", metrics_file=str(toml))
+    cfg.config_file = str(toml)  # type: ignore[attr-defined] - as parse_config sets it
+    _refused(cfg, f"--metrics-file {toml} is the file --config reads", tmp_path)
+    ck = tmp_path / "ck"
+    _refused(Config(dataset="synthetic", checkpoint_dir=str(ck), metrics_file=str(ck / "config.toml")),
+             "--metrics-file and the configuration's copy name the same file", tmp_path)
+    m = tmp_path / "m.jsonl"
+    _refused(Config(dataset="synthetic", metrics_file=str(m), save_model=f"{m}.config.toml"),
+             "--save-model and the configuration's copy name the same file", tmp_path)
+    again = Config(dataset="synthetic", checkpoint_dir=str(ck))
+    again.config_file = str(ck / "config.toml")  # type: ignore[attr-defined] - run again from a run's own copy
+    outputs(again, 0)

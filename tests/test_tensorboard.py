@@ -88,3 +88,78 @@ def test_a_missing_library_is_one_line_at_set_up(tmp_path):
     assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
     assert "--tensorboard needs the tensorboardX package: pip install 'mpisgd[tensorboard]'" in r.stderr
     assert "Traceback" not in r.stderr and "epoch" not in r.stdout
+
+
+def _promptly(fn, timeout_s: float = 20.0):
+    """fn() in a daemon thread joined with a bound: a writer that blocks fails the test instead of hanging it."""
+    import threading
+
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("value", fn()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "the TensorBoard writer blocked (rank 0 would wait for ever inside it)"
+    return out.get("value")
+
+
+def test_a_disk_that_fills_mid_run_warns_once_and_never_blocks(tmp_path, capsys):
+    """tensorboardX's writer thread died of ENOSPC and the next writes waited for ever on its queue: rank 0 hung
+    until --stall-abort-s. Now the writes fail in the loop's own thread, one warning, and the events written
+    before stay readable."""
+    pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
+    from conftest import small_tmpfs
+
+    with small_tmpfs(tmp_path / "small", "64k") as d:
+        w = _promptly(lambda: TensorBoardWriter(str(d / "tb")))
+        records = [{"kind": "step", "step": i, "loss": 1.0 / i, "lr": 0.1, "step_ms": 2.0} for i in range(1, 20_000)]
+
+        def write_all():
+            for i, r in enumerate(records):
+                w.write(r)
+                if i % 500 == 0:
+                    w.write({"kind": "epoch", "step": i, "train_loss": 1.0})  # flushed at an epoch's end
+            w.close()
+
+        _promptly(write_all, timeout_s=60)
+        err = capsys.readouterr().out
+        assert w.failed == "No space left on device" and err.count("--tensorboard") == 1, err
+        assert "write failed (No space left on device); no more TensorBoard events are written" in err
+        got = scalars(d / "tb")
+        assert got["step/loss"][:3] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+
+
+def test_a_disk_full_at_start_warns_and_training_goes_on(tmp_path, capsys):
+    """A full disk at start gave a traceback (the writer's first event): now one warning, and writes are no-ops."""
+    pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
+    from conftest import small_tmpfs
+
+    with small_tmpfs(tmp_path / "small", "16k") as d:
+        try:
+            (d / "filler").write_bytes(b"\0" * (1 << 20))
+        except OSError:
+            pass  # full now
+        w = _promptly(lambda: TensorBoardWriter(str(d)))
+        _promptly(lambda: (w.write({"kind": "epoch", "step": 1, "train_loss": 1.0}), w.close()))
+    assert w.failed == "No space left on device"
+    assert "write failed (No space left on device)" in capsys.readouterr().out
+
+
+def test_two_runs_sharing_one_directory_keep_both_event_files(tmp_path):
+    """tensorboardX named the file by the second and the host, and opened it for writing: a second run started
+    in the same second truncated the first's events. Each run's file now has a name of its own."""
+    pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
+    pytest.importorskip("tensorboard", reason="reading events back needs tensorboard (pip install 'mpisgd[test]')")
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    a, b = TensorBoardWriter(str(tmp_path)), TensorBoardWriter(str(tmp_path))
+    a.write({"kind": "epoch", "step": 1, "train_loss": 1.0})
+    b.write({"kind": "epoch", "step": 1, "train_loss": 2.0})
+    a.close()
+    b.close()
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2 and a.path != b.path
+
+    def losses(path):
+        return [v.simple_value for e in LegacyEventFileLoader(str(path)).Load() for v in e.summary.value]
+
+    assert sorted(losses(a.path) + losses(b.path)) == [1.0, 2.0]

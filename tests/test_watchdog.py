@@ -150,11 +150,14 @@ def test_a_rank_late_to_close_is_named(tmp_path: Path, abort: bool) -> None:
         assert proc.stdout.count("done") == 2
 
 
-def test_timeout_must_be_positive() -> None:
+def test_bounds_must_be_non_negative_numbers() -> None:
+    """0 is "no report" (--stall-timeout-s 0) or "never abort" (--stall-abort-s 0); below 0 or NaN is refused
+    before anything is made."""
     from mpisgd.watchdog import Watchdog
 
-    with pytest.raises(ValueError, match="> 0"):
-        Watchdog(object(), 0.0)
+    for timeout_s, abort_after_s in ((-1.0, 0.0), (float("nan"), 0.0), (1.0, -5.0)):
+        with pytest.raises(ValueError, match=">= 0"):
+            Watchdog(object(), timeout_s, abort_after_s=abort_after_s)
 
 
 @pytest.mark.mpi(min_size=2)

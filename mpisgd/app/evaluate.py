@@ -3,8 +3,11 @@
 PATH is a ``--save-model`` file, a checkpoint, or a checkpoint directory (its newest good checkpoint).
 The data options are the training command's (``--data``, ``--data-dir``, ``--dataset``, ``--limit-test``,
 ``--seed`` for the synthetic set); the test set is scored. It prints the accuracy, the mean loss and a
-table per class. On one process as it is; under ``mpiexec -n K`` each rank scores 1/K of the samples
-and the counts are summed. Bad input: one line from rank 0, exit 2.
+table per class. On one process as it is; under ``mpiexec -n K`` every rank first checks that all hold
+the same model and test set, then each scores 1/K of the samples and the counts are summed. Bad input:
+one line from rank 0, exit 2. The file runs no code: a model of the user's own is built only by the
+factory ``--model-factory`` names. Every check across ranks and the sum are watched by the stall
+watchdog (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from mpisgd.nn import scoring
 FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                    "Ankle boot")
 DATA_OPTIONS = ("dataset", "data", "data_dir", "limit_test")
+STALL_TIMEOUT_S, STALL_ABORT_S = 300.0, 1800.0  # the training command's defaults
 
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
@@ -36,6 +40,10 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="--dataset synthetic: the seed its test set is made "
                         "from (default: the seed the model was trained with)")
     parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass (default: 256)")
+    parser.add_argument("--model-factory", metavar="MODULE:FUNCTION", default=None,
+                        help="build a model of your own (a file whose model is package.module:function) with this "
+                        "factory; it is imported and run, so name only code you trust (a file never runs code "
+                        "by itself)")
     return parser
 
 
@@ -114,31 +122,41 @@ def _main(argv: list[str] | None, comm: Any) -> int:
     from mpi4py import MPI  # noqa: PLC0415
 
     from mpisgd.agreement import AgreedError, agree  # noqa: PLC0415
+    from mpisgd.watchdog import default_watchdog  # noqa: PLC0415
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    error: BaseException | None = None
-    try:
-        args = build_parser(quiet=rank != 0).parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UsageError as exc:
-        error = exc
-    try:
-        agree(comm, error)
-        result = None
+    # from the first collective on: a rank stuck reading its model or data is named, and the job ends
+    watchdog = default_watchdog(comm, STALL_TIMEOUT_S, STALL_ABORT_S)
+
+    def agreed(what: str, fn: Any) -> Any:
+        error, result = None, None
         try:
-            result = _prepare(args)
+            result = fn()
         except UsageError as exc:
             error = exc
-        agree(comm, error)
+        with watchdog.watching(f"evaluate: {what}"):
+            agree(comm, error)
+        return result
+
+    try:
+        args = agreed("the options", lambda: build_parser(quiet=rank != 0).parse_args(argv))
+        saved, test, name, source, classes, warnings = agreed("the model and the data", lambda: _prepare(args))
+        with watchdog.watching("evaluate: the same model and data on every rank"):
+            every = comm.allgather(_identity(saved, test, name))
+        agreed("the same model and data on every rank", lambda: _same_everywhere(every))
+    except SystemExit as exc:  # --help, on every rank
+        watchdog.close()
+        return int(exc.code or 0)
     except AgreedError as exc:
+        watchdog.close()
         if rank == 0:
             print(f"mpisgd-evaluate: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    saved, test, name, source, classes, warnings = result
     n_classes = int(saved.meta["classes"])
     counts = score(saved.model, test, n_classes, args.batch_size, rank, size)
-    comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    with watchdog.watching("evaluate: adding the counts"):
+        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    watchdog.close()
     if rank == 0:
         meta = saved.meta
         trained = meta.get("data") or {}
@@ -155,9 +173,37 @@ def _main(argv: list[str] | None, comm: Any) -> int:
     return 0
 
 
+def _identity(saved: Any, test: Any, name: str) -> dict[str, str]:
+    """What this rank scores, in a few comparable fields: the model (its description and a digest of its
+    parameters) and the test set (its name, size and fingerprint)."""
+    import hashlib  # noqa: PLC0415
+
+    from mpisgd.data import identity  # noqa: PLC0415
+
+    params = hashlib.blake2b(np.ascontiguousarray(saved.model.flat.params).tobytes(), digest_size=8).hexdigest()
+    data = identity(name, test, test)
+    return {"model": f"{saved.meta['model']}, {saved.meta['classes']} classes, parameters {params}",
+            "test set": f"{name}, {data['n_test']} samples, fingerprint {data['fingerprint']}"}
+
+
+def _same_everywhere(every: list[dict[str, str]]) -> None:
+    """UsageError when the ranks would score different models or test sets (another file, other data options
+    or --limit-test on some rank): their counts would be summed into one meaningless table."""
+    from mpisgd.agreement import name_differences  # noqa: PLC0415
+
+    diffs = name_differences(every)
+    if diffs:
+        raise UsageError("the ranks would score different things (" + "; ".join(diffs) + "): give every rank the "
+                         "same model file and data options")
+
+
 def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     from mpisgd.model_file import read_model  # noqa: PLC0415
 
+    for what, value in (("PATH", args.path), ("--data", args.data), ("--data-dir", args.data_dir),
+                        ("--model-factory", args.model_factory)):
+        if value is not None and not value.strip():  # an unset shell variable: never the default data instead
+            raise UsageError(f"{what} is empty: give a path (an unset shell variable?)")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.limit_test is not None and args.limit_test < 1:
@@ -165,11 +211,11 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.data and args.dataset == "synthetic":
         raise UsageError("--data and --dataset synthetic: choose one")
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
-        saved = read_model(args.path, in_shape=(1, 28, 28))
+        saved = read_model(args.path, in_shape=(1, 28, 28), factory=args.model_factory)
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
         test, name, source, classes = load_test_set(args, seed)
     else:
         test, name, source, classes = load_test_set(args)
-        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]))
+        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]), factory=args.model_factory)
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
     return saved, test, name, source, classes, warnings

@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
+import stat
 from typing import Any
 
 from mpisgd.config import ALIASES, GROUPS, MODEL_DEFAULTS, Config, parse_int_tuple
@@ -135,16 +137,36 @@ def _toml() -> Any:
     return tomllib
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a configuration is a few KiB
+
+
 def read_config(path: str) -> dict[str, Any]:
-    """The options a TOML file sets, as Config field names and values (UsageError naming what is wrong)."""
+    """The options a TOML file sets, as Config field names and values (UsageError naming what is wrong).
+    Only a regular file is read (every rank reads it: a FIFO, a terminal or /dev/stdin under mpiexec would
+    block a rank for ever), opened without blocking, at most MAX_CONFIG_BYTES, as UTF-8 text."""
     toml = _toml()
     try:
-        with open(path, "rb") as f:
-            table = toml.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
     except OSError as exc:
         raise UsageError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"--config {path} is not a regular file (a FIFO, a device or standard input is never "
+                             "read: every rank reads the file itself); give a TOML file")
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config {path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, not a configuration file")
+    try:
+        table = toml.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                         "TOML files are UTF-8") from None
     except toml.TOMLDecodeError as exc:
         raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
     return values(table, f"--config {path}")
@@ -230,11 +252,15 @@ def _value(v: Any) -> str:
 
 def to_toml(cfg: Config, header: str = "") -> str:
     """``cfg`` as a TOML file that --config reads back to the same values, grouped as --help groups
-    them. Options that are not set (None) appear as comments."""
+    them. Options that are not set (None) appear as comments, and so does --accum-steps with --global-batch
+(m follows from B at start-up, on any number of ranks)."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for title, names in GROUPS.items():
         lines.append(f"\n# {title}")
         for name in names:
             key, v = name.replace("_", "-"), getattr(cfg, name)
-            lines.append(f"# {key} = (not set)" if v is None else f"{key} = {_value(v)}")
+            if name == "accum_steps" and cfg.global_batch is not None:  # m follows from B, k and b at start-up
+                lines.append(f"# {key} = (follows from global-batch, the number of ranks and batch-size)")
+            else:
+                lines.append(f"# {key} = (not set)" if v is None else f"{key} = {_value(v)}")
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.agreement import differing_ranks, name_differences
+from mpisgd.app import run_files
 from mpisgd.app.resume import structure_difference
 from mpisgd.checkpoint import is_run_file
 from mpisgd.config import Config
@@ -68,19 +69,28 @@ def _same(a: str | Path, b: str | Path) -> bool:
 
 def _no_collisions(cfg: Config) -> None:
     """UsageError where an output would replace an input or another output (compared as resolved paths
-    and inodes)."""
-    outs = [(what, p) for what, p in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)) if p]
+    and inodes). The outputs: --save-model, --metrics-file and the configuration's copies (beside the
+    metrics file, in the checkpoint directory); the inputs: the data, the checkpoint to resume, --config
+    (which a copy may name: that copy is then not written, run_files.write_config)."""
+    outs = [(what, str(p)) for what, p in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file))
+            if p]
+    outs += [("the configuration's copy", str(p)) for p in run_files.copies(cfg)]
     ins = [] if cfg.dataset == "synthetic" else [("--data", str(p)) for p in input_files(cfg.data, cfg.data_dir)]
     if cfg.resume not in ("no", "auto"):
         ins.append(("--resume", cfg.resume))
+    config_file = getattr(cfg, "config_file", None)
+    if config_file:
+        ins.append(("--config", config_file))
     for what, p in outs:
         for src, q in ins:
-            if _same(p, q):
+            if _same(p, q) and not (what == "the configuration's copy" and src == "--config"):
                 raise UsageError(f"{what} {p} is the file {src} reads ({q}): the run would write over its own "
                                  "input; choose another path")
-    if len(outs) == 2 and _same(outs[0][1], outs[1][1]):
-        raise UsageError(f"--save-model and --metrics-file name the same file ({outs[0][1]}): one would replace "
-                         "the other; give each its own path")
+    for i, (what, p) in enumerate(outs):
+        for other, q in outs[i + 1:]:
+            if _same(p, q):
+                raise UsageError(f"{what} and {other} name the same file ({p}): one would replace the other; give "
+                                 "each its own path")
     if cfg.timeline:
         base = Path(cfg.timeline)
         ours = re.compile(re.escape(base.name) + r"\.rank\d+\.json")

@@ -13,8 +13,8 @@ from mpisgd.config import IDENTITY, OPTIMIZER_OPTIONS, STRUCTURE, Config
 from mpisgd.schedule import total_steps
 
 
-def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
-    """The differences between two runs' identities, as '--key OLD -> NEW'. Raises CheckpointError for
+def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, str]:
+    """The differences between two runs' identities, by option: '--key OLD -> NEW'. Raises CheckpointError for
     any not in ``allowed`` (and always for the model's structure), naming every one. A key the saved
     configuration lacks (an older mpisgd's) compares as that option's default; an option that neither
     run's optimizer reads (OPTIMIZER_OPTIONS: SGD's momentum in two AdamW runs) does not count."""
@@ -38,7 +38,7 @@ def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[
                 k for k in refused if k not in STRUCTURE)
         raise CheckpointError("this run differs from the checkpoint's: " + "; ".join(text[k] for k in refused)
                               + hint)
-    return [text[k] for k in diffs]
+    return {k: text[k] for k in diffs}
 
 
 def structure_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
@@ -76,6 +76,8 @@ class ResumePoint:
     derived: str  # what was derived, for the banner ("" if nothing)
     grad_exponents: list[int] | None = None  # reproducible: the next step's fixed-point exponents
     environment: dict[str, Any] = field(default_factory=dict)  # the checkpoint's (BLAS, threads, CPU)
+    changed: tuple[str, ...] = ()  # the options of ``changes``, by name
+    warnings: list[str] = field(default_factory=list)  # for rank 0 to print (without "warning: ")
 
 
 def divisors(n: int, limit: int = 1 << 20) -> tuple[list[int], bool]:
@@ -103,7 +105,13 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
     within this run."""
     B, old_k = state.effective_batch, state.world_size
     old_b, old_m = state.config.get("batch_size"), state.config.get("accum_steps", 1)
-    b, m, derived = config["batch_size"], config["accum_steps"], ""
+    b, m, derived, warnings = config["batch_size"], config["accum_steps"], "", []
+    if "global_batch" in given and config.get("global_batch") not in (None, B):
+        raise CheckpointError(f"--global-batch {config['global_batch']}, but the checkpoint's run has effective batch "
+                              f"B={B}: a resumed run keeps its B, so that the data order and the schedule continue; "
+                              f"pass --global-batch {B}, or leave it out")
+    bits = bool(config.get("reproducible") and state.config.get("reproducible") and old_b)  # b decides the bits
+    b0 = old_b if bits and isinstance(old_b, int) else 1  # the checkpoint's b, where it decides the bits
     if structure is not None and state.structure:
         diff = structure_difference(state.structure, structure)
         if diff:
@@ -122,8 +130,15 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
                 f"the checkpoint's run has effective batch B={B} (k={old_k} x b={old_b} x m={old_m}), this run "
                 f"k*b*m={k * b * m}: resuming needs the same B, so that the data order and the schedule continue; "
                 f"pass --batch-size and --accum-steps with {k} x b x m = {B}, or neither, and they are derived")
-        if config.get("reproducible") and old_b and B % (k * old_b) == 0:
-            fits = [B // (k * old_b)]  # the same micro-batches of b samples: the same bits on any k
+        if bits and B % (k * b0):
+            ks, complete = divisors(B // b0)
+            raise CheckpointError(
+                f"--reproducible: the checkpoint's run summed micro-batches of b={old_b} samples (B={B}), and other "
+                f"micro-batches give other bits; k={k} ranks cannot keep them (k must divide B/b = {B // b0}: "
+                f"{', '.join(map(str, ks[:16]))}{', ...' if len(ks) > 16 or not complete else ''}): resume on one of "
+                f"those k, or pass --batch-size and --accum-steps with k x b x m = {B} to continue with other bits")
+        if bits:
+            fits = [B // (k * b0)]  # the same micro-batches of b samples: the same bits on any k
         else:
             fits = [mm for mm in dict.fromkeys((old_m, 1)) if B % (k * mm) == 0]
         if not fits:
@@ -133,6 +148,13 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
                                   f"divide B ({', '.join(map(str, ks[:16]))}{more})")
         b, m = B // (k * fits[0]), fits[0]
         derived = f"b={b}, m={m} derived to keep B={B} (the checkpoint's run: k={old_k}, b={old_b}, m={old_m})"
+    if bits and b != old_b:
+        warnings.append(f"resume: --batch-size {b} is not the checkpoint's b={old_b}: --reproducible's bits depend on "
+                        "b, so from here they differ from the run this one continues")
+    if state.grad_exponents is not None and structure is not None and structure.get("shapes") is not None \
+            and len(state.grad_exponents) != len(structure["shapes"]):
+        raise CheckpointError(f"{path}: inconsistent checkpoint: {len(state.grad_exponents)} fixed-point exponents for "
+                              f"a model of {len(structure['shapes'])} parameter tensors")
     if isinstance(n_train, int):
         _check_position(state, path, config, n_train // B)
     saved_data, now_data = _comparable(state.data, data)
@@ -141,7 +163,8 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
     changes = identity_changes(saved, now, allowed)
     exponents = None if state.grad_exponents is None else [int(e) for e in state.grad_exponents]
     return ResumePoint(path, state.global_step, state.epoch, state.step_in_epoch, state.skipped_steps,
-                      state.optimizer_state, old_k, b, m, changes, derived, exponents, state.environment)
+                      state.optimizer_state, old_k, b, m, list(changes.values()), derived, exponents,
+                      state.environment, tuple(changes), warnings)
 
 
 def _check_position(st: TrainState, path: str, config: dict[str, Any], spe: int) -> None:

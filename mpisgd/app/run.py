@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mpisgd import data
-from mpisgd.agreement import ReplicaError, agree
+from mpisgd.agreement import ReplicaError, agree, same_arithmetic
 from mpisgd.app import preflight, run_files
 from mpisgd.app.preflight import peak_rss_mib
 from mpisgd.app.resume import ResumePoint, resume_point
 from mpisgd.app.run_dir import RunDirectory
+from mpisgd.backend import arithmetic, set_threads
 from mpisgd.backend import environment as backend_environment
-from mpisgd.backend import set_threads
 from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config
@@ -146,7 +146,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
-    threads, threads_from = blas_threads(cfg.threads, ctx.local_size)
+    threads, threads_from = stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
     if ctx.backend.device == "cpu":
         set_threads(threads)
     run_data = stage("loading the data", lambda: _load_data(cfg))
@@ -158,12 +158,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
-    environment = backend_environment(ctx.backend, threads)
-    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
-                            if resume.environment.get(k) != v)
-        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
-                        "--reproducible promises the same bits only on the same one")
+    environment = backend_environment(ctx.backend, threads)  # every rank's alike (the arithmetic stage below)
+    if resume is not None and cfg.reproducible:  # keys an older checkpoint lacks are not compared
+        differs = ", ".join(f"{k} {resume.environment[k]!r} -> {v!r}" for k, v in environment.items()
+                            if k in resume.environment and resume.environment[k] != v)
+        if differs:
+            warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
+                            "--reproducible promises the same bits only on the same one")
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
@@ -172,6 +173,10 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     model = module.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     optimizer = _optimizer(cfg, model)
+    params = model.flat.params
+    # every rank rounds alike, or the replicas would drift apart silently (DataParallel checks it too)
+    stage("the arithmetic", lambda: same_arithmetic(world, arithmetic(params, _level1(optimizer)),
+                                                    UsageError), collective=True)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
     shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
@@ -214,7 +219,7 @@ def _load_data(cfg: Config) -> RunData:
         test = test.head(cfg.limit_test)
     classes = data.validate(train, test, dtype=cfg.dtype)
     identity = {**data.identity(name, train, test), "classes": classes}
-    warnings = data.label_warnings(train, test, classes)
+    warnings = data.label_warnings(train, test, classes) + data.scale_warnings(train, test)
     if not cfg.val_split:
         return RunData(train, test, source, identity, warnings)
     train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k
@@ -236,6 +241,11 @@ def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -
         raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
+def _level1(optimizer: Optimizer) -> bool:
+    """Whether the optimizer's update runs as BLAS level-1 calls (mpisgd.blas), not the ufuncs."""
+    return getattr(optimizer, "blas", None) is not None
+
+
 def _optimizer(cfg: Config, model: Model) -> Optimizer:
     if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
         rule = AdamW if cfg.optimizer == "adamw" else LAMB
@@ -251,6 +261,8 @@ def _optimizer(cfg: Config, model: Model) -> Optimizer:
 # about 0.8 ns per parameter here and adds an all-gather of some 0.1 ms, even at k = 2 (LeNet-5's 0.24 MiB
 # lost 3 %, the MLP's 7.1 MiB gained 5 %: docs/benchmarks.md, "The sharded step by default").
 SHARD_MIN_BYTES = 2**20
+# options whose change on purpose (--resume-allow) may give the optimizer a state buffer the checkpoint lacks
+NEW_OPTIMIZER_STATE = ("optimizer", "momentum")
 
 
 def shard_policy(asked: bool | None, k: int, gpu: bool, param_nbytes: int) -> tuple[bool, str]:
@@ -301,6 +313,7 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
             if state is not None:
                 plan = resume_point(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
                                    world.Get_size(), identity, structure=structure)
+                warnings += plan.warnings
         except CheckpointError as exc:
             error = exc
     agree(world, error)
@@ -319,9 +332,15 @@ def _restore(run: Run, state: TrainState | None) -> None:
     error = None
     if run.is_root:
         assert state is not None
+        missing = sorted(set(optimizer.state_buffers()) - set(state.buffers))
         if state.params.size != model.flat.size:
             error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has "
                                     f"{model.flat.size}")
+        elif missing and not set(plan.changed) & set(NEW_OPTIMIZER_STATE):
+            error = CheckpointError(
+                f"{plan.path} lacks the optimizer's state {', '.join(missing)} ({type(optimizer).__name__} keeps it): "
+                "resuming would restart it at zero; a checkpoint damaged or edited by hand? (when the optimizer or "
+                "its momentum changed on purpose, --resume-allow optimizer or momentum starts it at zero)")
         else:
             model.flat.params[...] = run.ctx.xp.asarray(state.params)
     agree(run.ctx.comm, error)

@@ -1,7 +1,7 @@
 """TensorBoard event files from the metrics records (``--tensorboard DIR``, rank 0).
 
-The writer is tensorboardX's ``SummaryWriter`` (``pip install 'mpisgd[tensorboard]'``): pure Python on
-protobuf, no TensorFlow or PyTorch. It is imported only when the option is given; without it,
+The events are TensorBoard's protocol buffers from tensorboardX (``pip install 'mpisgd[tensorboard]'``:
+pure Python on protobuf, no TensorFlow or PyTorch), imported only when the option is given; without it,
 :func:`open_writer` returns a writer that does nothing. Each record the loop writes to the metrics file
 (mpisgd.app.metrics) is also a set of scalars here, against the optimizer step:
 
@@ -11,12 +11,25 @@ protobuf, no TensorFlow or PyTorch. It is imported only when the option is given
   measured), ``epoch/lr``, ``epoch/samples_per_s``, ``epoch/comm_frac`` (the share of the step spent
   waiting for communication), ``epoch/step_ms``, ``epoch/noise_scale`` (when measured);
 * the test record: ``test/acc``, ``test/loss`` (with --val-split, the test set scored once, after training).
+
+:class:`TensorBoardWriter` writes the event file itself, in the loop's thread, rather than through
+tensorboardX's ``SummaryWriter``: that one's writer thread dies of a full disk and the next write then
+waits for ever on its queue, and it names its file by the second and the host only, opening it for
+writing, so that two runs started together in one directory write one file. Here each run's file has a
+name of its own (its process and a random part) and is created, never opened over another; a write that
+fails (a full disk) warns once and TensorBoard is written no more, as the metrics file; training goes on.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import struct
 import sys
+import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 from mpisgd.errors import UsageError
@@ -60,23 +73,69 @@ class NullWriter:
 
 
 class TensorBoardWriter:
-    """Scalars of each record into event files in ``logdir`` (created if needed)."""
+    """Scalars of each record into an event file of this run's own in ``logdir`` (created if needed),
+    flushed at each epoch's end. ``failed`` says why writing stopped (None while every write succeeded)."""
 
     def __init__(self, logdir: str) -> None:
-        self._w = _summary_writer()(logdir=logdir, flush_secs=30)
+        _summary_writer()  # the library, or UsageError
+        from tensorboardX.proto import event_pb2, summary_pb2  # type: ignore[import-untyped]  # noqa: PLC0415
+        from tensorboardX.record_writer import masked_crc32c  # type: ignore[import-untyped]  # noqa: PLC0415
+
+        self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
+        self.failed: str | None = None
+        self._f: Any = None
+        unique = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"  # this run's, whoever else writes
+        self.path = Path(logdir) / f"events.out.tfevents.{int(time.time()):010d}.{unique}"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "xb")  # noqa: SIM115 - held for the run; "x": never another's file
+            self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+            self._f.flush()
+        except OSError as exc:
+            self._fail(exc)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            return
         kind = record.get("kind", "epoch")
         step = int(record.get("step", 0))
+        values = []
         for key in SCALARS.get(kind, ()):
             value = record.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                self._w.add_scalar(_TAGS.get((kind, key), f"{kind}/{key}"), float(value), step)
-        if kind != "step":  # an epoch's end: on disk now, not at the next timed flush
-            self._w.flush()
+                values.append(self._summary.Value(tag=_TAGS.get((kind, key), f"{kind}/{key}"), simple_value=value))
+        try:
+            if values:
+                self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+            if kind != "step":  # an epoch's end: on disk now
+                self._f.flush()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _write(self, event: Any) -> None:
+        """One event as a TFRecord: length, its masked CRC-32C, the event, its masked CRC-32C."""
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
+
+    def _fail(self, exc: OSError) -> None:
+        self.failed = f"{exc.strerror or exc}"
+        print(f"warning: --tensorboard {self.path.parent}: write failed ({self.failed}); no more TensorBoard "
+              "events are written, training goes on", flush=True)
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # the unwritten tail is lost; the events written stay
 
     def close(self) -> None:
-        self._w.close()
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError as exc:
+                self._fail(exc)
+            self._f = None
 
 
 def open_writer(logdir: str | None, enabled: bool = True) -> Any:

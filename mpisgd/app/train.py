@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from mpisgd.abort import abort_job, fail_alone
+from mpisgd.app.inject import Injected
 from mpisgd.app.options import parse_config
 from mpisgd.app.signals import Signals
 from mpisgd.config import Config
@@ -28,19 +29,30 @@ def main(argv: list[str] | None = None) -> int:
     signals.start(world)
     rank = world.Get_rank()
     try:
+        # from the first collective on, with the default bounds until the options are read: a rank stuck
+        # reading its --config (a hung file system) is named, and the job ends
+        watchdog = _watchdog(world)
         error: BaseException | None = None
-        cfg = None
+        cfg, hooks = None, None
         try:
             cfg = parse_config(argv, quiet=rank != 0)
+            hooks = Injected.from_environ()
         except UsageError as exc:
             error = exc
         except SystemExit as exc:  # --help: printed by rank 0, every rank leaves
+            watchdog.close()
             return int(exc.code or 0)
-        from mpisgd.agreement import agree  # noqa: PLC0415
+        from mpisgd.agreement import AgreedError, agree  # noqa: PLC0415
 
-        agree(world, error)
+        try:
+            with watchdog.watching("set-up: reading the options"):
+                agree(world, error)
+        except AgreedError:
+            watchdog.close()  # every rank failed together: a collective shutdown is safe
+            raise
         assert cfg is not None
-        status = run(cfg, world, signals)
+        watchdog.configure(cfg.stall_timeout_s, cfg.stall_abort, cfg.stall_abort_s)
+        status = run(cfg, world, signals, watchdog, hooks)
     except BaseException as exc:  # whatever ends this rank must end the job, not leave the others waiting
         status = _report(exc, world)
     # a second SIGTERM (or no progress after the first) ends the job with 143, even if the loop got further
@@ -73,19 +85,21 @@ def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
     return AgreedError, ReplicaError, NonFiniteError
 
 
-def run(cfg: Config, world: Any, signals: Any = None) -> int:
-    """Set up, train, shut down (collective). The stall watchdog watches set-up and training alike."""
-    from mpisgd.app.inject import Injected  # noqa: PLC0415 - heavy imports after argument checks
-    from mpisgd.app.run import build_run  # noqa: PLC0415
+def run(cfg: Config, world: Any, signals: Any = None, watchdog: Any = None, hooks: Any = None) -> int:
+    """Set up, train, shut down (collective). The stall watchdog (one with ``cfg``'s bounds unless given)
+    watches set-up and training alike; ``hooks`` are the test suite's injected failures (mpisgd.app.inject)."""
+    from mpisgd.app.run import build_run  # noqa: PLC0415 - heavy imports after argument checks
     from mpisgd.app.trainer import Trainer  # noqa: PLC0415
 
-    watchdog = _watchdog(cfg, world)
+    if watchdog is None:
+        watchdog = _watchdog(world)
+        watchdog.configure(cfg.stall_timeout_s, cfg.stall_abort, cfg.stall_abort_s)
     try:
         setup = build_run(cfg, world, watchdog, progress=signals.note_progress if signals else None)
     except _errors_every_rank_raises():
         watchdog.close()  # every rank failed set-up together: a collective shutdown is safe
         raise
-    trainer = Trainer(setup, signals, hooks=Injected.from_environ())
+    trainer = Trainer(setup, signals, hooks=hooks)
     try:
         status = trainer.fit()
     except _errors_every_rank_raises():
@@ -100,9 +114,13 @@ def run(cfg: Config, world: Any, signals: Any = None) -> int:
     return status
 
 
-def _watchdog(cfg: Config, world: Any) -> Any:
-    from mpisgd.watchdog import NullWatchdog, Watchdog  # noqa: PLC0415 - starts a thread: only when asked
+def _watchdog(world: Any) -> Any:
+    """The run's stall watchdog, with Config's default bounds (configure() sets the run's): every rank makes
+    one, whatever its options say, so that all take part in its messages (k = 1: nothing to wait for)."""
+    from mpisgd.watchdog import NullWatchdog, Watchdog  # noqa: PLC0415 - starts a thread
 
-    if not cfg.stall_timeout_s or world.Get_size() == 1:
+    if world.Get_size() == 1:
         return NullWatchdog()
-    return Watchdog(world, cfg.stall_timeout_s, cfg.stall_abort, abort_comm=world, abort_after_s=cfg.stall_abort_s)
+    defaults = Config()
+    return Watchdog(world, defaults.stall_timeout_s, defaults.stall_abort, abort_comm=world,
+                    abort_after_s=defaults.stall_abort_s)

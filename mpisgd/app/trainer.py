@@ -19,7 +19,7 @@ from mpisgd.app import preflight, report
 from mpisgd.app.inject import NoHooks
 from mpisgd.app.metrics import MetricsWriter
 from mpisgd.app.run import Run, model_record
-from mpisgd.app.signals import EXIT_PREEMPTED, EXIT_TERMINATED
+from mpisgd.app.signals import EXIT_PREEMPTED, EXIT_TERMINATED, Stop
 from mpisgd.app.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.app.straggler import describe as describe_straggler
 from mpisgd.app.tensorboard import open_writer
@@ -39,6 +39,14 @@ class NoSignals:
     stop_requested = False
 
     def note_progress(self) -> None: ...
+
+    def training(self) -> None: ...
+
+    def stop_word(self) -> int:
+        return 0
+
+    def stopping(self) -> bool:
+        return True
 
 
 class Trainer:
@@ -83,6 +91,7 @@ class Trainer:
                 print(where, file=sys.stderr if status else sys.stdout, flush=True)
             return status
         spe = run.batches.steps_per_epoch
+        self.signals.training()  # set-up is over: a stop signal's grace counts from here
         for epoch in range(self.start_epoch, self.n_epochs):
             perm = epoch_permutation(len(run.data.train), cfg.seed, epoch)
             bar = report.progress_bar(spe, cfg.progress if run.is_root else "off", f"epoch {epoch + 1}")
@@ -92,9 +101,10 @@ class Trainer:
             for step in range(self.start_step if epoch == self.start_epoch else 0, spe):
                 if self.global_step >= run.total_steps:
                     break
-                if dp.check_in_step(stop=self.signals.stop_requested):  # every rank learns of a SIGTERM here
+                word = dp.check_in_step(stop=self.signals.stop_word())  # every rank learns of a SIGTERM here
+                if word:
                     bar.close()
-                    return self._stop(epoch, step)
+                    return self._stop(epoch, step, Stop.of(word))
                 loss_sum += self._step(perm, step, epoch)
                 steps += 1
                 if cfg.checkpoint_dir and self._checkpoint_due(step):
@@ -139,18 +149,22 @@ class Trainer:
         every = self.cfg.checkpoint_every
         return self.global_step % every == 0 if every else step + 1 == self.run.batches.steps_per_epoch
 
-    def _stop(self, epoch: int, step: int) -> int:
-        """Every rank stops before ``step`` of ``epoch`` (a SIGTERM reached one of them): checkpoint it."""
+    def _stop(self, epoch: int, step: int, stop: Stop) -> int:
+        """Every rank stops before ``step`` of ``epoch`` (a SIGTERM or SIGUSR1 reached one of them): checkpoint
+        it, unless a second signal asked to end at once."""
+        self.signals.stopping()  # from here every rank ends with this stop's code, whatever signal comes
         self.signals.note_progress()
-        path = self._save(epoch, step) if self.cfg.checkpoint_dir else None
+        path = self._save(epoch, step) if self.cfg.checkpoint_dir and not stop.urgent else None
         where = f"before step {self.global_step} (epoch {epoch + 1}, step {step} of {self.run.batches.steps_per_epoch})"
-        written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
+        with self.dp.watchdog.watching(f"the stop before step {self.global_step}"):  # bounded: no grace now
+            written = bool(self.comm.allreduce(path is not None if self.run.is_root else True, op=MPI.LAND))
         code = EXIT_PREEMPTED if written else EXIT_TERMINATED  # 75 promises the checkpoint of this very step
         if self.run.is_root:
+            why = "a second signal asked to end at once" if stop.urgent else \
+                "no --checkpoint-dir, or it could not be written"
             saved = f"checkpoint {path} written; continue with --resume auto" if path else \
-                "no checkpoint of this step (no --checkpoint-dir, or it could not be written): the work since the " \
-                "last checkpoint is lost"
-            by = getattr(self.signals, "stop_signal", "SIGTERM")
+                f"no checkpoint of this step ({why}): the work since the last checkpoint is lost"
+            by = f"a second {stop.signal}" if stop.urgent else stop.signal
             print(f"mpisgd: stopped by {by} {where}: {saved} (exit {code})", file=sys.stderr, flush=True)
         return code
 

@@ -12,8 +12,8 @@
                                           is a full all-reduce and a copy, measured too: MPI's
                                           algorithm can be the slower), decided by
                                           ``tune()`` or when the class is first seen, kept in
-                                          a plan file with its date and margin, re-checked or
-                                          re-measured when old, close or timed on a busy
+                                          the tuning file with its date and margin, re-checked
+                                          or re-measured when old, close or timed on a busy
                                           machine. Not measured: one rank (``mpi``), a dtype
                                           MPI cannot sum (``ring``), ``deterministic`` at
                                           k >= 3 (``deterministic`` outside the window)

@@ -20,29 +20,20 @@ median and the spread of its calls; the slowest rank's figures decide (one
 small all-reduce, so every rank picks alike); the data are put back.
 Non-blocking buffers are decided when data parallelism calls :meth:`tune`.
 
-The plan file (``$MPISGD_PLAN_FILE``, default ``~/.cache/mpisgd/allreduce-plans.json``,
-``off`` for none) keeps each choice under the MPI library, k and the hosts,
-with when it was measured, how clear its margin was and how busy the machine
-was. A later run there trusts a recent, clear choice made on a quiet machine;
-re-checks with a few calls one that is older than :data:`MAX_AGE_DAYS`, was
-timed on a busy machine or comes from the old format; and re-measures one
-whose margin was inside the noise (docs/allreduce.md, "Plans"). Only rank 0
-reads and writes it, only a regular file, and never one it did not write; it
-is saved by :meth:`AutoReducer.tune` and :meth:`AutoReducer.close`, never
-inside an all-reduce. The banner names where the plan came from.
+Choices persist in the tuning file (:mod:`mpisgd.comm.tuning`): a later run on the same
+machines trusts a recent, clear choice made on a quiet machine, re-checks with a few calls one that is
+old, was timed on a busy machine or comes from an older format, and re-measures one whose margin was
+inside the noise (docs/allreduce.md, "The tuning file"). Rank 0 reads it at construction and writes it in
+:meth:`AutoReducer.tune` and :meth:`AutoReducer.close`, never inside an all-reduce; the banner names
+where the choices came from.
 """
 
 from __future__ import annotations
 
-import calendar
-import json
 import os
-import re
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,19 +45,20 @@ from mpisgd.comm.deterministic import DeterministicReducer
 from mpisgd.comm.mpi import MpiReducer, mpi_sum_type
 from mpisgd.comm.ring import RingReducer
 from mpisgd.comm.shared import SharedReducer
-from mpisgd.files import atomic_write
+from mpisgd.comm.tuning import (
+    BUSY_TASKS,
+    CANDIDATES,
+    TuningFile,
+    is_clear,
+    measured_on,
+    rechecked,
+    rounded,
+    stamp,
+    tuning_path,
+)
 
-PLAN_FILE = "~/.cache/mpisgd/allreduce-plans.json"
-PLAN_FORMAT = "mpisgd allreduce plans 2"  # format 1: {configuration: {"float32:23": "mpi"}}, no provenance
-MAX_PLAN_BYTES = 1 << 20  # a plan is a few KiB: a larger file is not one of ours
-MAX_AGE_DAYS = 7.0  # older choices are re-checked (docs/allreduce.md, "Plans")
-CLOSE_MARGIN = 0.05  # a margin below this, or below the calls' own spread, is inside the noise: re-measured
-BUSY_TASKS = 0.5  # runnable tasks beyond the CPUs, on average while timing: the machine was busy
 RECHECK_TRIALS = 3  # calls of each candidate to re-check a choice
-CANDIDATES = ("mpi", "ring")
 OPERATIONS = ("allreduce", "reduce_scatter")
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
-_OLD_NAME = re.compile(r"^\w+:\d+$")  # format 1's "float32:23"
 _UNKNOWN = -1.0  # "the system does not say how busy it is", through a MAX all-reduce of non-negative loads
 
 
@@ -82,102 +74,6 @@ def _human(n: int) -> str:
         if n >= 1 << shift:
             return f"{n / (1 << shift):g} {unit}"
     return f"{n} B"
-
-
-# -- the plan file: pure functions (no MPI) -----------------------------------------------------------
-def stamp(t: float) -> str:
-    return time.strftime(_STAMP, time.gmtime(t))
-
-
-def parse_stamp(text: Any) -> float | None:
-    try:
-        return float(calendar.timegm(time.strptime(text, _STAMP)))
-    except (TypeError, ValueError):
-        return None
-
-
-def _number(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) else None
-
-
-def _rounded(load: float | None) -> float | None:
-    return None if load is None else round(load, 2)
-
-
-def is_clear(ratio: float, spread: float) -> bool:
-    """Whether the slower candidate's median over the faster's (``ratio``) stands out of the noise: the
-    widest relative spread of the calls (interquartile range over median), and never less than CLOSE_MARGIN."""
-    return ratio - 1.0 > max(spread, CLOSE_MARGIN)
-
-
-def status_of(entry: Any, now: float) -> str | None:
-    """What a run does with a plan entry: "trust" it, "recheck" it with a few calls, or "remeasure" it
-    (its margin was inside the noise); None for something that is not an entry (ignored)."""
-    if entry in CANDIDATES:
-        return "recheck"  # format 1: a bare choice, with no date and no margin
-    if not isinstance(entry, dict) or entry.get("choice") not in CANDIDATES:
-        return None
-    ratio, spread = _number(entry.get("ratio")), _number(entry.get("spread"))
-    if ratio is not None and spread is not None and not is_clear(ratio, spread):
-        return "remeasure"
-    when = parse_stamp(entry.get("checked") or entry.get("measured"))
-    overload = _number(entry.get("overload"))
-    if ratio is None or spread is None or when is None or not -86400 < now - when <= MAX_AGE_DAYS * 86400 \
-            or (overload is not None and overload > BUSY_TASKS):
-        return "recheck"  # no margin or no date, old, dated in the future (a wrong clock), or timed while busy
-    return "trust"
-
-
-def _plans_of(doc: Any) -> dict[str, dict[str, Any]] | None:
-    """The plans of a parsed plan file, {configuration: {"allreduce float32:23": entry}}; None when the
-    document is not a plan file of a format this code knows."""
-    if not isinstance(doc, dict):
-        return None
-    if "format" in doc:
-        plans = doc.get("plans")
-        if doc["format"] != PLAN_FORMAT or not isinstance(plans, dict) \
-                or not all(isinstance(v, dict) for v in plans.values()):
-            return None
-        return plans
-    if not all(" | k=" in key and isinstance(v, dict) and all(_OLD_NAME.match(n) and c in CANDIDATES
-                                                              for n, c in v.items()) for key, v in doc.items()):
-        return None  # format 1 exactly, or someone else's JSON: left alone
-    return {key: {f"allreduce {name}": choice for name, choice in v.items()} for key, v in doc.items()}
-
-
-def read_plans(path: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
-    """(plans, note): the plans in ``path`` ({} when there is no file), or None with a note saying why the
-    file is not used and will not be written. Never opens anything but a regular file (a FIFO would block,
-    a device could act on an open) and never raises for what is at the path."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return {}, ""
-    except OSError as exc:
-        return None, f"plan file {path} not read ({exc.strerror or exc})"
-    if not stat.S_ISREG(st.st_mode):
-        return None, f"plan file {path} not used: not a regular file"
-    if st.st_size > MAX_PLAN_BYTES:
-        return None, f"plan file {path} ignored: too large for a plan file (left as it is)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        return None, f"plan file {path} not read ({exc.strerror or exc})"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat above
-            return None, f"plan file {path} not used: not a regular file"
-        raw = os.read(fd, MAX_PLAN_BYTES + 1)
-    except OSError as exc:
-        return None, f"plan file {path} not read ({exc.strerror or exc})"
-    finally:
-        os.close(fd)
-    try:
-        plans = _plans_of(json.loads(raw)) if raw.strip() else {}
-    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or absurdly nested
-        plans = None
-    if plans is None:
-        return None, f"plan file {path} ignored: not a plan file this version reads (left as it is)"
-    return plans, ""
 
 
 def runnable_tasks() -> int | None:
@@ -216,18 +112,20 @@ class Timing:
         return self.overload is not None and self.overload > BUSY_TASKS
 
     def record(self, choice: str, trials: int, now: float) -> dict[str, Any]:
-        """The plan file's entry for a choice made on these figures."""
+        """The tuning file's entry for a choice made on these figures."""
         return {"choice": choice, "measured": stamp(now), "trials": trials,
                 "median_us": {c: round(t * 1e6, 3) for c, t in zip(CANDIDATES, self.median_s)},
                 "ratio": round(self.ratio, 4), "spread": round(self.spread, 4),
-                "overload": _rounded(self.overload)}
+                "overload": rounded(self.overload)}
 
 
 class AutoReducer(Reducer):
     name = "auto"
     native_reduce_scatter = True  # MPI's true reduce-scatter is a candidate; the ring's runs where it measured faster
 
-    def __init__(self, comm: Any, *, plan_file: str | None = None, deterministic: bool = False) -> None:
+    def __init__(self, comm: Any, *, tuning_file: str | None = None, deterministic: bool = False) -> None:
+        """``tuning_file``: the tuning file's path (:func:`mpisgd.comm.tuning.tuning_path`: by default
+        $MPISGD_TUNING_FILE, else ~/.cache/mpisgd/allreduce-tuning.json; "off": none), rank 0's."""
         super().__init__(comm)
         _, self.local_size, _, nodes = node_layout(self.comm)
         self.mpi, self.ring = MpiReducer(self.comm), RingReducer(self.comm)
@@ -238,52 +136,33 @@ class AutoReducer(Reducer):
             self.by_name["deterministic"] = self.det
         self.routes: dict[int, tuple[Any, Reducer]] = {}  # all-reduce nbytes -> (dtype, reducer), as its class decided
         self.scatter_routes: dict[int, tuple[Any, Reducer]] = {}  # the same for reduce-scatter
-        self.plan: dict[str, str] = {}  # "allreduce float32:23" -> "mpi" | "ring" | ...: this run's choices
-        self.origin: dict[str, str] = {}  # -> "measured", "from plan", "re-checked", "re-measured" or "fixed: why"
-        self.records: dict[str, dict[str, Any]] = {}  # -> what the plan file keeps, for entries made in this run
+        self.choices: dict[str, str] = {}  # "allreduce float32:23" -> "mpi" | "ring" | ...: this run's choices
+        self.origin: dict[str, str] = {}  # -> "measured", "tuned", "re-checked", "re-measured" or "fixed: why"
+        self.records: dict[str, dict[str, Any]] = {}  # -> what the tuning file keeps, for entries made in this run
         self.new_records = False  # records made since the last tune() (the same on every rank)
-        self.unwritten = False  # records the plan file does not hold yet (rank 0's concern)
+        self.unwritten = False  # records the tuning file does not hold yet (rank 0's concern)
         self.busy = False  # some timing in this run saw a busy machine
-        self.plan_file: Path | None = None  # rank 0's, once read and found to be ours (or absent)
         hosts = ",".join(sorted(set(self.comm.allgather(MPI.Get_processor_name()))))
-        self.plan_key = f"{' '.join(MPI.Get_library_version().split()[:3])} | k={self.size} | {hosts}"
-        path = os.environ.get("MPISGD_PLAN_FILE", PLAN_FILE) if plan_file is None else plan_file
-        loaded = self._load(path) if self.rank == 0 else None  # rank 0's environment decides for every rank
+        self.tuning_key = f"{' '.join(MPI.Get_library_version().split()[:3])} | k={self.size} | {hosts}"
+        self.tuning: TuningFile | None = None  # rank 0's, once read and found to be ours (or absent)
+        loaded: tuple[dict[str, tuple[Any, str]], str] | None = None
+        if self.rank == 0:  # rank 0's environment decides for every rank
+            if self.size == 1 or self.det is not None:  # nothing that a tuning file would decide
+                loaded = {}, ""
+            else:
+                self.tuning, entries, note = TuningFile.load(tuning_path(tuning_file), self.tuning_key)
+                loaded = entries, note
         self.loaded, self.note = self.comm.bcast(loaded, root=0)
 
-    # -- the plan ------------------------------------------------------------------------
-    def _load(self, path: str) -> tuple[dict[str, tuple[Any, str]], str]:
-        """Rank 0: this configuration's entries, each with its status_of(), and a note for describe().
-        Never raises, so that every rank reaches the broadcast whatever is at the path."""
-        if path in ("", "off") or self.size == 1 or self.det is not None:  # nothing that a plan would decide
-            return {}, ""
-        try:
-            where = Path(path).expanduser()
-            plans, note = read_plans(where)
-            if plans is None:
-                return {}, note  # not ours: never written
-            now = time.time()
-            entries = {name: (e, status_of(e, now)) for name, e in plans.get(self.plan_key, {}).items()}
-            self.plan_file = where
-            return {name: e for name, e in entries.items() if e[1] is not None}, ""
-        except Exception as exc:  # whatever is at the path, the other ranks must not be left waiting
-            return {}, f"plan file {path} ignored ({exc})"
-
     def _save(self) -> None:
-        """Rank 0 merges this run's entries into the plan file (other configurations' plans kept), all or
-        nothing; a plan that cannot be written is measured again next time, not an error."""
-        if self.rank != 0 or self.plan_file is None or not self.unwritten:
+        """Rank 0 merges this run's entries into the tuning file (TuningFile.save)."""
+        if self.rank != 0 or self.tuning is None or not self.unwritten:
             return
-        plans, note = read_plans(self.plan_file)
-        if plans is None:  # it changed into something that is not ours since it was read
-            self.note, self.plan_file = note, None
-            return
-        plans[self.plan_key] = {**plans.get(self.plan_key, {}), **self.records}
-        body = json.dumps({"format": PLAN_FORMAT, "plans": plans}, indent=1, sort_keys=True).encode()
-        try:
-            atomic_write(self.plan_file, lambda f: f.write(body))
-        except OSError as exc:
-            self.note = f"plan not saved to {self.plan_file} ({exc.strerror or exc})"
+        note = self.tuning.save(self.records)
+        if not self.tuning.ours:
+            self.tuning = None
+        if note:
+            self.note = note
             return
         self.unwritten = False
 
@@ -301,7 +180,7 @@ class AutoReducer(Reducer):
         """The strategy for op on a buffer of this dtype and size (collective the first time its class is
         seen: every rank makes the same calls and reads the same reduced figures, so all decide alike)."""
         name = f"{op} {dtype}:{nbytes.bit_length()}"
-        choice = self.plan.get(name)
+        choice = self.choices.get(name)
         if choice is not None:
             return choice
         fixed = self._fixed(dtype)
@@ -310,36 +189,27 @@ class AutoReducer(Reducer):
         else:
             entry, status = self.loaded.get(name, (None, "measure"))
             choice, origin = self._settle(name, entry, status, compare, trials_for(nbytes))
-        self.plan[name], self.origin[name] = choice, origin
+        self.choices[name], self.origin[name] = choice, origin
         return choice
 
     def _settle(self, name: str, entry: Any, status: str, compare: Callable[[int], Timing],
                 trials: int) -> tuple[str, str]:
-        """(choice, origin) for a class that needs one: the plan's choice when trusted; re-checked with a few
-        calls, kept unless clearly slower now; otherwise measured (a toss-up again keeps the plan's choice)."""
+        """(choice, origin) for a class that needs one: the tuning file's choice when trusted; re-checked with a
+        few calls, kept unless clearly slower now; otherwise measured (a toss-up again keeps the file's choice)."""
         kept = "" if entry is None else entry if isinstance(entry, str) else entry["choice"]
         now = time.time()
         if status == "trust":
-            return kept, "from plan"
+            return kept, "tuned"
         if status == "recheck":
             t = compare(RECHECK_TRIALS)
             if not (t.clear and t.winner != kept):
                 if not t.busy:  # a busy machine cannot vouch for it: it is re-checked again next run
-                    self._keep(name, self._rechecked(entry, kept, t, now))
+                    self._keep(name, rechecked(entry, t.record(kept, RECHECK_TRIALS, now), now))
                 return kept, "re-checked"
         t = compare(trials)
         choice = t.winner if t.clear or not kept else kept
         self._keep(name, t.record(choice, trials, now))
         return choice, "measured" if entry is None else "re-measured"
-
-    @staticmethod
-    def _rechecked(entry: Any, kept: str, t: Timing, now: float) -> dict[str, Any]:
-        """A re-checked entry: dated now, with its margin as measured, or the re-check's where it had none
-        (format 1, which is not dated either)."""
-        if isinstance(entry, dict) and _number(entry.get("ratio")) is not None \
-                and _number(entry.get("spread")) is not None:
-            return {**entry, "checked": stamp(now), "overload": _rounded(t.overload)}
-        return {**t.record(kept, RECHECK_TRIALS, now), "measured": None, "checked": stamp(now)}
 
     def _keep(self, name: str, record: dict[str, Any]) -> None:
         self.records[name] = record
@@ -413,14 +283,14 @@ class AutoReducer(Reducer):
         return hit[1] if hit is not None and hit[0] is buf.dtype else None
 
     # -- what it says ------------------------------------------------------------------------
-    def plan_summary(self) -> str:
-        """The plan in words: per operation and dtype, the byte ranges each strategy serves ("mpi 4 B-1 MiB":
-        from 4 B up to, not including, 1 MiB); all-reduce first, unnamed."""
+    def choices_summary(self) -> str:
+        """This run's choices in words: per operation and dtype, the byte ranges each strategy serves ("mpi
+        4 B-1 MiB": from 4 B up to, not including, 1 MiB); all-reduce first, unnamed."""
         classes: dict[tuple[str, str], list[tuple[int, str]]] = {}
-        for name, choice in self.plan.items():
+        for name, choice in self.choices.items():
             op, rest = name.split(" ", 1)
-            dtype, c = rest.rsplit(":", 1)
-            classes.setdefault((op, dtype), []).append((int(c), choice))
+            dtype, size_class = rest.rsplit(":", 1)
+            classes.setdefault((op, dtype), []).append((int(size_class), choice))
         out = []
         for op, dtype in sorted(classes, key=lambda k: (OPERATIONS.index(k[0]), k[1])):
             runs: list[list[Any]] = []  # [first class, last class, choice], neighbours with one choice merged
@@ -434,16 +304,15 @@ class AutoReducer(Reducer):
                 f"{v} {_human(1 << (a - 1)) if a else '0 B'}-{_human(1 << b)}" for a, b, v in runs))
         return "; ".join(out)
 
-    def plan_origin(self) -> str:
-        """Where this run's choices came from, in words: "measured now", "plan from 2026-12-01",
-        "plan from 2026-11-20, re-checked", "plan from 2026-11-20, 1 of 3 re-measured, 2 measured now"."""
+    def origin_summary(self) -> str:
+        """Where this run's choices came from, in words: "measured now", "tuned 2026-12-01", "tuned
+        2026-11-20, re-checked", "tuned 2026-11-20, 1 of 3 re-measured, 2 measured now"."""
         origins = {n: o for n, o in self.origin.items() if not o.startswith("fixed")}
         parts = []
         from_file = [n for n, o in origins.items() if o != "measured"]
         if from_file:
-            dates = sorted(e["measured"][:10] for e in (self.loaded[n][0] for n in from_file)
-                           if isinstance(e, dict) and parse_stamp(e.get("measured")) is not None)
-            text = f"plan from {dates[0]}" if dates else "plan from an older format"
+            dates = sorted(d for d in (measured_on(self.loaded[n][0]) for n in from_file) if d is not None)
+            text = f"tuned {dates[0]}" if dates else "tuned by an older version"
             for what in ("re-checked", "re-measured"):
                 n = sum(origins[name] == what for name in from_file)
                 text += "" if not n else f", {what}" if n == len(from_file) else f", {n} of {len(from_file)} {what}"
@@ -464,14 +333,14 @@ class AutoReducer(Reducer):
             head = "node-shared buffer on this node, deterministic elsewhere" if window \
                 else "auto: deterministic (rank-order sums) for every buffer"
         else:
-            plan = f"{self.plan_summary()} ({self.plan_origin()})" if self.plan else \
+            chosen = f"{self.choices_summary()} ({self.origin_summary()})" if self.choices else \
                 "mpi or ring per operation and size, whichever measures faster"
             if window:
-                head = "node-shared buffer on this node" + (f"; other buffers: {plan}" if self.plan else "")
+                head = "node-shared buffer on this node" + (f"; other buffers: {chosen}" if self.choices else "")
             else:
                 why = f" (no node-shared buffer: {self.shared.refused})" if self.shared and self.shared.refused \
                     else ""
-                head = f"auto: {plan}{why}"
+                head = f"auto: {chosen}{why}"
         return f"{head}; {self.note}" if self.note else head
 
     # -- the Reducer interface -------------------------------------------------------------
@@ -502,7 +371,7 @@ class AutoReducer(Reducer):
     def tune(self, bufs: list[Array], *, reduce_scatter: bool = False) -> None:
         """Collective: decide now for buffers like these (all-reduce, or with ``reduce_scatter`` a
         reduce-scatter into near-equal chunks in rank order, as data parallelism's sharded step makes),
-        then save the plan file if that measured or re-checked anything."""
+        then save the tuning file if that measured or re-checked anything."""
         for buf in bufs:
             if self._in_window(buf):
                 continue

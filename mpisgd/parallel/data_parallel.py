@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.agreement import ReplicaError, bcast_, differing_ranks, layout_digest, verify_same
-from mpisgd.backend import is_device_array, to_numpy
+from mpisgd.agreement import ReplicaError, bcast_, differing_ranks, layout_digest, same_arithmetic, verify_same
+from mpisgd.backend import arithmetic, is_device_array, to_numpy
 from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.exact import BlockNorms, FixedPoint
@@ -224,6 +224,7 @@ class DataParallel:
         self._micro = 0  # the micro-batch whose backward is running
         verify_same(self.comm, layout_digest(model_layout(model) + optimizer_layout(optimizer)),
                     "the model (layers, shapes or dtype) or the optimizer (its kind and state buffers)")
+        same_arithmetic(self.comm, arithmetic(self.flat.params, getattr(optimizer, "blas", None) is not None))
         # same shapes everywhere: the reduced buffer (the gradients, or their fixed-point integers) into
         # memory the reducer reads in place, where it has any (auto or shared, one node: mpisgd.comm.shared)
         red_dtype = self.flat.dtype if self.exact is None else np.dtype(np.int64)
@@ -437,12 +438,12 @@ class DataParallel:
         t.big_sq_share += big_sq_share
         t.b_small = b_small
 
-    def check_in_step(self, stop: bool = False, micro: Sequence[tuple[Any, Any]] = ()) -> bool:
+    def check_in_step(self, stop: int = 0, micro: Sequence[tuple[Any, Any]] = ()) -> int:
         """Collective, once per step before any bucket: every rank must be at the same step with the same
         buffers (and, given its ``micro`` batches, as many micro-batches and samples, with labels the
         model can score), and at a check-in (not in another collective). A rank out of step is named on
         every rank instead of reducing the wrong data or hanging in a mismatched bucket (one small
-        Allgather). Returns whether any rank passed ``stop`` (a SIGTERM to stop at this step)."""
+        Allgather). Returns the largest ``stop`` any rank passed (0: none; a SIGTERM to stop at this step)."""
         if self.k == 1:
             return stop
         labels = [y for _, y in micro]
@@ -481,7 +482,7 @@ class DataParallel:
             raise ReplicaError(f"rank(s) {[r for r in range(self.k) if every[r, 8]]} passed labels outside "
                                f"0..{(self._n_classes or 0) - 1 if self._n_classes else 'C-1'} (a negative label "
                                "would silently score the last class)")
-        return bool(every[:, 7].any())
+        return int(every[:, 7].max())
 
     def _on_layer_done(self, layer: int) -> None:
         bucket = self._bucket_of_layer.get(layer)
