@@ -147,7 +147,7 @@ def _infer(named: dict[str, np.ndarray], flat: np.ndarray, in_shape: tuple[int, 
 def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray], p: Path, xp: Any) -> Model:
     try:
         module = build_model(meta["model"], tuple(meta["in_shape"]), int(meta["classes"]),
-                            tuple(meta.get("hidden") or ()))
+                             tuple(meta.get("hidden") or ()), arch=meta.get("arch"))
     except (KeyError, TypeError) as exc:
         raise ModelFileError(f"{p}: its model description lacks {exc}") from None
     except ValueError as exc:
