@@ -295,7 +295,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20},
     "gpt": {"optimizer": "adamw", "lr": 1e-3, "lr_scaling": "none", "beta2": 0.99, "weight_decay": 0.1,
             "weight_decay_on": "matrices", "warmup_steps": 100, "warmup_from": 0.0, "batch_size": 32,
-            "context": 64, "val_split": 0.05, "epochs": 6},
+            "context": 64, "val_split": 0.05, "epochs": 1},
 }
 
 
