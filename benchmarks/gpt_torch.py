@@ -126,6 +126,10 @@ def evaluate(model: TorchGPT, data: Any, b: int) -> tuple[float, float]:
 def setup(argv: list[str]) -> tuple[Any, ...]:
     cfg = parse_config(["--model", "gpt", *argv], quiet=True)
     d = load_tokens(cfg.data, cfg.context, cfg.val_split)
+    if cfg.limit_train:  # as mpisgd.app.run: the first N windows
+        d.train = d.train.head(cfg.limit_train)
+    if cfg.limit_test:
+        d.test = d.test.head(cfg.limit_test)
     s = GPTShape(d.vocab.size, cfg.context, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_width, cfg.dropout)
     torch.manual_seed(cfg.seed)
     model = TorchGPT(s)
