@@ -21,12 +21,13 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def mpisgd_speed(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
+def mpisgd_speed(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
     sys.path.insert(0, ROOT)
     import numpy as np  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
@@ -40,6 +41,7 @@ def mpisgd_speed(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
     from mpisgd.text import load_tokens  # noqa: PLC0415
 
     cfg = parse_config(["--model", "gpt", *argv], quiet=True)
+    assert cfg.data is not None
     d = load_tokens(cfg.data, cfg.context, cfg.val_split)
     s = GPTShape(d.vocab.size, cfg.context, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_width, cfg.dropout)
     model = gpt(s).materialize(np, "float32", cfg.seed)
@@ -61,7 +63,7 @@ def mpisgd_speed(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
             "tokens_per_s": b * cfg.context / med, "steps": steps}
 
 
-def run(cmd: list[str]) -> dict[str, float]:
+def run(cmd: list[str]) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=ROOT, MPISGD_PLAN_FILE="off")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout

@@ -81,10 +81,11 @@ class TorchGPT(nn.Module):
             x = b(x)
         return self.head(self.ln(x))
 
-    def ordered(self) -> list[tuple[torch.Tensor, bool]]:
+    def ordered(self) -> list[tuple[Any, bool]]:
         """Every parameter in mpisgd's flat order, and whether mpisgd stores it transposed (Linear's W)."""
-        out: list[tuple[torch.Tensor, bool]] = [(self.tok.weight, False), (self.pos, False)]
-        for b in self.blocks:
+        out: list[tuple[Any, bool]] = [(self.tok.weight, False), (self.pos, False)]
+        blocks: list[Any] = list(self.blocks)
+        for b in blocks:
             out += [(b.ln1.weight, False), (b.ln1.bias, False), (b.qkv.weight, True), (b.qkv.bias, False),
                     (b.proj.weight, True), (b.proj.bias, False), (b.ln2.weight, False), (b.ln2.bias, False),
                     (b.fc.weight, True), (b.fc.bias, False), (b.fc_proj.weight, True), (b.fc_proj.bias, False)]
@@ -125,6 +126,7 @@ def evaluate(model: TorchGPT, data: Any, b: int) -> tuple[float, float]:
 
 def setup(argv: list[str]) -> tuple[Any, ...]:
     cfg = parse_config(["--model", "gpt", *argv], quiet=True)
+    assert cfg.data is not None
     d = load_tokens(cfg.data, cfg.context, cfg.val_split)
     if cfg.limit_train:  # as mpisgd.app.run: the first N windows
         d.train = d.train.head(cfg.limit_train)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import IO
 
 from mpisgd.app import tensorboard
 from mpisgd.app.options import to_toml
@@ -55,10 +56,13 @@ def write_config(cfg: Config, k: int) -> list[str]:
 def write_vocab(cfg: Config, vocab_json: str) -> list[str]:
     """Write a language model's vocabulary (mpisgd.text) as ``vocab.json`` beside the metrics file and into
     the checkpoint directory (rank 0); returns warnings for the banner."""
+    def write(f: IO[bytes]) -> None:
+        f.write(vocab_json.encode())
+
     warnings = []
     for path in copies(cfg, "vocab.json"):
         try:
-            atomic_write(path, lambda f: f.write(vocab_json.encode()))
+            atomic_write(path, write)
         except (OSError, UsageError) as exc:
             warnings.append(f"warning: the vocabulary was not written to {path} ({exc})")
     return warnings

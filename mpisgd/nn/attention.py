@@ -51,9 +51,12 @@ class CausalSelfAttention(Module):
         if dim % heads:
             raise ValueError(f"attention: {dim} dimensions do not split into {heads} heads")
         self.dim, self.heads, self.context, self.head_dim = dim, heads, context, dim // heads
-        self.qkv = self.add("qkv", Linear(dim, 3 * dim, init_std=init_std))
-        self.drop = self.add("drop", Dropout(dropout)) if dropout > 0 else None
-        self.proj = self.add("proj", Linear(dim, dim, init_std=init_std if proj_std is None else proj_std))
+        self.qkv = Linear(dim, 3 * dim, init_std=init_std)
+        self.drop = Dropout(dropout) if dropout > 0 else None
+        self.proj = Linear(dim, dim, init_std=init_std if proj_std is None else proj_std)
+        for name, child in (("qkv", self.qkv), ("drop", self.drop), ("proj", self.proj)):
+            if child is not None:
+                self.add(name, child)
         self._p: Array = None  # the attention weights, softmax of the scores
         self._pd: Array = None  # the same after dropout (what multiplied v)
         self._heads: Array = None  # (3, N, H, T, d): q (scaled by 1/sqrt(d)), k, v
@@ -95,6 +98,7 @@ class CausalSelfAttention(Module):
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
         xp = xp_of(dy)
         dmerged = self.backward_child(self.proj, dy)
+        assert dmerged is not None
         n, t, _ = dmerged.shape
         h, d = self.heads, self.head_dim
         q, k, v = self._heads
@@ -107,6 +111,7 @@ class CausalSelfAttention(Module):
         xp.matmul(dyh, v.swapaxes(-1, -2), out=dp)
         if self.drop is not None:
             dp = self.backward_child(self.drop, dp)
+            assert dp is not None
         # softmax backward: dS = P * (dP - rowsum(dP * P)), in place in dp
         p = self._p
         tmp = self._buf("tmp", p.shape, dy)
