@@ -306,6 +306,45 @@ def profile_gpt(args: argparse.Namespace) -> None:
              ("optimizer (AdamW)", 0.0, statistics.median(opt_ms))]
     for kind, f, bw in sorted(rows, key=lambda r: -(r[1] + r[2])):
         print(f"  {kind:<36}{f:>9.2f}{bw:>10.2f}{100 * (f + bw) / total:>7.1f}%")
+    attention_parts(b, args.context, 4, 128 // 4, layers=4, steps=args.steps)
+
+
+def attention_parts(n: int, t: int, h: int, d: int, layers: int, steps: int) -> None:
+    """The attention's own work split in two, on its shapes, each alone (alternated, medians): its six
+    batched GEMMs (scores, weighted sums; and backward's four) and its masked softmax (forward, and
+    backward's dS = P * (dP - rowsum(dP * P))), times the layers."""
+    rng = np.random.default_rng(0)
+    q, k, v, dy = (rng.standard_normal((n, h, t, d), dtype=np.float32) for _ in range(4))
+    p, dp, tmp = (np.empty((n, h, t, t), np.float32) for _ in range(3))
+    out = np.empty((n, h, t, d), np.float32)
+    mask = np.triu(np.full((t, t), -np.inf, np.float32), k=1)
+    gemm_ms, soft_ms = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            np.matmul(q, k.swapaxes(-1, -2), out=p)
+            np.matmul(p, v, out=out)
+            np.matmul(p.swapaxes(-1, -2), dy, out=out)
+            np.matmul(dy, v.swapaxes(-1, -2), out=dp)
+            np.matmul(dp, k, out=out)
+            np.matmul(dp.swapaxes(-1, -2), q, out=out)
+        gemm_ms.append(1e3 * (time.perf_counter() - t0))
+        soft = 0.0
+        for _ in range(layers):
+            np.matmul(q, k.swapaxes(-1, -2), out=p)  # fresh scores, not timed
+            np.matmul(dy, v.swapaxes(-1, -2), out=dp)
+            t0 = time.perf_counter()
+            p += mask
+            p -= p.max(axis=-1, keepdims=True)
+            np.exp(p, out=p)
+            p /= p.sum(axis=-1, keepdims=True)
+            np.multiply(dp, p, out=tmp)
+            dp -= tmp.sum(axis=-1, keepdims=True)
+            dp *= p
+            soft += time.perf_counter() - t0
+        soft_ms.append(1e3 * soft)
+    print(f"  the attention's own time, alone on its shapes ({layers} layers, forward + backward): batched GEMMs "
+          f"{statistics.median(gemm_ms):.2f} ms, masked softmax {statistics.median(soft_ms):.2f} ms")
 
 
 def line_profile(timed_step: object, n_lines: int, steps: int = 30) -> None:

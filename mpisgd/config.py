@@ -79,8 +79,8 @@ class Config:
     lr_scaling: str = opt("linear", "how the rate follows the effective batch B", ("linear", "sqrt", "none"))
     warmup_epochs: float = opt(0.0, "gradual warmup from eta0 to the scaled rate over this many epochs")
     warmup_steps: int | None = opt(None, "warmup length in steps (overrides --warmup-epochs)")
-    warmup_from: float | None = opt(None, "the rate warmup starts from (default: the smaller of --lr and the scaled "
-                                          "rate, Goyal et al.'s; 0: a transformer's warmup from zero)")
+    warmup_from: str = opt("base", "where warmup starts: base, the smaller of --lr and the scaled rate (Goyal et "
+                                   "al.'s), or zero (a transformer's)", ("base", "zero"))
     decay: str = opt("cosine", "decay after warmup", ("none", "step", "cosine"))
     decay_epochs: tuple[int, ...] = opt((), "epochs at which --decay step multiplies the rate by --decay-factor")
     decay_factor: float = opt(0.1, "factor of each step decay")
@@ -211,7 +211,8 @@ class Config:
         if any(e < 1 for e in self.decay_epochs) or list(self.decay_epochs) != sorted(self.decay_epochs):
             raise UsageError(f"--decay-epochs must be increasing positive epochs, got {self.decay_epochs}")
         if self.model not in ("mlp", "cnn", "gpt") and ":" not in self.model:
-            raise UsageError(f"--model must be mlp, cnn, gpt or package.module:function, got {self.model!r}")
+            raise UsageError(f"--model must be mlp, cnn or package.module:function, got {self.model!r}; or gpt, "
+                             "a language model on text")
         for name in ("context", "gpt_layers", "gpt_heads", "gpt_width"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -220,8 +221,6 @@ class Config:
                              "equal size: choose a width divisible by the heads")
         if not 0 <= self.dropout < 1:
             raise UsageError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.warmup_from is not None and self.warmup_from < 0:
-            raise UsageError(f"--warmup-from must be >= 0, got {self.warmup_from}")
         if self.weight_decay_on != "all" and self.optimizer != "adamw":
             raise UsageError(f"--weight-decay-on {self.weight_decay_on} is for --optimizer adamw, not "
                              f"{self.optimizer}: pass --weight-decay-on all")
@@ -294,7 +293,7 @@ ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20},
     "gpt": {"optimizer": "adamw", "lr": 1e-3, "lr_scaling": "none", "beta2": 0.99, "weight_decay": 0.1,
-            "weight_decay_on": "matrices", "warmup_steps": 100, "warmup_from": 0.0, "batch_size": 32,
+            "weight_decay_on": "matrices", "warmup_steps": 100, "warmup_from": "zero", "batch_size": 32,
             "context": 64, "val_split": 0.05, "epochs": 1},
 }
 

@@ -112,4 +112,4 @@ class Schedule:
             warmup = round(cfg.warmup_epochs * steps_per_epoch)
         return cls(base_lr=cfg.lr, peak_lr=peak, warmup_steps=warmup, total_steps=total_steps,
                    decay=cfg.decay, milestones=tuple(e * steps_per_epoch for e in cfg.decay_epochs),
-                   decay_factor=cfg.decay_factor, warmup_start=cfg.warmup_from)
+                   decay_factor=cfg.decay_factor, warmup_start=0.0 if cfg.warmup_from == "zero" else None)

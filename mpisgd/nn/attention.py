@@ -20,9 +20,10 @@ Backward, with P the softmax and dP = dY v^T:
 Activation memory per layer (float32, what forward keeps for backward): the heads 3*N*T*D, the
 attention matrix N*H*T^2, the weighted sums N*T*D and their merge N*T*D, i.e. 4 * (5*N*T*D + N*H*T^2)
 bytes; backward adds as much again in scratch (dP, dS and the heads' gradients), reused from step to
-step. At the GPT recipe's N=32, T=128, D=128, H=4: 10.5 MB of heads and sums and 8.4 MB of attention
-per layer. The T^2 term is what grows: at T=1024 the attention alone is 64x larger (there, a fused
-kernel that recomputes P in backward, as FlashAttention does, would pay).
+step. At the GPT recipe's N=32, T=64, D=128, H=4: 5.2 MB of heads and sums and 2.1 MB of attention
+per layer (at T=128: 10.5 and 8.4 MB). The T^2 term is what grows: at T=1024 the attention weights
+alone are 512 MiB per layer at this batch (there, a fused kernel that recomputes P in backward, as
+FlashAttention does, would pay).
 """
 
 from __future__ import annotations
