@@ -63,19 +63,35 @@ def plot(out: Path, figure: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     runs = {"mpisgd": records(out / "mpisgd.jsonl"), "PyTorch": records(out / "torch.jsonl")}
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 5.6), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
     summary: dict[str, Any] = {}
-    for (name, recs), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=True):
+    smooth: dict[str, dict[int, float]] = {}
+    val: dict[str, dict[int, float]] = {}
+    style = {"mpisgd": ("tab:blue", "-", 2.4), "PyTorch": ("tab:orange", "--", 1.2)}  # PyTorch on top, dashed
+    for name, recs in runs.items():
+        color, dash, width = style[name]
         steps = [r for r in recs if r["kind"] == "step"]
         epochs = [r for r in recs if r["kind"] == "epoch"]
-        ax.plot([r["step"] for r in steps], running_mean([r["loss"] for r in steps], 25), color=color, lw=1,
-                alpha=0.8, label=f"{name}: training loss (running mean of 25 steps)")
-        ax.plot([r["step"] for r in epochs], [r["val_loss"] for r in epochs], "o--", color=color, ms=5,
+        smooth[name] = dict(zip([r["step"] for r in steps], running_mean([r["loss"] for r in steps], 25), strict=True))
+        val[name] = {r["step"]: r["val_loss"] for r in epochs}
+        ax.plot(list(smooth[name]), list(smooth[name].values()), dash, color=color, lw=width,
+                label=f"{name}: training loss (running mean of 25 steps)")
+        ax.plot(list(val[name]), list(val[name].values()), "o", color=color, ms=8 if name == "mpisgd" else 4,
                 label=f"{name}: validation loss (each epoch)")
         keep = ("epoch", "step", "train_loss", "val_loss", "val_acc", "val_bits_per_token", "tokens_per_s",
                 "epoch_time_s", "test_loss", "test_acc", "test_bits_per_token")
         summary[name] = [{k: r[k] for k in keep if k in r} for r in recs if r["kind"] in ("epoch", "test")]
-    ax.set_xlabel("optimizer step")
+    both = sorted(set(smooth["mpisgd"]) & set(smooth["PyTorch"]))
+    diff.plot(both, [100 * (smooth["mpisgd"][t] / smooth["PyTorch"][t] - 1) for t in both], color="tab:green", lw=1,
+              label="training loss (running means)")
+    at = sorted(set(val["mpisgd"]) & set(val["PyTorch"]))
+    diff.plot(at, [100 * (val["mpisgd"][t] / val["PyTorch"][t] - 1) for t in at], "o", color="tab:red",
+              label="validation loss")
+    diff.axhline(0, color="gray", lw=0.8)
+    diff.set_ylabel("mpisgd / PyTorch - 1, %", fontsize=8)
+    diff.set_xlabel("optimizer step")
+    diff.legend(fontsize=7)
+    diff.grid(alpha=0.3)
     ax.set_ylabel("cross-entropy, nats per character")
     ax.set_ylim(1.0, 3.5)
     ax.grid(alpha=0.3)
