@@ -22,5 +22,5 @@ setup(
         "torch": ["torch"],  # only for the comparison benchmark
     },
     entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
-                                      "mpisgd-plan=mpisgd.app.plan:main"]},
+                                      "mpisgd-plan=mpisgd.app.plan:main", "mpisgd-sample=mpisgd.app.sample:main"]},
 )

@@ -5,6 +5,7 @@ results/throughput/profile-*.txt and results/cnn/profile-*.txt.
 
     OMP_NUM_THREADS=1 python experiments/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
     OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15]
+    OMP_NUM_THREADS=1 python experiments/profile_step.py --model gpt [--data kjv.txt --batch-size 32 --context 64]
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
 finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
@@ -20,6 +21,13 @@ input gradient dx, where a layer has them, also shown on their own), the loss
 and the optimizer. `--lines N` (either model) adds the N costliest lines of
 mpisgd/nn/layers.py, timed with sys.settrace (whose own cost, about a
 microsecond per line, inflates lines that are cheap anyway).
+
+`--model gpt` (docs/gpt.md) trains the GPT recipe's model (AdamW) on windows of
+`--data` (the King James Bible by default) and prints the median
+milliseconds per step of each kind of layer, forward and backward, each
+module's own time only (a container's, a residual block's additions; the
+attention's own part is its scores, softmax and weighted sums, its two Linear
+projections count as GEMMs), the loss and the optimizer.
 """
 
 from __future__ import annotations
@@ -60,9 +68,11 @@ def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "gpt"], default="mlp")
+    parser.add_argument("--data", default="/usr/local/share/mpisgd/kjv.txt", help="--model gpt: the text")
+    parser.add_argument("--context", type=int, default=64, help="--model gpt: tokens per window")
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 128, 32 for --model gpt")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
@@ -70,6 +80,10 @@ def main() -> None:
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the warm-up steps, not timed), got {args.steps}")
     threadpool_limits(args.threads)
+    args.batch_size = args.batch_size or (32 if args.model == "gpt" else 128)
+    if args.model == "gpt":
+        profile_gpt(args)
+        return
     train, _, _ = load_fashion_mnist(None)
     b = args.batch_size
     model = build_model(args.model, (1, 28, 28), 10, args.hidden).materialize(np, "float32", seed=0)
@@ -199,6 +213,138 @@ class LayerTimes:
             fwd, bwd = med.get((i, "forward"), 0.0), med.get((i, "backward"), 0.0)
             parts = "".join(f"{med[(i, p)]:>8.2f}" if (i, p) in med else f"{'':>8}" for p in self.PARTS)
             print(f"  {self.names[i]:<46}{fwd:>9.2f}{bwd:>10.2f}{parts}{100 * (fwd + bwd) / step_ms:>7.1f}%")
+
+
+class KindTimes:
+    """Each module's own time (its calls minus the wrapped calls nested in them), summed per kind of module
+    and per step: forward and backward."""
+
+    def __init__(self, model: object) -> None:
+        self.kinds: dict[str, list[float]] = {}  # kind -> this step's [forward s, backward s]
+        self.ms: dict[str, list[list[float]]] = {}
+        self._stack: list[float] = []  # the nested calls' time, per open call
+        for m in model.modules():  # type: ignore[attr-defined]
+            kind = self.kind(m)
+            for i, method in enumerate(("forward", "backward")):
+                self._wrap(m, method, kind, i)
+
+    @staticmethod
+    def kind(m: object) -> str:
+        name = type(m).__name__
+        if name == "Linear":
+            return "Linear (GEMMs)"
+        if name == "CausalSelfAttention":
+            return "attention: scores, softmax, sums"
+        if name in ("Sequential", "Residual"):
+            return "containers, residual additions"
+        return name
+
+    def _wrap(self, obj: object, method: str, kind: str, i: int) -> None:
+        inner = getattr(obj, method)
+        self.kinds.setdefault(kind, [0.0, 0.0])
+
+        def timed(*a: object, **kw: object) -> object:
+            self._stack.append(0.0)
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            elapsed = time.perf_counter() - t0
+            nested = self._stack.pop()
+            self.kinds[kind][i] += elapsed - nested
+            if self._stack:
+                self._stack[-1] += elapsed
+            return out
+
+        setattr(obj, method, timed)
+
+    def end_step(self, keep: bool) -> None:
+        for kind, (f, b) in self.kinds.items():
+            if keep:
+                self.ms.setdefault(kind, []).append([1e3 * f, 1e3 * b])
+            self.kinds[kind] = [0.0, 0.0]
+
+
+def profile_gpt(args: argparse.Namespace) -> None:
+    """The GPT's step, by kind of layer (docs/gpt.md)."""
+    from mpisgd.nn import TokenCrossEntropy  # noqa: PLC0415
+    from mpisgd.nn.gpt import GPTShape, gpt  # noqa: PLC0415
+    from mpisgd.optim.adam import AdamW, matrices  # noqa: PLC0415
+    from mpisgd.text import load_tokens  # noqa: PLC0415
+
+    d = load_tokens(args.data, args.context, 0.05)
+    b = args.batch_size
+    model = gpt(GPTShape(d.vocab.size, args.context)).materialize(np, "float32", seed=0)
+    opt = AdamW(model.flat, (0.9, 0.99), 1e-8, 0.1, decay_mask=matrices(model.flat))
+    loss = TokenCrossEntropy()
+    loader = BatchLoader(d.train, np, "float32")
+    batches = GlobalBatches(len(d.train), b, 0, 1)
+    perm = epoch_permutation(len(d.train), 0, 0)
+    kinds = KindTimes(model)
+    step_ms, loss_ms, opt_ms = [], [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        x, y = loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))
+        logits = model.forward(x)
+        t1 = time.perf_counter()
+        loss.forward_array(logits, y)
+        dy = loss.backward()
+        t2 = time.perf_counter()
+        model.backward(dy)
+        t3 = time.perf_counter()
+        opt.step(1e-3)
+        t4 = time.perf_counter()
+        kinds.end_step(keep=step >= WARMUP_STEPS)
+        if step >= WARMUP_STEPS:
+            step_ms.append(1e3 * (t4 - t0))
+            loss_ms.append(1e3 * (t2 - t1))
+            opt_ms.append(1e3 * (t4 - t3))
+    total = statistics.median(step_ms)
+    print(f"GPT {model.flat.size:,} parameters (4 layers, 4 heads, 128 dims), b={b}, T={args.context}, float32, "
+          f"{args.threads} BLAS thread(s): median step {total:.1f} ms, {b * args.context / total * 1e3:.0f} tokens/s")
+    print(f"  {'kind of layer (its own time)':<36}{'forward':>9}{'backward':>10}{'share':>8}")
+    rows = [(k, statistics.median(f for f, _ in v), statistics.median(bw for _, bw in v)) for k, v in kinds.ms.items()]
+    rows += [("loss (softmax cross-entropy)", statistics.median(loss_ms), 0.0),
+             ("optimizer (AdamW)", 0.0, statistics.median(opt_ms))]
+    for kind, f, bw in sorted(rows, key=lambda r: -(r[1] + r[2])):
+        print(f"  {kind:<36}{f:>9.2f}{bw:>10.2f}{100 * (f + bw) / total:>7.1f}%")
+    attention_parts(b, args.context, 4, 128 // 4, layers=4, steps=args.steps)
+
+
+def attention_parts(n: int, t: int, h: int, d: int, layers: int, steps: int) -> None:
+    """The attention's own work split in two, on its shapes, each alone (alternated, medians): its six
+    batched GEMMs (scores, weighted sums; and backward's four) and its masked softmax (forward, and
+    backward's dS = P * (dP - rowsum(dP * P))), times the layers."""
+    rng = np.random.default_rng(0)
+    q, k, v, dy = (rng.standard_normal((n, h, t, d), dtype=np.float32) for _ in range(4))
+    p, dp, tmp = (np.empty((n, h, t, t), np.float32) for _ in range(3))
+    out = np.empty((n, h, t, d), np.float32)
+    mask = np.triu(np.full((t, t), -np.inf, np.float32), k=1)
+    gemm_ms, soft_ms = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            np.matmul(q, k.swapaxes(-1, -2), out=p)
+            np.matmul(p, v, out=out)
+            np.matmul(p.swapaxes(-1, -2), dy, out=out)
+            np.matmul(dy, v.swapaxes(-1, -2), out=dp)
+            np.matmul(dp, k, out=out)
+            np.matmul(dp.swapaxes(-1, -2), q, out=out)
+        gemm_ms.append(1e3 * (time.perf_counter() - t0))
+        soft = 0.0
+        for _ in range(layers):
+            np.matmul(q, k.swapaxes(-1, -2), out=p)  # fresh scores, not timed
+            np.matmul(dy, v.swapaxes(-1, -2), out=dp)
+            t0 = time.perf_counter()
+            p += mask
+            p -= p.max(axis=-1, keepdims=True)
+            np.exp(p, out=p)
+            p /= p.sum(axis=-1, keepdims=True)
+            np.multiply(dp, p, out=tmp)
+            dp -= tmp.sum(axis=-1, keepdims=True)
+            dp *= p
+            soft += time.perf_counter() - t0
+        soft_ms.append(1e3 * soft)
+    print(f"  the attention's own time, alone on its shapes ({layers} layers, forward + backward): batched GEMMs "
+          f"{statistics.median(gemm_ms):.2f} ms, masked softmax {statistics.median(soft_ms):.2f} ms")
 
 
 def line_profile(timed_step: object, n_lines: int, steps: int = 30) -> None:

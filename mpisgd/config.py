@@ -18,18 +18,19 @@ from mpisgd.errors import UsageError
 
 # What a resumed run must share with the run that wrote its checkpoint, unless --resume-allow names it
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
-IDENTITY = ("model", "hidden", "dtype", "data", "seed", "epochs", "lr", "base_batch", "lr_scaling",
-            "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor", "momentum", "nesterov",
-            "momentum_correction", "weight_decay", "max_steps", "optimizer", "trust_coef", "reproducible", "beta1",
-            "beta2", "eps", "clip_grad_norm")
-STRUCTURE = ("model", "hidden", "dtype")
+IDENTITY = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout", "data", "seed",
+            "epochs", "lr", "base_batch", "lr_scaling", "warmup_epochs", "warmup_steps", "warmup_from", "decay",
+            "decay_epochs", "decay_factor", "momentum", "nesterov", "momentum_correction", "weight_decay",
+            "weight_decay_on", "max_steps", "optimizer", "trust_coef", "reproducible", "beta1", "beta2", "eps",
+            "clip_grad_norm")
+STRUCTURE = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout")
 MAX_THREADS = 1024  # BLAS threads per rank: beyond any node's cores, and within what BLAS libraries take
 OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
 # The options only some update rules read, and which: the others ignore them, so a resumed run of
 # those may change them freely (mpisgd.checkpoint.identity_changes).
 OPTIMIZER_OPTIONS = {"momentum": ("sgd", "lars"), "nesterov": ("sgd", "lars"), "momentum_correction": ("sgd", "lars"),
                      "trust_coef": ("lars",), "beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"),
-                     "eps": ("adamw", "lamb")}
+                     "eps": ("adamw", "lamb"), "weight_decay_on": ("adamw",)}
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -40,9 +41,15 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
 @dataclass
 class Config:
     # model
-    model: str = opt("mlp", "mlp, cnn (LeNet-5), or package.module:function: your own (it gets the input shape and "
+    model: str = opt("mlp", "mlp, cnn (LeNet-5), gpt (a character-level language model: --data a text file; "
+                            "docs/gpt.md), or package.module:function: your own (it gets the input shape and "
                             "the number of classes and returns an mpisgd.nn.Sequential)")
     hidden: tuple[int, ...] = opt((1024, 1024), "hidden widths of the MLP, comma-separated")
+    gpt_layers: int = opt(4, "--model gpt: transformer blocks")
+    gpt_heads: int = opt(4, "--model gpt: attention heads per block (they split --gpt-width)")
+    gpt_width: int = opt(128, "--model gpt: the residual stream's dimensions D (the MLP's hidden layer is 4D)")
+    dropout: float = opt(0.0, "--model gpt: dropout rate after the embeddings, on the attention weights and after "
+                              "each residual branch, keyed by sample (the same masks at any k)")
     dtype: str = opt("float32", "parameter and activation dtype", ("float32", "float64"))
     # data
     dataset: str = opt("fashion-mnist", "fashion-mnist (IDX files, see --data-dir) or synthetic (made up, for tests)",
@@ -51,6 +58,8 @@ class Config:
                                  "four .npy files (memory-mapped), or an IDX directory (docs/data.md)")
     data_dir: str | None = opt(None, "directory of Fashion-MNIST's IDX files (else $MPISGD_DATA, then the Debian "
                                      "path)")
+    context: int = opt(128, "sequence data (a text file, an .npz of tokens): tokens per sample, the model's context "
+                            "length T; every position is trained to predict the next token")
     limit_train: int | None = opt(None, "use only the first N training samples")
     limit_test: int | None = opt(None, "use only the first N test samples")
     val_split: float = opt(0.0, "hold out this fraction of the training set (after --limit-train, chosen by --seed) "
@@ -71,6 +80,8 @@ class Config:
     lr_scaling: str = opt("linear", "how the rate follows the effective batch B", ("linear", "sqrt", "none"))
     warmup_epochs: float = opt(0.0, "gradual warmup from eta0 to the scaled rate over this many epochs")
     warmup_steps: int | None = opt(None, "warmup length in steps (overrides --warmup-epochs)")
+    warmup_from: str = opt("base", "where warmup starts: base, the smaller of --lr and the scaled rate (Goyal et "
+                                   "al.'s), or zero (a transformer's)", ("base", "zero"))
     decay: str = opt("cosine", "decay after warmup", ("none", "step", "cosine"))
     decay_epochs: tuple[int, ...] = opt((), "epochs at which --decay step multiplies the rate by --decay-factor")
     decay_factor: float = opt(0.1, "factor of each step decay")
@@ -80,6 +91,9 @@ class Config:
                                            "(sgd, lars)")
     weight_decay: float = opt(0.0, "weight decay: sgd, lars: L2, added to the averaged gradient; adamw: decoupled, "
                                    "w *= 1 - lr*wd; lamb: inside the trust-scaled update")
+    weight_decay_on: str = opt("all", "adamw: the parameters weight decay shrinks: all, or matrices (weights and "
+                                      "embeddings, 2-D and up; not biases, LayerNorm's gains and shifts)",
+                               ("all", "matrices"))
     optimizer: str = opt("sgd", "update rule: sgd; lars (SGD with a layer-wise trust ratio, You et al. 2017); adamw "
                                 "(Adam with decoupled weight decay, Loshchilov & Hutter); lamb (Adam's update with "
                                 "LARS's layer-wise trust ratio, You et al. 2019), which want Adam-sized rates (--lr "
@@ -199,8 +213,20 @@ class Config:
             raise UsageError("--decay step needs --decay-epochs, e.g. --decay-epochs 6,9")
         if any(e < 1 for e in self.decay_epochs) or list(self.decay_epochs) != sorted(self.decay_epochs):
             raise UsageError(f"--decay-epochs must be increasing positive epochs, got {self.decay_epochs}")
-        if self.model not in ("mlp", "cnn") and ":" not in self.model:
-            raise UsageError(f"--model must be mlp, cnn or package.module:function, got {self.model!r}")
+        if self.model not in ("mlp", "cnn", "gpt") and ":" not in self.model:
+            raise UsageError(f"--model must be mlp, cnn or package.module:function, got {self.model!r}; or gpt, "
+                             "a language model on text")
+        for name in ("context", "gpt_layers", "gpt_heads", "gpt_width"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.gpt_width % self.gpt_heads:
+            raise UsageError(f"--gpt-width {self.gpt_width} does not split into --gpt-heads {self.gpt_heads} heads of "
+                             "equal size: choose a width divisible by the heads")
+        if not 0 <= self.dropout < 1:
+            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.weight_decay_on != "all" and self.optimizer != "adamw":
+            raise UsageError(f"--weight-decay-on {self.weight_decay_on} is for --optimizer adamw, not "
+                             f"{self.optimizer}: pass --weight-decay-on all")
         if self.data and self.dataset == "synthetic":
             raise UsageError("--data and --dataset synthetic: choose one")
         if any(h < 1 for h in self.hidden):
@@ -244,12 +270,14 @@ def parse_int_tuple(text: str) -> tuple[int, ...]:
 
 # --help in groups, by concern; every field of Config is in exactly one (tests/test_config.py checks)
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model and data": ("model", "hidden", "dtype", "dataset", "data", "data_dir", "limit_train", "limit_test",
-                       "val_split", "test_every_epoch", "synthetic_samples", "seed"),
+    "model and data": ("model", "hidden", "gpt_layers", "gpt_heads", "gpt_width", "dropout", "dtype", "dataset",
+                       "data", "data_dir", "context", "limit_train", "limit_test", "val_split", "test_every_epoch",
+                       "synthetic_samples", "seed"),
     "batch and schedule": ("epochs", "max_steps", "batch_size", "accum_steps", "global_batch", "lr", "base_batch",
-                           "lr_scaling", "warmup_epochs", "warmup_steps", "decay", "decay_epochs", "decay_factor"),
-    "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "trust_coef",
-                  "beta1", "beta2", "eps", "clip_grad_norm", "on_nan"),
+                           "lr_scaling", "warmup_epochs", "warmup_steps", "warmup_from", "decay", "decay_epochs",
+                           "decay_factor"),
+    "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "weight_decay_on",
+                  "trust_coef", "beta1", "beta2", "eps", "clip_grad_norm", "on_nan"),
     "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "reproducible", "deterministic",
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
@@ -262,7 +290,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALIASES: dict[str, tuple[str, ...]] = {"bucket_cap_mb": ("--bucket-mb",), "stall_timeout_s": ("--stall-timeout",)}
 
 
-# The stock CNN's own recipe where the command line does not say (why: docs/benchmarks.md, LeNet-5).
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20}}
+# The stock models' own recipes where the command line does not say. The CNN's: docs/benchmarks.md, LeNet-5.
+# The GPT's: nanoGPT's character-level recipe (AdamW, beta2 0.99, decay 0.1 on matrices, a warmup from zero,
+# cosine decay), at the sizes docs/gpt.md measures on 2 cores.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cnn": {"lr": 0.02, "weight_decay": 5e-4, "epochs": 20},
+    "gpt": {"optimizer": "adamw", "lr": 1e-3, "lr_scaling": "none", "beta2": 0.99, "weight_decay": 0.1,
+            "weight_decay_on": "matrices", "warmup_steps": 100, "warmup_from": "zero", "batch_size": 32,
+            "context": 64, "val_split": 0.05, "epochs": 1},
+}
 
 

@@ -158,6 +158,7 @@ class Dataset:
     scale: float = 1.0
     shift: float = 0.0
     rows: np.ndarray | None = None  # the samples of the arrays this set uses (hold_out), None: all of them
+    tokens: bool = False  # inputs are token ids (mpisgd.text): delivered as int64, not scaled; labels per position
 
     def __len__(self) -> int:
         return len(self.labels) if self.rows is None else len(self.rows)
@@ -167,7 +168,8 @@ class Dataset:
         if self.images.ndim == 0 or self.labels.ndim == 0:  # nothing to take from: validate() says why
             return self
         pick = slice(None, n) if self.rows is None else self.rows[:n]
-        return Dataset(np.array(self.images[pick]), np.array(self.labels[pick]), self.scale, self.shift)
+        return Dataset(np.array(self.images[pick]), np.array(self.labels[pick]), self.scale, self.shift,
+                       tokens=self.tokens)
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> tuple[Dataset, Dataset, Path]:
@@ -546,12 +548,13 @@ class GlobalBatches:
 
 
 class BatchLoader:
-    """Gathers a batch of inputs into preallocated buffers, in the model's dtype, scaled on the device."""
+    """Gathers a batch of inputs into preallocated buffers, in the model's dtype, scaled on the device;
+    token ids (a set of ``tokens``) as int64, with their (N, T) targets."""
 
     def __init__(self, data: Dataset, xp: Any, dtype: str | np.dtype) -> None:
         self.xp = xp
         self.data = data
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(np.int64) if data.tokens else np.dtype(dtype)
         self._images = xp.asarray(data.images)  # uint8 on the device: 4x smaller than floats
         self._labels = xp.asarray(data.labels)
         self._bufs: dict[tuple[int, int], Any] = {}
@@ -572,6 +575,12 @@ class BatchLoader:
             buf = self._bufs[(n, slot)] = xp.empty((n, *self._images.shape[1:]), dtype=self.dtype)
         idx_dev = xp.asarray(idx)
         buf[...] = self._images[idx_dev]  # gather (uint8 stays 4x smaller until here), convert once
+        if self.data.tokens:
+            targets = self._bufs.get((n, -1 - slot))
+            if targets is None:
+                targets = self._bufs[(n, -1 - slot)] = xp.empty((n, *self._labels.shape[1:]), dtype=np.int64)
+            targets[...] = self._labels[idx_dev]
+            return buf, targets
         if self.data.scale != 1.0:
             buf *= self.data.scale
         if self.data.shift:

@@ -44,7 +44,7 @@ from mpisgd.nn.module import parameter_shapes
 
 FORMAT = "mpisgd-model"
 VERSION = 1
-STOCK = ("mlp", "cnn")  # the models mpisgd builds itself; anything else is a factory of the user's
+STOCK = ("mlp", "cnn", "gpt")  # the models mpisgd builds itself; anything else is a factory of the user's
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
 _LARGE = 1 << 31  # no dimension, width or class count of a real model is this large
 Factory = Callable[[tuple[int, ...], int], Module]
@@ -156,7 +156,7 @@ def check_meta(meta: Any, p: Path | str) -> None:
                              f"{VERSION}: use the mpisgd that wrote it, or a newer one")
     name = meta.get("model")
     if not (isinstance(name, str) and (name in STOCK or _FACTORY.match(name))):
-        raise bad("model", "mlp, cnn or package.module:function")
+        raise bad("model", f"{', '.join(STOCK)} or package.module:function")
     shape = meta.get("in_shape")
     if shape is not None and not (isinstance(shape, list) and 1 <= len(shape) <= 8 and all(map(_count, shape))):
         raise bad("in_shape", "a list of 1 to 8 positive integers (one sample's shape)")
@@ -173,6 +173,12 @@ def check_meta(meta: Any, p: Path | str) -> None:
     for field in ("input_scale", "input_shift"):
         if meta.get(field) is not None and not _finite(meta[field]):
             raise bad(field, "a finite number")
+    arch = meta.get("arch")
+    if arch is not None and not (isinstance(arch, dict) and set(arch) <= {"layers", "heads", "width", "dropout"}
+                                 and all(_count(arch[k]) for k in set(arch) - {"dropout"})
+                                 and _finite(arch.get("dropout", 0.0)) and 0 <= arch.get("dropout", 0.0) < 1):
+        raise bad("arch", "a JSON object of the GPT's sizes (layers, heads, width: positive integers; dropout in "
+                          "[0, 1))")
     if meta.get("data") is not None and not isinstance(meta["data"], dict):
         raise bad("data", "a JSON object (the training set's identity)")
 
@@ -233,7 +239,7 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
     in_shape, classes, name = tuple(meta["in_shape"]), int(meta["classes"]), meta["model"]
     try:
         if name in STOCK:
-            module = build_model(name, in_shape, classes, tuple(meta.get("hidden") or ()))
+            module = build_model(name, in_shape, classes, tuple(meta.get("hidden") or ()), arch=meta.get("arch"))
         elif factory is None:
             raise ModelFileError(
                 f"{p} holds a model of its own, built by {name}; reading a file runs no code it names: if you "

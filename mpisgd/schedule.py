@@ -3,7 +3,7 @@
 Phases, in order (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):
   1. scale:  the target rate eta = f(B / B0) * eta0, f = identity (linear), sqrt, or 1;
   2. warm up: over ``warmup_steps`` the rate rises linearly, per iteration, from
-     min(eta0, eta) to eta;
+     min(eta0, eta) (or ``warmup_start``: 0 for a transformer's warmup) to eta;
   3. decay:  then ``cosine`` to zero at the last step, or ``step``: times
      ``decay_factor`` at each milestone, or none.
 Every rank computes the same value from the same inputs; nothing is stateful.
@@ -68,6 +68,7 @@ class Schedule:
     decay: str = "none"  # none | step | cosine
     milestones: tuple[int, ...] = ()  # steps at which step decay applies
     decay_factor: float = 0.1
+    warmup_start: float | None = None  # the rate of step 0 (None: min(base_lr, peak_lr))
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -90,7 +91,7 @@ class Schedule:
         """The rate for optimizer step ``step`` (0-based)."""
         # 2. warmup, per iteration
         if step < self.warmup_steps:
-            start = min(self.base_lr, self.peak_lr)
+            start = min(self.base_lr, self.peak_lr) if self.warmup_start is None else self.warmup_start
             return start + (self.peak_lr - start) * step / self.warmup_steps
         # 3. decay over the steps after warmup
         if self.decay == "cosine":
@@ -111,4 +112,4 @@ class Schedule:
             warmup = round(cfg.warmup_epochs * steps_per_epoch)
         return cls(base_lr=cfg.lr, peak_lr=peak, warmup_steps=warmup, total_steps=total_steps,
                    decay=cfg.decay, milestones=tuple(e * steps_per_epoch for e in cfg.decay_epochs),
-                   decay_factor=cfg.decay_factor)
+                   decay_factor=cfg.decay_factor, warmup_start=0.0 if cfg.warmup_from == "zero" else None)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install mpisgd and what it needs on a fresh Debian machine (run as root).
-#   bash scripts/install.sh        the package, an MPI library, Fashion-MNIST
+#   bash scripts/install.sh        the package, an MPI library, Fashion-MNIST, the King James Bible as text
 #   bash scripts/install.sh test   ... and the test tools
 #   bash scripts/install.sh openmpi   only Debian's Open MPI with its mpi4py, for scripts/test.sh's Open MPI
 #                                     passes, in an environment of its own (see below); python3 is untouched
@@ -68,6 +68,19 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && comm
     apt_install dataset-fashion-mnist
   else
     echo "[install] not root: install dataset-fashion-mnist yourself or pass --data-dir" >&2
+  fi
+fi
+
+# The GPT's reference corpus (docs/gpt.md): the King James Bible, public domain, which Debian's bible-kjv
+# ships (4.3 MB of ASCII once printed); written once as plain text where --data finds it
+KJV=${MPISGD_KJV:-/usr/local/share/mpisgd/kjv.txt}
+if [ ! -s "$KJV" ] && command -v apt-get >/dev/null; then
+  echo "[install] the King James Bible as text, for --model gpt (Debian package bible-kjv) -> $KJV"
+  if [ "$(id -u)" = 0 ]; then
+    command -v bible >/dev/null || apt_install bible-kjv
+    mkdir -p "$(dirname "$KJV")" && bible "Gen1:1-Rev22:21" > "$KJV.tmp" && mv "$KJV.tmp" "$KJV"
+  else
+    echo "[install] not root: apt-get install bible-kjv, then: bible Gen1:1-Rev22:21 > kjv.txt" >&2
   fi
 fi
 

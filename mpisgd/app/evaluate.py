@@ -157,7 +157,15 @@ def _main(argv: list[str] | None, comm: Any) -> int:
     with watchdog.watching("evaluate: adding the counts"):
         comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
     watchdog.close()
-    if rank == 0:
+    if rank == 0 and test.tokens:  # a language model: loss per token, not a table of its characters
+        n, right, loss = counts.sum(axis=0)
+        unit = "char" if (saved.meta.get("data") or {}).get("vocab", {}).get("chars") else "token"
+        print(f"model: {saved.path} | gpt, {saved.model.flat.size:,} parameters {saved.meta.get('dtype')}, context "
+              f"{saved.meta['in_shape'][0]}, vocabulary {n_classes}")
+        print(f"data: {source} | the test part: {len(test):,} windows, {int(n):,} tokens")
+        print(f"loss {loss / n:.4f} nats/{unit} = {loss / n / np.log(2):.4f} bits/{unit} | token accuracy "
+              f"{right / n:.4f} ({int(right):,} of {int(n):,})")
+    elif rank == 0:
         meta = saved.meta
         trained = meta.get("data") or {}
         step = f", step {meta['step']}" if "step" in meta else ""
@@ -210,6 +218,9 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
         raise UsageError(f"--limit-test must be >= 1, got {args.limit_test}")
     if args.data and args.dataset == "synthetic":
         raise UsageError("--data and --dataset synthetic: choose one")
+    language = _language_model(args)
+    if language is not None:
+        return language
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
         saved = read_model(args.path, in_shape=(1, 28, 28), factory=args.model_factory)
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
@@ -219,3 +230,21 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
         saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]), factory=args.model_factory)
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
     return saved, test, name, source, classes, warnings
+
+
+def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
+    """A language model on sequence data: the test part of ``--data`` in the model's vocabulary and
+    context (DataError where the text holds a character the model does not know); None when the data or
+    the model is not one (the image path says what is wrong then)."""
+    from mpisgd import text  # noqa: PLC0415
+    from mpisgd.model_file import read_model  # noqa: PLC0415
+
+    if not text.is_token_data(args.data, text=True):
+        return None
+    saved = read_model(args.path)
+    vocab = text.Vocabulary.from_identity(saved.meta.get("data") or {})
+    if vocab is None:
+        return None
+    d = text.load_tokens(args.data, int(saved.meta["in_shape"][0]), 0.0, vocab)
+    test = d.test.head(args.limit_test) if args.limit_test else d.test
+    return saved, test, d.name, d.source, vocab.size, []

@@ -109,11 +109,25 @@ def rank_map(places: list[tuple[str, int, int | None]]) -> str:
     return " | ".join(groups)
 
 
-def format_epoch(r: dict[str, Any], epochs: int) -> str:
+def token_unit(run: Run) -> str:
+    """What a language model's token is, for the epoch line: 'char' (a text file's) or 'token'."""
+    vocab = run.data.identity.get("vocab")
+    return "char" if isinstance(vocab, dict) and vocab.get("chars") else "token"
+
+
+def format_epoch(r: dict[str, Any], epochs: int, unit: str = "token") -> str:
     """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
     waiting for communication, the gradient noise scale (the batch beyond which a larger one stops paying,
-    mpisgd.noise)."""
+    mpisgd.noise). A language model's (records with ``tokens_per_s``): losses per token, also in bits per
+    ``unit``, token accuracy and tokens per second."""
     noise = f"  noise scale {_samples(r['noise_scale'])}" if "noise_scale" in r else ""
+    if "tokens_per_s" in r:
+        val = (f"val_loss {r['val_loss']:.4f} ({r['val_bits_per_token']:.3f} bits/{unit})  "
+               f"val_acc {r['val_acc']:.4f}  ") if "val_acc" in r else ""
+        return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f} ({r['train_bits_per_token']:.3f} "
+                f"bits/{unit})  {val}" + (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "") +
+                f"tokens/s {r['tokens_per_s']:>7.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
+                f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
     held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
         (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
     return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
@@ -170,6 +184,9 @@ def banner(run: Run) -> list[str]:
         device += f" | BLAS threads per rank: {run.threads} ({run.threads_from})"
     scaled = f"{cfg.lr_scaling} scaling -> {s.peak_lr:.4g}" if s.peak_lr != cfg.lr else f"{cfg.lr_scaling} scaling"
     train, test = run.data.train, run.data.test
+    samples = f"windows of {run.data.in_shape[0]} tokens, a vocabulary of {run.data.n_classes} {token_unit(run)}s" \
+        if run.data.tokens else f"samples {'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, " \
+                                f"{run.data.n_classes} classes"
     lines = [
         f"mpisgd | {library} | k={run.k} rank(s) on {ctx.n_nodes} node(s) | {rank_map(places)}",
         f"device: {device}",
@@ -177,8 +194,7 @@ def banner(run: Run) -> list[str]:
         f"{describe_model(run.model)}",
         f"data: {run.data.source} | {len(train):,} train, " + (f"{len(run.data.val):,} validation (--val-split "
                                                                 f"{cfg.val_split:g}), " if run.data.val else "") +
-        f"{len(test):,} test | samples "
-        f"{'x'.join(map(str, run.data.in_shape))} {train.images.dtype}, {run.data.n_classes} classes",
+        f"{len(test):,} test | {samples}",
         f"batch: b={cfg.batch_size} per rank x k={run.k} x m={cfg.accum_steps} accumulated = B={run.B} | "
         f"{run.batches.steps_per_epoch} steps/epoch, {run.total_steps} steps",
         f"lr: {cfg.lr:g} for B0={cfg.base_batch}, {scaled} | warmup {s.warmup_steps} steps | {cfg.decay} decay",
@@ -238,7 +254,12 @@ def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: flo
                      "the test set scored once, after training:")
     acc = f"{test['test_acc']:.4f}" if test else f"{last['test_acc']:.4f}" if "test_acc" in last else \
         "n/a (no epoch finished)"
-    lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
+    if test and "test_bits_per_token" in test:  # a language model: its test loss says more than its accuracy
+        unit = token_unit(run)
+        lines.append(f"final test loss {test['test_loss']:.4f} nats/{unit} = {test['test_bits_per_token']:.3f} "
+                     f"bits/{unit}, token accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
+    else:
+        lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
     if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
         lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))
     return lines

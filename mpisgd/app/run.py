@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpisgd import data
+from mpisgd import data, text
 from mpisgd.agreement import ReplicaError, agree, same_arithmetic
 from mpisgd.app import preflight, run_files
 from mpisgd.app.preflight import peak_rss_mib
@@ -31,10 +31,10 @@ from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
 from mpisgd.model_file import FORMAT, VERSION, model_structure
-from mpisgd.nn import Model, Module, build_model
+from mpisgd.nn import Model, Module, TokenCrossEntropy, build_model
 from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD, Optimizer
-from mpisgd.optim.adam import LAMB, AdamW
+from mpisgd.optim.adam import LAMB, AdamW, matrices
 from mpisgd.optim.lars import LARS
 from mpisgd.parallel import DataParallel
 from mpisgd.schedule import Schedule, accum_steps_for, effective_batch, total_steps
@@ -59,6 +59,11 @@ class RunData:
     @property
     def n_classes(self) -> int:
         return int(self.identity["classes"])
+
+    @property
+    def tokens(self) -> bool:
+        """Sequence data (mpisgd.text): windows of token ids, a target at every position."""
+        return self.train.tokens
 
 
 @dataclass
@@ -184,6 +189,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
+                          loss=TokenCrossEntropy() if run_data.tokens else None,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
@@ -204,10 +210,18 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
             _restore(run, state)
     if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
         run.warnings += run_files.write_config(cfg, ctx.size)
+        vocab = text.Vocabulary.from_identity(run_data.identity)
+        if vocab is not None:
+            run.warnings += run_files.write_vocab(cfg, text.vocab_json(vocab))
     return run
 
 
 def _load_data(cfg: Config) -> RunData:
+    if text.is_token_data(cfg.data, text=cfg.model == "gpt"):
+        return _load_tokens(cfg)
+    if cfg.model == "gpt":
+        raise UsageError("--model gpt reads sequence data: --data a UTF-8 text file or an .npz of 'tokens' "
+                         "(docs/data.md)")
     if cfg.dataset == "synthetic":
         train, test, name, source = synthetic(cfg.synthetic_samples, cfg.seed), \
             synthetic(2000, cfg.seed, split=1), "synthetic", "synthetic"
@@ -227,16 +241,38 @@ def _load_data(cfg: Config) -> RunData:
     return RunData(train, test, source, identity, warnings, val)
 
 
+def _load_tokens(cfg: Config) -> RunData:
+    """A text file or an .npz of tokens: contiguous training, validation and test parts, windows of
+    --context tokens (mpisgd.text)."""
+    assert cfg.data is not None
+    if cfg.model in ("mlp", "cnn"):
+        raise UsageError(f"--data {cfg.data} holds token ids, which --model {cfg.model} cannot read: use --model gpt")
+    d = text.load_tokens(cfg.data, cfg.context, cfg.val_split)
+    train, test = d.train, d.test
+    if cfg.limit_train:
+        train = train.head(cfg.limit_train)
+    if cfg.limit_test:
+        test = test.head(cfg.limit_test)
+    identity = dict(d.identity, n_train=len(train), n_test=len(test))
+    return RunData(train, test, d.source, identity, [], d.val)
+
+
+def gpt_arch(cfg: Config) -> dict[str, Any]:
+    """The GPT's sizes from the options (what model_record keeps to build it again)."""
+    return {"layers": cfg.gpt_layers, "heads": cfg.gpt_heads, "width": cfg.gpt_width, "dropout": cfg.dropout}
+
+
 def _build_model(cfg: Config, run_data: RunData) -> Module:
     try:
-        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden)
+        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden,
+                           arch=gpt_arch(cfg) if cfg.model == "gpt" else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -> None:
     try:
-        check_output(model, xp, run_data.in_shape, run_data.n_classes, cfg.dtype)
+        check_output(model, xp, run_data.in_shape, run_data.n_classes, cfg.dtype, tokens=run_data.tokens)
     except ValueError as exc:
         raise UsageError(f"--model {cfg.model}: {exc}") from None
 
@@ -247,9 +283,11 @@ def _level1(optimizer: Optimizer) -> bool:
 
 
 def _optimizer(cfg: Config, model: Model) -> Optimizer:
-    if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
-        rule = AdamW if cfg.optimizer == "adamw" else LAMB
-        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    if cfg.optimizer == "adamw":  # ufuncs only: reproducible as it is
+        mask = matrices(model.flat) if cfg.weight_decay_on == "matrices" else None
+        return AdamW(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, decay_mask=mask)
+    if cfg.optimizer == "lamb":
+        return LAMB(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
@@ -311,6 +349,10 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
             state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
                 find_resume(cfg.resume, cfg.checkpoint_dir)
             if state is not None:
+                try:
+                    text.check_same_vocabulary(state.data, identity, f"the checkpoint {path}")
+                except UsageError as exc:
+                    raise CheckpointError(str(exc)) from None
                 plan = resume_point(state, path, cfg.to_dict(), getattr(cfg, "given", set()), cfg.allowed_changes(),
                                    world.Get_size(), identity, structure=structure)
                 warnings += plan.warnings
@@ -359,6 +401,8 @@ def model_record(run: Run, step: int | None = None) -> dict[str, Any]:
             "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
             "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
             "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}
+    if cfg.model == "gpt":
+        meta["arch"] = gpt_arch(cfg)
     if step is not None:
         meta["step"] = step
     return meta

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import IO
 
 from mpisgd.app import tensorboard
 from mpisgd.app.options import to_toml
@@ -52,12 +53,27 @@ def write_config(cfg: Config, k: int) -> list[str]:
     return warnings
 
 
-def copies(cfg: Config) -> list[Path]:
-    """Where a run writes its effective configuration: beside the metrics file and in the checkpoint
-    directory (rank 0)."""
+def write_vocab(cfg: Config, vocab_json: str) -> list[str]:
+    """Write a language model's vocabulary (mpisgd.text) as ``vocab.json`` beside the metrics file and into
+    the checkpoint directory (rank 0); returns warnings for the banner."""
+    def write(f: IO[bytes]) -> None:
+        f.write(vocab_json.encode())
+
+    warnings = []
+    for path in copies(cfg, "vocab.json"):
+        try:
+            atomic_write(path, write)
+        except (OSError, UsageError) as exc:
+            warnings.append(f"warning: the vocabulary was not written to {path} ({exc})")
+    return warnings
+
+
+def copies(cfg: Config, name: str = "config.toml") -> list[Path]:
+    """Where a run writes its effective configuration (or another of its files, ``name``): beside the metrics
+    file and in the checkpoint directory (rank 0)."""
     out = []
     if cfg.metrics_file:
-        out.append(Path(f"{cfg.metrics_file}.config.toml"))
+        out.append(Path(f"{cfg.metrics_file}.{name}"))
     if cfg.checkpoint_dir:
-        out.append(Path(cfg.checkpoint_dir) / "config.toml")
+        out.append(Path(cfg.checkpoint_dir) / name)
     return out

@@ -7,6 +7,7 @@ what it wrote, what each epoch measured.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,16 @@ from mpisgd.model_file import model_fallbacks, save_params
 from mpisgd.nn import scoring
 from mpisgd.nn.scoring import Tally
 from mpisgd.noise import estimate
+
+
+def per_token(record: dict[str, Any], context: int) -> dict[str, float]:
+    """A language model's epoch or test record's losses (mean nats per token) also in bits per token (bits
+    per character for a character-level model), and its speed in tokens per second (context per window)."""
+    out = {f"{key[:-5]}_bits_per_token": record[key] / math.log(2) for key in ("train_loss", "val_loss", "test_loss")
+           if record.get(key) is not None}
+    if "samples_per_s" in record:
+        out["tokens_per_s"] = record["samples_per_s"] * context
+    return out
 
 
 class NoSignals:
@@ -232,6 +243,8 @@ class Trainer:
         with self.dp.watchdog.watching("the test set, after training"):
             acc, loss = self.score(self.run.test_loader, loss=True)
         self.final_test = {"kind": "test", "step": self.global_step, "test_acc": acc, "test_loss": loss}
+        if self.run.data.tokens:
+            self.final_test.update(per_token(self.final_test, self.run.data.in_shape[0]))
         self.record(self.final_test)
 
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
@@ -269,9 +282,11 @@ class Trainer:
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
             "allreduce": self.dp.describe(), **noise, **straggler,
         }
+        if run.data.tokens:  # a language model: per token, in nats and bits, and tokens per second
+            record.update(per_token(record, run.data.in_shape[0]))
         self.history.append(record)
         self.record(record)
-        self.log(report.format_epoch(record, self.n_epochs))
+        self.log(report.format_epoch(record, self.n_epochs, report.token_unit(run)))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
 

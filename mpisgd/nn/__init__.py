@@ -5,13 +5,19 @@ parameters, gradients and buffers are views of flat buffers (docs/modules.md: wr
 """
 
 from mpisgd.nn import scoring
+from mpisgd.nn.attention import CausalSelfAttention
 from mpisgd.nn.containers import Residual, Sequential
 from mpisgd.nn.dropout import Dropout
+from mpisgd.nn.embedding import Embedding, PositionEmbedding
+from mpisgd.nn.gelu import GELU
+from mpisgd.nn.gpt import GPTShape, gpt
+from mpisgd.nn.layernorm import LayerNorm
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
-from mpisgd.nn.loss import SoftmaxCrossEntropy, accuracy_count
+from mpisgd.nn.loss import SoftmaxCrossEntropy, TokenCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
 
-__all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute",
-           "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp",
-           "scoring"]
+__all__ = ["GELU", "CausalSelfAttention", "Context", "Conv2d", "Dropout", "Embedding", "Flatten", "GPTShape", "Layer",
+           "LayerNorm", "Linear", "MaxPool2d", "Model", "Module", "Permute", "PositionEmbedding", "ReLU", "Residual",
+           "Sequential", "SoftmaxCrossEntropy", "TokenCrossEntropy", "accuracy_count", "build_model", "cnn", "gpt",
+           "mlp", "scoring"]

@@ -6,7 +6,7 @@ shape and reused, so the hot path allocates nothing; a returned array is valid
 until the layer's next call. Backward writes gradients in place (``out=``), or
 adds to them when ``accumulate`` is set (gradient accumulation).
 
-Linear, ReLU and Flatten take (N, ...) arrays; Conv2d and MaxPool2d take
+Linear takes (..., in) arrays, ReLU and Flatten (N, ...); Conv2d and MaxPool2d take
 (C, H, W, N), batch last (see Conv2d for why), and Permute converts.
 """
 
@@ -23,40 +23,47 @@ CHUNK_BYTES = 512 * 1024  # im2col columns per chunk: within a core's L2, so the
 
 
 class Linear(Module):
-    """y = x W + b, with W of shape (in, out) so that forward is one GEMM with no transpose copy."""
+    """y = x W + b, with W of shape (in, out) so that forward is one GEMM with no transpose copy.
 
-    def __init__(self, n_in: int, n_out: int) -> None:
+    ``x`` is (..., in): any leading dimensions (a transformer's (N, T, D)) are one GEMM's rows. The
+    weights start He (Kaiming) uniform, for ReLU networks, or, with ``init_std``, normal with that
+    deviation (GPT-2's 0.02); the bias at zero."""
+
+    def __init__(self, n_in: int, n_out: int, init_std: float | None = None) -> None:
         super().__init__()
-        self.n_in, self.n_out = n_in, n_out
+        self.n_in, self.n_out, self.init_std = n_in, n_out, init_std
         self.param_shapes = [("W", (n_in, n_out)), ("b", (n_out,))]
-        self._x: Array = None
+        self._x: Array = None  # the input as (rows, in)
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
-        # He (Kaiming) uniform for ReLU networks, zero bias
-        bound = math.sqrt(6.0 / self.n_in)
-        return {"W": rng.uniform(-bound, bound, (self.n_in, self.n_out)).astype(dtype),
-                "b": np.zeros(self.n_out, dtype)}
+        if self.init_std is None:
+            bound = math.sqrt(6.0 / self.n_in)
+            W = rng.uniform(-bound, bound, (self.n_in, self.n_out))
+        else:
+            W = rng.normal(0.0, self.init_std, (self.n_in, self.n_out))
+        return {"W": W.astype(dtype), "b": np.zeros(self.n_out, dtype)}
 
     def forward(self, x: Array) -> Array:
         xp = xp_of(x)
-        self._x = x
-        y = self._buf("y", (x.shape[0], self.n_out), x)
-        xp.matmul(x, self.params["W"], out=y)
+        self._x = x.reshape(-1, self.n_in)  # a view (x itself when 2-D): rows of one GEMM
+        y = self._buf("y", (*x.shape[:-1], self.n_out), x)
+        xp.matmul(self._x, self.params["W"], out=y.reshape(-1, self.n_out))
         y += self.params["b"]
         return y
 
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
         xp = xp_of(dy)
+        dy2 = dy.reshape(-1, self.n_out)
         dW = self._grad_out("W", (self.n_in, self.n_out), dy)
-        xp.matmul(self._x.T, dy, out=dW)
+        xp.matmul(self._x.T, dy2, out=dW)
         self._grad_done("W", dW)
         db = self._grad_out("b", (self.n_out,), dy)
-        xp.sum(dy, axis=0, out=db)
+        xp.sum(dy2, axis=0, out=db)
         self._grad_done("b", db)
         if not need_dx:
             return None
-        dx = self._buf("dx", self._x.shape, dy)
-        xp.matmul(dy, self.params["W"].T, out=dx)
+        dx = self._buf("dx", (*dy.shape[:-1], self.n_in), dy)
+        xp.matmul(dy2, self.params["W"].T, out=dx.reshape(-1, self.n_in))
         return dx
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""Softmax cross-entropy: the loss of every model here."""
+"""Softmax cross-entropy: one label per sample (classification) or one target per position (language models)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,57 @@ class SoftmaxCrossEntropy:
 def accuracy_count(logits: Array, labels: Array) -> int:
     """Number of samples whose arg-max logit is the label."""
     return int((logits.argmax(axis=1) == labels).sum())
+
+
+class TokenCrossEntropy:
+    """Softmax cross-entropy at every position: logits (..., C), integer targets (...) — a language
+    model's (N, T, vocabulary) and (N, T). Targets equal to ``ignore_index`` are not scored.
+
+    ``forward_array`` gives the mean over the scored targets; ``count(y)`` how many a batch has; and
+    ``backward(scale)`` d(sum of the scored targets' losses)/d(logits) times ``scale`` (default
+    1/count: the gradient of the mean). Data parallelism passes 1/(k * the step's summed counts), so
+    every token of the effective batch weighs the same whatever the rank or micro-batch it is in.
+    """
+
+    def __init__(self, ignore_index: int = -1) -> None:
+        self.ignore_index = ignore_index
+        self._p: Array = None
+        self._rows: Array = None  # the flat rows of the scored targets
+        self._labels: Array = None  # and their labels
+        self._keep: Array = None  # per flat row: scored or not
+        self._shape: tuple[int, ...] = ()
+        self._count = 0
+
+    def count(self, labels: Array) -> int:
+        """The targets scored in ``labels`` (those not equal to ignore_index)."""
+        return int((labels != self.ignore_index).sum())
+
+    def forward(self, logits: Array, labels: Array) -> float:
+        return float(self.forward_array(logits, labels))
+
+    def forward_array(self, logits: Array, labels: Array) -> Array:
+        """The mean loss over the scored targets, as a 0-d array (no device-to-host sync on GPU)."""
+        xp = xp_of(logits)
+        c = logits.shape[-1]
+        z = logits.reshape(-1, c)
+        flat = labels.reshape(-1)
+        if z.shape[0] != flat.shape[0]:
+            raise ValueError(f"TokenCrossEntropy: logits {tuple(logits.shape)} for targets {tuple(labels.shape)}")
+        p = z - z.max(axis=1, keepdims=True)  # stable: exp of <= 0
+        xp.exp(p, out=p)
+        p /= p.sum(axis=1, keepdims=True)
+        keep = flat != self.ignore_index
+        rows = xp.flatnonzero(keep)
+        picked = p[rows, flat[rows]]
+        self._p, self._rows, self._labels, self._keep = p, rows, flat[rows], keep
+        self._count, self._shape = int(rows.size), tuple(logits.shape)
+        return -xp.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)).sum() / max(1, self._count)
+
+    def backward(self, scale: float | None = None) -> Array:
+        """The logits' gradient (of their shape), times ``scale``."""
+        grad = self._p  # consumed once: reuse the probabilities' memory
+        grad[self._rows, self._labels] -= 1.0
+        if self._count != grad.shape[0]:
+            grad *= self._keep[:, None]  # ignored targets give no gradient
+        grad *= (1.0 / max(1, self._count)) if scale is None else scale
+        return grad.reshape(self._shape)

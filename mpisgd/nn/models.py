@@ -1,4 +1,5 @@
-"""The models the CLI offers, and your own: ``--model package.module:function``.
+"""The models the CLI offers (``mlp``, ``cnn``, ``gpt``: mpisgd.nn.gpt), and your own:
+``--model package.module:function``.
 
 Built on the host; ``materialize`` puts them on a device. A model factory takes the input shape (one
 sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`~mpisgd.nn.Module` (e.g.
@@ -11,8 +12,10 @@ import importlib
 import math
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 from mpisgd.nn.containers import Sequential
+from mpisgd.nn.gpt import GPTShape, gpt
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
 from mpisgd.nn.module import Model, Module
 
@@ -56,14 +59,24 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
     )
 
 
+def _gpt(in_shape: tuple[int, ...], n_classes: int, arch: dict[str, Any] | None) -> Module:
+    """--model gpt: samples are windows of T = in_shape[0] token ids, the classes its vocabulary."""
+    if len(in_shape) != 1:
+        raise ValueError(f"--model gpt reads token ids (a text file or an .npz of tokens: windows of --context "
+                         f"tokens); the data's samples are {'x'.join(map(str, in_shape))}")
+    return gpt(GPTShape(vocab=n_classes, context=in_shape[0], **(arch or {})))
+
+
 def factory(name: str) -> Callable[..., Module]:
-    """``mlp``, ``cnn``, or ``package.module:function`` (importable from the working directory or
+    """``mlp``, ``cnn``, ``gpt`` or ``package.module:function`` (importable from the working directory or
     PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
     does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
     if name == "mlp":
         return lambda in_shape, n_classes, hidden=(1024, 1024): mlp(hidden, math.prod(in_shape), n_classes)
     if name == "cnn":
         return lambda in_shape, n_classes, hidden=(): cnn(n_classes, in_shape)
+    if name == "gpt":
+        return lambda in_shape, n_classes, hidden=(), arch=None: _gpt(tuple(in_shape), n_classes, arch)
     module, _, fn = name.partition(":")
     if not module or not fn:
         raise ValueError(f"--model {name}: use mlp, cnn, or package.module:function for a model of your own")
@@ -91,11 +104,14 @@ def _raised(exc: BaseException) -> str:
 
 
 def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
-                hidden: tuple[int, ...] = (1024, 1024)) -> Module:
+                hidden: tuple[int, ...] = (1024, 1024), arch: dict[str, Any] | None = None) -> Module:
     """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
-    name, a factory that raises or exits, or one that does not return a Module)."""
+    name, a factory that raises or exits, or one that does not return a Module). ``arch``: the GPT's
+    sizes (mpisgd.nn.gpt.GPTShape's layers, heads, width, dropout)."""
     make = factory(name)
-    if name in ("mlp", "cnn"):
+    if name == "gpt":
+        model = make(in_shape, n_classes, arch=arch)
+    elif name in ("mlp", "cnn"):
         model = make(in_shape, n_classes, hidden)
     else:
         try:
@@ -123,19 +139,25 @@ def _layout_hint(model: Model) -> str:
     return ""
 
 
-def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str) -> None:
+def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
+                 tokens: bool = False) -> None:
     """Two samples through the materialised model, forward then backward (a loss gradient of ones): it must
-    give one score per class, and both passes must run. ValueError names the failing pass and the user's
-    exception, with a hint when a convolution lacks its layout change. The gradients this leaves are
-    overwritten by the first step."""
-    x = xp.zeros((2, *in_shape), dtype=dtype)  # type: ignore[attr-defined]
+    give one score per class (``tokens``: at every position of a window of token ids), and both passes must
+    run. ValueError names the failing pass and the user's exception, with a hint when a convolution lacks its
+    layout change. The gradients this leaves are overwritten by the first step."""
+    x = xp.zeros((2, *in_shape), dtype="int64" if tokens else dtype)  # type: ignore[attr-defined]
     try:
         out = model.forward(x)
     except Exception as exc:
         raise ValueError(f"the model cannot take samples of shape {tuple(in_shape)} "
                          f"({type(exc).__name__}: {exc}){_layout_hint(model)}") from None
-    if tuple(out.shape) != (2, n_classes):
+    want = (2, *in_shape, n_classes) if tokens else (2, n_classes)
+    if tuple(out.shape) != want:
         shape = tuple(out.shape[1:]) if out.shape[:1] == (2,) else f"{tuple(out.shape)} for 2 samples"
+        if tokens:
+            raise ValueError(f"the model gives {shape} outputs per sample; the data are windows of {in_shape[0]} "
+                             f"tokens of a vocabulary of {n_classes}, so it must give {want[1:]}: a score per "
+                             "token at every position")
         raise ValueError(f"the model gives {shape} outputs per sample; the data have {n_classes} "
                          "classes (labels 0..C-1), so it must give one score per class" + _layout_hint(model))
     try:

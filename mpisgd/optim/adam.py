@@ -4,6 +4,7 @@ AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), as ``
 computes it; t counts the steps taken (this one included), g is the averaged gradient, wd the decay:
 
     w *= 1 - lr*wd                                  decoupled: the decay never enters the moments
+                                                    (only the tensors ``decay_mask`` marks, if given)
     m  = b1*m + (1 - b1)*g
     v  = b2*v + (1 - b2)*g*g
     w -= lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps)
@@ -29,7 +30,7 @@ AdamW leaves the gradient buffer as it was; LAMB leaves there the step it took, 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpisgd.flatbuf import FlatBuffer
@@ -41,7 +42,9 @@ class AdamW:
     (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.base.Optimizer)."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, decay_mask: Sequence[bool] | None = None) -> None:
+        """``decay_mask``: per parameter tensor (``flat.shapes`` order), whether weight decay shrinks it
+        (None: every one; a transformer decays its matrices only, :func:`matrices`)."""
         if flat is None:
             raise ValueError(f"materialize() the model before building its optimizer: {type(self).__name__}"
                              "(model.flat) needs the parameters")
@@ -53,8 +56,11 @@ class AdamW:
             raise ValueError(f"eps must be finite and > 0, got {eps}")
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        if decay_mask is not None and len(decay_mask) != len(flat.shapes):
+            raise ValueError(f"decay_mask has {len(decay_mask)} entries for {len(flat.shapes)} parameter tensors")
         self.flat = flat
         self.beta1, self.beta2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+        self.decayed = _runs(flat.offsets, decay_mask)  # [lo, hi) ranges weight decay shrinks
         xp = flat.xp
         self.exp_avg = xp.zeros_like(flat.params)  # m
         self.exp_avg_sq = xp.zeros_like(flat.params)  # v
@@ -87,7 +93,10 @@ class AdamW:
         for lo, hi, g in shards:
             w, tmp = self.flat.params[lo:hi], self._tmp[lo:hi]
             if self.weight_decay:
-                w *= 1.0 - lr * self.weight_decay
+                for a, b in self.decayed:
+                    x, y = max(a, lo), min(b, hi)
+                    if x < y:
+                        w[x - lo:y - lo] *= 1.0 - lr * self.weight_decay
             self._denominator(lo, hi, g)  # into tmp
             self.flat.xp.divide(self.exp_avg[lo:hi], tmp, out=tmp)
             tmp *= step_size
@@ -107,6 +116,28 @@ class AdamW:
         xp.sqrt(v, out=tmp)
         tmp /= math.sqrt(1.0 - b2 ** self.steps)
         tmp += self.eps
+
+
+def matrices(flat: FlatBuffer) -> list[bool]:
+    """The decay mask of weight decay on matrices only: True for tensors of 2 dimensions and more
+    (weights, embeddings), False for vectors (biases, LayerNorm's gains and shifts), as nanoGPT and
+    most transformer recipes decay."""
+    return [len(shape) >= 2 for shape in flat.shapes]
+
+
+def _runs(offsets: Sequence[int], mask: Sequence[bool] | None) -> list[tuple[int, int]]:
+    """The flat ranges of the masked tensors, neighbours merged (one range for a mask of all True)."""
+    if mask is None:
+        return [(offsets[0], offsets[-1])]
+    runs: list[tuple[int, int]] = []
+    for t, on in enumerate(mask):
+        if not on:
+            continue
+        if runs and runs[-1][1] == offsets[t]:
+            runs[-1] = (runs[-1][0], offsets[t + 1])
+        else:
+            runs.append((offsets[t], offsets[t + 1]))
+    return runs
 
 
 class LAMB(AdamW):
