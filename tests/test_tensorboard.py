@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, run_mpi, serial_only
 
+from mpisgd.app.records import EpochRecord, StepRecord, TestRecord
 from mpisgd.app.tensorboard import TensorBoardWriter, open_writer
 
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "16",
@@ -54,22 +55,35 @@ def test_a_run_writes_what_tensorboard_reads_on_rank_0_only(tmp_path):
     assert all(s["grad_norm"] > 0 for s in steps)
 
 
+def epoch_record(**over) -> EpochRecord:
+    values = dict(epoch=1, step=1, lr=0.1, train_loss=2.0, samples_per_s=100.0, comm_frac=0.1, comm_exposed_ms=0.1,
+                  comm_total_ms=0.2, forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.5, step_ms=4.0, epoch_time_s=0.4,
+                  skipped_steps=0, world_size=1, effective_batch=32, local_batch=32, accum_steps=1, grad_nbytes=400,
+                  bucket_algbw_gbps=0.0, bucket_busbw_gbps=0.0, peak_rss_mib=90.0, rss_start_mib=50.0, state_mib=2.0)
+    values.update(over)
+    return EpochRecord(**values)
+
+
 def test_scalars_of_each_kind_of_record(tmp_path):
+    """The writer reads the typed records by field name: each kind's scalars, NaN and None left out."""
     pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
     w = TensorBoardWriter(str(tmp_path))
-    w.write({"kind": "step", "step": 1, "loss": 2.5, "lr": 0.1, "step_ms": 3.0, "grad_norm": 7.0})
-    w.write({"kind": "epoch", "step": 1, "train_loss": 2.0, "test_acc": 0.5, "noise_scale": 900.0,
-             "comm_frac": float("nan"), "allreduce": "text", "skipped_steps": 0})
+    w.write(StepRecord(step=1, epoch=1, loss=2.5, lr=0.1, step_ms=3.0, grad_norm=7.0))
+    w.write(StepRecord(step=2, epoch=1, loss=2.4, lr=0.1, step_ms=3.0))  # no grad_norm: no point
+    w.write(epoch_record(test_acc=0.5, noise_scale=900.0, comm_frac=float("nan")))
+    w.write(TestRecord(step=2, test_acc=0.75, test_loss=0.6))
     w.close()
     got = scalars(tmp_path)
     assert got["step/grad_norm"] == [(1, 7.0)] and got["epoch/noise_scale"] == [(1, 900.0)]
+    assert [s for s, _ in got["step/loss"]] == [1, 2]
     assert got["epoch/test_acc"] == [(1, 0.5)] and "epoch/comm_frac" not in got  # NaN: not a point
-    assert not any("allreduce" in t or "skipped" in t for t in got)
+    assert got["test/acc"] == [(2, 0.75)] and got["test/loss"] == [(2, pytest.approx(0.6))]
+    assert not any("allreduce" in t or "skipped" in t or "val_" in t for t in got)  # None (no --val-split): none
 
 
 def test_nothing_is_written_or_imported_without_the_option():
     w = open_writer(None)
-    w.write({"kind": "step", "step": 1, "loss": 1.0})
+    w.write(StepRecord(step=1, epoch=1, lr=0.1, loss=1.0, step_ms=1.0))
     w.close()
     code = ("import sys; import mpisgd.app.trainer, mpisgd.app.run; from mpisgd.app.tensorboard import open_writer; "
             "open_writer(None).close(); print('tensorboardX' in sys.modules, 'torch' in sys.modules)")

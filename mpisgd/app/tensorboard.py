@@ -3,7 +3,7 @@
 The writer is tensorboardX's ``SummaryWriter`` (``pip install 'mpisgd[tensorboard]'``): pure Python on
 protobuf, no TensorFlow or PyTorch. It is imported only when the option is given; without it,
 :func:`open_writer` returns a writer that does nothing. Each record the loop writes to the metrics file
-(mpisgd.app.metrics) is also a set of scalars here, against the optimizer step:
+(mpisgd.app.records, read by field name) is also a set of scalars here, against the optimizer step:
 
 * step records: ``step/loss`` (rank 0's batch), ``step/lr``, ``step/step_ms``, ``step/grad_norm`` (when
   the step has one);
@@ -19,6 +19,7 @@ import math
 import sys
 from typing import Any
 
+from mpisgd.app.records import Record
 from mpisgd.errors import UsageError
 
 MISSING = "--tensorboard needs the tensorboardX package: pip install 'mpisgd[tensorboard]' (or tensorboardX)"
@@ -54,7 +55,7 @@ def _summary_writer() -> Any:
 
 
 class NullWriter:
-    def write(self, record: dict[str, Any]) -> None: ...
+    def write(self, record: Record) -> None: ...
 
     def close(self) -> None: ...
 
@@ -65,11 +66,11 @@ class TensorBoardWriter:
     def __init__(self, logdir: str) -> None:
         self._w = _summary_writer()(logdir=logdir, flush_secs=30)
 
-    def write(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind", "epoch")
-        step = int(record.get("step", 0))
+    def write(self, record: Record) -> None:
+        kind = record.kind
+        step = int(getattr(record, "step", 0))  # a run record has none, and no scalars
         for key in SCALARS.get(kind, ()):
-            value = record.get(key)
+            value = getattr(record, key, None)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 self._w.add_scalar(_TAGS.get((kind, key), f"{kind}/{key}"), float(value), step)
         if kind != "step":  # an epoch's end: on disk now, not at the next timed flush
