@@ -150,7 +150,7 @@ def from_metrics(path: str, epoch: int | None = None, noise_scale: float | None 
     except MetricsError as exc:
         raise PlanError(str(exc)) from None
     if not runs:
-        raise PlanError(f"{path}: no run or epoch records: not an mpisgd.train --metrics-file")
+        raise PlanError(f"{path}: no epoch records (kind \"epoch\"): not an mpisgd.train --metrics-file")
     log = runs[-1]
     rec = _epoch(log, path, epoch)
     last = log.epochs[-1]
