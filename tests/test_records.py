@@ -143,6 +143,7 @@ def test_epoch_timings_are_averaged_over_ranks_by_field_name():
     numeric = [f.name for f in dataclasses.fields(StepStats) if type(getattr(StepStats(), f.name)) in (int, float)]
     local = StepStats(**{name: (i + 1) * (rank + 1) if type(getattr(StepStats(), name)) is int
                          else (i + 1) * (rank + 1) + 0.5 for i, name in enumerate(numeric)})
+    local.small_sq = np.float64(local.small_sq)  # DataParallel's norms are NumPy scalars: reduced all the same
     local.arrived_check_in.append(float(rank))
     mean, extra = mean_over_ranks(comm, local, {"loss_sum": float(rank), "another": 2.0})
     scale = sum(r + 1 for r in range(k)) / k

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+import typing
 from dataclasses import fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,14 +42,14 @@ def mean_over_ranks(comm: Any, stats: StepStats, extra: dict[str, float]) -> tup
     """The ranks' mean of every number in ``stats`` (a StepStats: its int and float fields, by name) and in
     ``extra`` (collective: one Allreduce of a vector whose order is the fields' own, the same on every
     rank). Lists (the per-step arrival times) are left as this rank's."""
-    names = [f.name for f in fields(stats) if type(getattr(stats, f.name)) in (int, float)]
+    hints = typing.get_type_hints(type(stats))
+    names = [f.name for f in fields(stats) if hints[f.name] in (int, float)]  # by declaration: NumPy values too
     keys = sorted(extra)
     local = np.array([float(getattr(stats, n)) for n in names] + [float(extra[k]) for k in keys])
     total = np.empty_like(local)
     comm.Allreduce(local, total, op=MPI.SUM)
     mean = total / comm.Get_size()
-    typed: dict[str, Any] = {n: (round(float(v)) if type(getattr(stats, n)) is int else float(v))
-                             for n, v in zip(names, mean)}
+    typed: dict[str, Any] = {n: (round(float(v)) if hints[n] is int else float(v)) for n, v in zip(names, mean)}
     return replace(stats, **typed), {k: float(v) for k, v in zip(keys, mean[len(names):])}
 
 
