@@ -13,7 +13,6 @@ from typing import Any
 
 from mpisgd.app.records import (
     READABLE,
-    SCHEMA,
     EpochRecord,
     Record,
     RecordError,
@@ -159,7 +158,8 @@ def read_metrics(path: str) -> list[RunLog]:
         try:
             record = from_json(obj)
         except RecordError as exc:
-            raise MetricsError(f"{path}: line {i}: {exc}: not {WHAT} of schema {SCHEMA}") from None
+            raise MetricsError(f"{path}: line {i}: {exc}: not {WHAT} of schema "
+                               f"{' or '.join(map(str, READABLE))} (docs/metrics.md)") from None
         if record is None:
             continue  # a kind this version does not know: a later minor addition
         step = getattr(record, "step", None)

@@ -215,7 +215,7 @@ def from_json(obj: dict[str, Any]) -> Record | None:
         hint = _hints(cls)[f.name]
         if f.name not in obj:
             if f.default is dataclasses.MISSING:
-                raise RecordError(f"a {cls.kind} record without {f.name}")
+                raise RecordError(f"{'an' if cls.kind[0] in 'aeiou' else 'a'} {cls.kind} record without {f.name}")
             continue
         values[f.name] = _convert(obj[f.name], hint, f"{cls.kind} record's {f.name}")
     return typing.cast(Record, cls(**values))
