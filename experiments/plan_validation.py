@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,28 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def repredict(directory: Path) -> str:
+    """The current planner on an earlier validation's profiles and links (DIR/runs), against the k = 2 runs
+    measured then: what a model change does to the same measurements, without measuring again."""
+    result = json.loads((directory / "validation.json").read_text())
+    lines = [f"Re-predicted from {directory} (measured {result['started']}; {result['command']}):", "",
+             "| where | model | errors per repeat | median | then |", "|---|---|---|---|---|"]
+    for s in result["series"]:
+        label = s["label"]
+        local = label.startswith("local")
+        link = directory / "runs" / f"{'local' if local else label.rsplit('-', 1)[0]}-allreduce-k2.jsonl"
+        network = ["--ranks-per-node", "2", "--intra-link", str(link), "--backend", "shared"] if local else \
+            ["--link", str(link), "--backend", "auto"]
+        errors = []
+        for pair in s["pairs"]:
+            profile = directory / "runs" / f"{label}-k1-r{pair['repeat']}.jsonl"
+            row = predict(Path(tempfile.mkdtemp()), label, profile, network)
+            errors.append(row["samples_per_s"] / pair["measured_samples_per_s"] - 1)
+        lines.append(f"| {s['where']} | {s['model']} | {', '.join(f'{100 * e:+.1f}' for e in errors)} | "
+                     f"**{100 * statistics.median(errors):+.1f} %** | {100 * s['median_error']:+.1f} % |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,cnn", help="mlp (--hidden), cnn (LeNet-5)")
@@ -234,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=3, help="how often, at most, with --max-others")
     p.add_argument("--out", default=str(ROOT / "results" / "plan"), help="output directory (a folder per run)")
     p.add_argument("--quick", action="store_true", help="smoke run: MLP 784-64-10, 1 repeat, few steps")
+    p.add_argument("--from-runs", default=None, metavar="DIR",
+                   help="measure nothing: re-predict an earlier run's profiles (DIR/runs) with today's planner")
     args = p.parse_args(argv)
+    if args.from_runs:
+        print(repredict(Path(args.from_runs)))
+        return 0
     if args.quick:
         args.models, args.hidden, args.repeats, args.limit_train = "mlp", "64", 1, 2048
         args.links = "1gbit"
