@@ -34,11 +34,17 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mpisgd.app.metrics import read_metrics  # noqa: E402
+from mpisgd.app.records import to_json  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "MPISGD_PLAN_FILE": "off"}
 LINKS = ("1gbit", "10gbit")
@@ -117,14 +123,15 @@ class Launcher:
         metrics = self.out / "runs" / f"{name}.jsonl"
         metrics.unlink(missing_ok=True)
         rec = self.run(name, k, train_args(model, args, metrics))
-        epochs = [json.loads(x) for x in metrics.read_text().splitlines() if '"kind":"epoch"' in x]
+        log = read_metrics(str(metrics))[-1]  # the profile the planner reads: run record, steps, epochs
+        epochs = [to_json(e) for e in log.epochs]
         if self.cluster is not None and k > 1:  # at least half the gradient crossed each link per step
             need = epochs[-1]["grad_nbytes"] * epochs[-1]["step"] // 2
             low = {h: n for h, n in rec["link_bytes"].items() if n < need}
             if low:
                 raise RuntimeError(f"{name}: links carried fewer than {need} bytes ({low}): not the emulated network")
-        metrics.write_text("".join(json.dumps(e) + "\n" for e in epochs))  # the profile the planner reads
         rec["epochs"] = epochs
+        rec["sharded"] = bool(log.run and log.run.sharded)
         (self.out / "runs" / f"{name}.json").write_text(json.dumps(rec, indent=1))
         return rec
 
@@ -140,8 +147,8 @@ class Launcher:
 
 def predict(out: Path, name: str, profile: Path, network: list[str]) -> dict[str, Any]:
     """mpisgd.plan as a user runs it; returns its k = 2 row."""
-    epochs = [json.loads(x) for x in profile.read_text().splitlines() if x.strip()]
-    noise = [] if epochs and epochs[-1].get("noise_scale") else ["--noise-scale", "1000"]
+    epochs = read_metrics(str(profile))[-1].epochs
+    noise = [] if epochs and epochs[-1].noise_scale else ["--noise-scale", "1000"]
     path = out / "plans" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "mpisgd.plan", str(profile), "--ranks", "1,2", *network, *noise, "--json",
@@ -178,6 +185,7 @@ def series(launch: Launcher, label: str, model: str, network_args: list[str], ar
                       "predicted_step_ms": pred["step_ms"], "predicted_exposed_ms": pred["exposed_comm_ms"],
                       "measured_step_ms": m2["step_ms"], "measured_exposed_ms": m2["comm_exposed_ms"],
                       "measured_compute_ms": m2["step_ms"] - m2["comm_exposed_ms"],
+                      "predicted_sharded": pred["sharded"], "measured_sharded": k2["sharded"],
                       "others_cores": max(k1["others_cores"], k2["others_cores"]), "attempts": attempt + 1})
         p = pairs[-1]
         print(f"{label} r{r + 1}: k=1 {p['k1_samples_per_s']:.0f}/s -> predicted k=2 {p['predicted_samples_per_s']:.0f}"
@@ -210,6 +218,28 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def repredict(directory: Path) -> str:
+    """The current planner on an earlier validation's profiles and links (DIR/runs), against the k = 2 runs
+    measured then: what a model change does to the same measurements, without measuring again."""
+    result = json.loads((directory / "validation.json").read_text())
+    lines = [f"Re-predicted from {directory} (measured {result['started']}; {result['command']}):", "",
+             "| where | model | errors per repeat | median | then |", "|---|---|---|---|---|"]
+    for s in result["series"]:
+        label = s["label"]
+        local = label.startswith("local")
+        link = directory / "runs" / f"{'local' if local else label.rsplit('-', 1)[0]}-allreduce-k2.jsonl"
+        network = ["--ranks-per-node", "2", "--intra-link", str(link), "--backend", "shared"] if local else \
+            ["--link", str(link), "--backend", "auto"]
+        errors = []
+        for pair in s["pairs"]:
+            profile = directory / "runs" / f"{label}-k1-r{pair['repeat']}.jsonl"
+            row = predict(Path(tempfile.mkdtemp()), label, profile, network)
+            errors.append(row["samples_per_s"] / pair["measured_samples_per_s"] - 1)
+        lines.append(f"| {s['where']} | {s['model']} | {', '.join(f'{100 * e:+.1f}' for e in errors)} | "
+                     f"**{100 * statistics.median(errors):+.1f} %** | {100 * s['median_error']:+.1f} % |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,cnn", help="mlp (--hidden), cnn (LeNet-5)")
@@ -227,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=3, help="how often, at most, with --max-others")
     p.add_argument("--out", default=str(ROOT / "results" / "plan"), help="output directory (a folder per run)")
     p.add_argument("--quick", action="store_true", help="smoke run: MLP 784-64-10, 1 repeat, few steps")
+    p.add_argument("--from-runs", default=None, metavar="DIR",
+                   help="measure nothing: re-predict an earlier run's profiles (DIR/runs) with today's planner")
     args = p.parse_args(argv)
+    if args.from_runs:
+        print(repredict(Path(args.from_runs)))
+        return 0
     if args.quick:
         args.models, args.hidden, args.repeats, args.limit_train = "mlp", "64", 1, 2048
         args.links = "1gbit"

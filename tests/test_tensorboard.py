@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env, run_mpi, serial_only
 
+from mpisgd.app.records import EpochRecord, StepRecord, TestRecord
 from mpisgd.app.tensorboard import TensorBoardWriter, open_writer
 
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "16",
@@ -54,22 +55,35 @@ def test_a_run_writes_what_tensorboard_reads_on_rank_0_only(tmp_path):
     assert all(s["grad_norm"] > 0 for s in steps)
 
 
+def epoch_record(**over) -> EpochRecord:
+    values = dict(epoch=1, step=1, lr=0.1, train_loss=2.0, samples_per_s=100.0, comm_frac=0.1, comm_exposed_ms=0.1,
+                  comm_total_ms=0.2, forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.5, step_ms=4.0, epoch_time_s=0.4,
+                  skipped_steps=0, world_size=1, effective_batch=32, local_batch=32, accum_steps=1, grad_nbytes=400,
+                  bucket_algbw_gbps=0.0, bucket_busbw_gbps=0.0, peak_rss_mib=90.0, rss_start_mib=50.0, state_mib=2.0)
+    values.update(over)
+    return EpochRecord(**values)
+
+
 def test_scalars_of_each_kind_of_record(tmp_path):
+    """The writer reads the typed records by field name: each kind's scalars, NaN and None left out."""
     pytest.importorskip("tensorboardX", reason="--tensorboard needs tensorboardX (pip install 'mpisgd[tensorboard]')")
     w = TensorBoardWriter(str(tmp_path))
-    w.write({"kind": "step", "step": 1, "loss": 2.5, "lr": 0.1, "step_ms": 3.0, "grad_norm": 7.0})
-    w.write({"kind": "epoch", "step": 1, "train_loss": 2.0, "test_acc": 0.5, "noise_scale": 900.0,
-             "comm_frac": float("nan"), "allreduce": "text", "skipped_steps": 0})
+    w.write(StepRecord(step=1, epoch=1, loss=2.5, lr=0.1, step_ms=3.0, grad_norm=7.0))
+    w.write(StepRecord(step=2, epoch=1, loss=2.4, lr=0.1, step_ms=3.0))  # no grad_norm: no point
+    w.write(epoch_record(test_acc=0.5, noise_scale=900.0, comm_frac=float("nan")))
+    w.write(TestRecord(step=2, test_acc=0.75, test_loss=0.6))
     w.close()
     got = scalars(tmp_path)
     assert got["step/grad_norm"] == [(1, 7.0)] and got["epoch/noise_scale"] == [(1, 900.0)]
+    assert [s for s, _ in got["step/loss"]] == [1, 2]
     assert got["epoch/test_acc"] == [(1, 0.5)] and "epoch/comm_frac" not in got  # NaN: not a point
-    assert not any("allreduce" in t or "skipped" in t for t in got)
+    assert got["test/acc"] == [(2, 0.75)] and got["test/loss"] == [(2, pytest.approx(0.6))]
+    assert not any("allreduce" in t or "skipped" in t or "val_" in t for t in got)  # None (no --val-split): none
 
 
 def test_nothing_is_written_or_imported_without_the_option():
     w = open_writer(None)
-    w.write({"kind": "step", "step": 1, "loss": 1.0})
+    w.write(StepRecord(step=1, epoch=1, lr=0.1, loss=1.0, step_ms=1.0))
     w.close()
     code = ("import sys; import mpisgd.app.trainer, mpisgd.app.run; from mpisgd.app.tensorboard import open_writer; "
             "open_writer(None).close(); print('tensorboardX' in sys.modules, 'torch' in sys.modules)")
@@ -111,13 +125,13 @@ def test_a_disk_that_fills_mid_run_warns_once_and_never_blocks(tmp_path, capsys)
 
     with small_tmpfs(tmp_path / "small", "64k") as d:
         w = _promptly(lambda: TensorBoardWriter(str(d / "tb")))
-        records = [{"kind": "step", "step": i, "loss": 1.0 / i, "lr": 0.1, "step_ms": 2.0} for i in range(1, 20_000)]
+        records = [StepRecord(step=i, epoch=1, loss=1.0 / i, lr=0.1, step_ms=2.0) for i in range(1, 20_000)]
 
         def write_all():
             for i, r in enumerate(records):
                 w.write(r)
                 if i % 500 == 0:
-                    w.write({"kind": "epoch", "step": i, "train_loss": 1.0})  # flushed at an epoch's end
+                    w.write(epoch_record(step=i, train_loss=1.0))  # flushed at an epoch's end
             w.close()
 
         _promptly(write_all, timeout_s=60)
@@ -139,7 +153,7 @@ def test_a_disk_full_at_start_warns_and_training_goes_on(tmp_path, capsys):
         except OSError:
             pass  # full now
         w = _promptly(lambda: TensorBoardWriter(str(d)))
-        _promptly(lambda: (w.write({"kind": "epoch", "step": 1, "train_loss": 1.0}), w.close()))
+        _promptly(lambda: (w.write(epoch_record(step=1, train_loss=1.0)), w.close()))
     assert w.failed == "No space left on device"
     assert "write failed (No space left on device)" in capsys.readouterr().out
 
@@ -152,14 +166,15 @@ def test_two_runs_sharing_one_directory_keep_both_event_files(tmp_path):
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     a, b = TensorBoardWriter(str(tmp_path)), TensorBoardWriter(str(tmp_path))
-    a.write({"kind": "epoch", "step": 1, "train_loss": 1.0})
-    b.write({"kind": "epoch", "step": 1, "train_loss": 2.0})
+    a.write(epoch_record(step=1, train_loss=1.0))
+    b.write(epoch_record(step=1, train_loss=2.0))
     a.close()
     b.close()
     files = sorted(tmp_path.glob("events.out.tfevents.*"))
     assert len(files) == 2 and a.path != b.path
 
     def losses(path):
-        return [v.simple_value for e in LegacyEventFileLoader(str(path)).Load() for v in e.summary.value]
+        return [v.simple_value for e in LegacyEventFileLoader(str(path)).Load() for v in e.summary.value
+                if v.tag == "epoch/train_loss"]
 
     assert sorted(losses(a.path) + losses(b.path)) == [1.0, 2.0]

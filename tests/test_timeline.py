@@ -51,10 +51,11 @@ def test_a_timeline_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
 def test_metrics_on_a_full_disk_warn_once_and_the_run_goes_on(capsys):
     """/dev/full answers every write with ENOSPC: one warning, later writes are dropped, close is clean."""
     from mpisgd.app.metrics import MetricsWriter
+    from mpisgd.app.records import StepRecord
 
     m = MetricsWriter("/dev/full")
     for i in range(5):
-        m.write({"kind": "step", "step": i})
+        m.write(StepRecord(step=i, epoch=1, lr=0.1, loss=1.0, step_ms=1.0))
     m.close()
     out = capsys.readouterr().out
     assert out.count("warning: --metrics-file /dev/full: write failed (No space left on device); no more metrics") \

@@ -128,8 +128,9 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
                for line in metrics.read_text().splitlines()]
     epochs = [e for e in records if e["kind"] == "epoch"]
     assert [e["epoch"] for e in epochs] == [1, 2]
-    for key in ("epoch", "step", "lr", "train_loss", "test_acc", "samples_per_s", "comm_frac", "allreduce"):
+    for key in ("epoch", "step", "lr", "train_loss", "test_acc", "samples_per_s", "comm_frac"):
         assert key in epochs[-1]
+    assert records[0]["kind"] == "run" and records[0]["allreduce_plan"].startswith("node-shared buffer")
     assert 0.6 < epochs[-1]["test_acc"] <= 1.0 and epochs[-1]["train_loss"] < epochs[0]["train_loss"] * 1.2
     # peak memory of the largest rank: above the 47 MiB uint8 training set every rank holds, below 1 GiB,
     # and its parts: RSS at start-up (interpreter, NumPy, MPI; no data yet), what training holds, the rest

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpisgd.app.options import parse_config
+from mpisgd.app.records import EpochRecord
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
 from mpisgd.schedule import Schedule, effective_batch, total_steps
@@ -72,17 +73,18 @@ def plot_lr(cfg: Config, ranks: int, out: str, samples: int | None = None) -> st
     return out
 
 
-def noise_points(epochs: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+def noise_points(epochs: Sequence[EpochRecord]) -> tuple[list[int], list[float]]:
     """(steps, noise scales) of the epoch records that carry a finite, positive one: early and late in a
-    run the estimate can be inf (|G|^2 estimated <= 0) or missing (--noise-scale-every 0)."""
-    pts = [(r["step"], float(r["noise_scale"])) for r in epochs if isinstance(r.get("noise_scale"), int | float)]
-    kept = [(step, ns) for step, ns in pts if math.isfinite(ns) and ns > 0]
+    run the estimate can be inf (|G|^2 estimated <= 0; null in the file) or missing (--noise-scale-every 0)."""
+    kept = [(r.step, r.noise_scale) for r in epochs
+            if r.noise_scale is not None and math.isfinite(r.noise_scale) and r.noise_scale > 0]
     return [p[0] for p in kept], [p[1] for p in kept]
 
 
 def curves_figure(paths: Sequence[str], labels: Sequence[str] | None = None) -> Any:
     """Per-step loss, per-epoch test error, the gradient noise scale beside them (it grows as the loss
-    falls: the batch that still pays grows with it) and the learning rate, one line per metrics file."""
+    falls: the batch that still pays grows with it) and the learning rate, one line per metrics file (a
+    file several runs appended to: its last run)."""
     from mpisgd.app.metrics import read_metrics  # noqa: PLC0415
 
     if labels is not None and len(labels) != len(paths):
@@ -90,18 +92,17 @@ def curves_figure(paths: Sequence[str], labels: Sequence[str] | None = None) -> 
     plt = _pyplot()
     fig, (a_loss, a_err, a_noise, a_lr) = plt.subplots(1, 4, figsize=(17, 3.6))
     for i, path in enumerate(paths):
-        try:
-            steps, epochs = read_metrics(path, "step"), read_metrics(path, "epoch")
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot read metrics file {path}: {exc}") from None
+        runs = read_metrics(path)  # MetricsError is a UsageError: one line
+        steps, epochs = (runs[-1].steps, runs[-1].epochs) if runs else ([], [])
         if not steps and not epochs:
             raise UsageError(f"{path} holds no step or epoch records (write one with --metrics-file)")
         label = labels[i] if labels else path
         if steps:
-            a_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label=label)
-            a_lr.plot([r["step"] for r in steps], [r["lr"] for r in steps], lw=1.2, label=label)
-        if epochs:
-            a_err.plot([r["epoch"] for r in epochs], [100 * (1 - r["test_acc"]) for r in epochs], "o-",
+            a_loss.plot([r.step for r in steps], [r.loss for r in steps], lw=0.8, label=label)
+            a_lr.plot([r.step for r in steps], [r.lr for r in steps], lw=1.2, label=label)
+        scored = [r for r in epochs if r.test_acc is not None]
+        if scored:
+            a_err.plot([r.epoch for r in scored], [100 * (1 - float(r.test_acc or 0)) for r in scored], "o-",
                        label=label)
         at, noise = noise_points(epochs)
         if noise:

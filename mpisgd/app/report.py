@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from mpisgd.app.records import EpochRecord, TestRecord
 from mpisgd.noise import why_none
 
 if TYPE_CHECKING:  # report reads the run
@@ -115,24 +116,23 @@ def token_unit(run: Run) -> str:
     return "char" if isinstance(vocab, dict) and vocab.get("chars") else "token"
 
 
-def format_epoch(r: dict[str, Any], epochs: int, unit: str = "token") -> str:
+def format_epoch(r: EpochRecord, epochs: int, unit: str = "token") -> str:
     """One epoch: loss, held-out accuracy (validation and/or test), speed, the share of the step spent
     waiting for communication, the gradient noise scale (the batch beyond which a larger one stops paying,
-    mpisgd.noise). A language model's (records with ``tokens_per_s``): losses per token, also in bits per
+    mpisgd.noise). A language model's (a record with ``tokens_per_s``): losses per token, also in bits per
     ``unit``, token accuracy and tokens per second."""
-    noise = f"  noise scale {_samples(r['noise_scale'])}" if "noise_scale" in r else ""
-    if "tokens_per_s" in r:
-        val = (f"val_loss {r['val_loss']:.4f} ({r['val_bits_per_token']:.3f} bits/{unit})  "
-               f"val_acc {r['val_acc']:.4f}  ") if "val_acc" in r else ""
-        return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f} ({r['train_bits_per_token']:.3f} "
-                f"bits/{unit})  {val}" + (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "") +
-                f"tokens/s {r['tokens_per_s']:>7.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
-                f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
-    held = (f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  " if "val_acc" in r else "") + \
-        (f"test_acc {r['test_acc']:.4f}  " if "test_acc" in r else "")
-    return (f"epoch {r['epoch']:>3}/{epochs}  loss {r['train_loss']:.4f}  {held}"
-            f"samples/s {r['samples_per_s']:>8.0f}  waiting for comm {100 * r['comm_frac']:4.1f}%  "
-            f"lr {r['lr']:.4g}  {r['epoch_time_s']:.1f}s{noise}")
+    noise = f"  noise scale {_samples(r.noise_scale)}" if r.noise_scale is not None else ""
+    tail = f"waiting for comm {100 * r.comm_frac:4.1f}%  lr {r.lr:.4g}  {r.epoch_time_s:.1f}s{noise}"
+    test = f"test_acc {r.test_acc:.4f}  " if r.test_acc is not None else ""
+    if r.tokens_per_s is not None:
+        val = (f"val_loss {r.val_loss:.4f} ({r.val_bits_per_token:.3f} bits/{unit})  val_acc {r.val_acc:.4f}  "
+               if r.val_acc is not None and r.val_loss is not None and r.val_bits_per_token is not None else "")
+        bits = f" ({r.train_bits_per_token:.3f} bits/{unit})" if r.train_bits_per_token is not None else ""
+        return (f"epoch {r.epoch:>3}/{epochs}  loss {r.train_loss:.4f}{bits}  {val}{test}"
+                f"tokens/s {r.tokens_per_s:>7.0f}  {tail}")
+    held = (f"val_loss {r.val_loss:.4f}  val_acc {r.val_acc:.4f}  " if r.val_acc is not None and r.val_loss is not None
+            else "") + test
+    return f"epoch {r.epoch:>3}/{epochs}  loss {r.train_loss:.4f}  {held}samples/s {r.samples_per_s:>8.0f}  {tail}"
 
 
 def _samples(n: float) -> str:
@@ -240,26 +240,26 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
-def final_lines(run: Run, history: list[dict[str, Any]], steps: int, wall_s: float,
-                test: dict[str, Any] | None = None) -> list[str]:
+def final_lines(run: Run, history: list[EpochRecord], steps: int, wall_s: float,
+                test: TestRecord | None = None) -> list[str]:
     """The closing lines (rank 0): the bucket bandwidth achieved, accuracy (the last epoch's, or ``test``:
     the test set scored once after training), time, memory in parts."""
-    last = history[-1] if history else {}
+    last = history[-1] if history else None
     lines = []
-    if run.k > 1 and last.get("bucket_busbw_gbps"):
-        lines.append(f"gradient buckets: busbw {last['bucket_busbw_gbps']:.2f} GB/s (start to completion, overlapped), "
-                     f"{last['comm_exposed_ms']:.2f} of {last['comm_total_ms']:.2f} ms/step not hidden by backward")
-    if last and "val_acc" in last:
-        lines.append(f"validation accuracy {last['val_acc']:.4f} (loss {last['val_loss']:.4f}) at the last epoch; "
+    if run.k > 1 and last is not None and last.bucket_busbw_gbps:
+        lines.append(f"gradient buckets: busbw {last.bucket_busbw_gbps:.2f} GB/s (start to completion, overlapped), "
+                     f"{last.comm_exposed_ms:.2f} of {last.comm_total_ms:.2f} ms/step not hidden by backward")
+    if last is not None and last.val_acc is not None and last.val_loss is not None:
+        lines.append(f"validation accuracy {last.val_acc:.4f} (loss {last.val_loss:.4f}) at the last epoch; "
                      "the test set scored once, after training:")
-    acc = f"{test['test_acc']:.4f}" if test else f"{last['test_acc']:.4f}" if "test_acc" in last else \
-        "n/a (no epoch finished)"
-    if test and "test_bits_per_token" in test:  # a language model: its test loss says more than its accuracy
+    acc = f"{test.test_acc:.4f}" if test else f"{last.test_acc:.4f}" if last is not None and \
+        last.test_acc is not None else "n/a (no epoch finished)"
+    if test is not None and test.test_bits_per_token is not None:  # a language model: its test loss says more
         unit = token_unit(run)
-        lines.append(f"final test loss {test['test_loss']:.4f} nats/{unit} = {test['test_bits_per_token']:.3f} "
+        lines.append(f"final test loss {test.test_loss:.4f} nats/{unit} = {test.test_bits_per_token:.3f} "
                      f"bits/{unit}, token accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
     else:
         lines.append(f"final test accuracy {acc} after {steps} steps | wall time {wall_s:.1f} s")
-    if last and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
-        lines.append(memory_line(last["peak_rss_mib"], last["rss_start_mib"], last["state_mib"]))
+    if last is not None and not run.ctx.backend.is_gpu:  # on a GPU the training state is device memory, not RSS
+        lines.append(memory_line(last.peak_rss_mib, last.rss_start_mib, last.state_mib))
     return lines

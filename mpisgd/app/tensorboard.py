@@ -3,7 +3,7 @@
 The events are TensorBoard's protocol buffers from tensorboardX (``pip install 'mpisgd[tensorboard]'``:
 pure Python on protobuf, no TensorFlow or PyTorch), imported only when the option is given; without it,
 :func:`open_writer` returns a writer that does nothing. Each record the loop writes to the metrics file
-(mpisgd.app.metrics) is also a set of scalars here, against the optimizer step:
+(mpisgd.app.records, read by field name) is also a set of scalars here, against the optimizer step:
 
 * step records: ``step/loss`` (rank 0's batch), ``step/lr``, ``step/step_ms``, ``step/grad_norm`` (when
   the step has one);
@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mpisgd.app.records import Record
 from mpisgd.errors import UsageError
 
 MISSING = "--tensorboard needs the tensorboardX package: pip install 'mpisgd[tensorboard]' (or tensorboardX)"
@@ -67,7 +68,7 @@ def _summary_writer() -> Any:
 
 
 class NullWriter:
-    def write(self, record: dict[str, Any]) -> None: ...
+    def write(self, record: Record) -> None: ...
 
     def close(self) -> None: ...
 
@@ -94,14 +95,14 @@ class TensorBoardWriter:
         except OSError as exc:
             self._fail(exc)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         if self._f is None:
             return
-        kind = record.get("kind", "epoch")
-        step = int(record.get("step", 0))
+        kind = record.kind
+        step = int(getattr(record, "step", 0))  # a run record has none, and no scalars
         values = []
         for key in SCALARS.get(kind, ()):
-            value = record.get(key)
+            value = getattr(record, key, None)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 values.append(self._summary.Value(tag=_TAGS.get((kind, key), f"{kind}/{key}"), simple_value=value))
         try:

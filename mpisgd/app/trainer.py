@@ -10,16 +10,21 @@ from __future__ import annotations
 import math
 import sys
 import time
+import typing
+from dataclasses import fields, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+import mpisgd
 from mpisgd.app import preflight, report
 from mpisgd.app.inject import NoHooks
 from mpisgd.app.metrics import MetricsWriter
-from mpisgd.app.run import Run, model_record
+from mpisgd.app.records import SCHEMA, EpochRecord, Record, RunRecord, StepRecord, TestRecord
+from mpisgd.app.run import SHARD_MIN_BYTES, Run, model_record
 from mpisgd.app.signals import EXIT_PREEMPTED, EXIT_TERMINATED, Stop
 from mpisgd.app.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.app.straggler import describe as describe_straggler
@@ -32,15 +37,66 @@ from mpisgd.model_file import model_fallbacks, save_params
 from mpisgd.nn import scoring
 from mpisgd.nn.scoring import Tally
 from mpisgd.noise import estimate
+from mpisgd.parallel.data_parallel import StepStats
 
 
-def per_token(record: dict[str, Any], context: int) -> dict[str, float]:
+def mean_over_ranks(comm: Any, stats: StepStats, extra: dict[str, float]) -> tuple[StepStats, dict[str, float]]:
+    """The ranks' mean of every number in ``stats`` (a StepStats: its int and float fields, by name) and in
+    ``extra`` (collective: one Allreduce of a vector whose order is the fields' own, the same on every
+    rank). Lists (the per-step arrival times) are left as this rank's."""
+    hints = typing.get_type_hints(type(stats))
+    names = [f.name for f in fields(stats) if hints[f.name] in (int, float)]  # by declaration: NumPy values too
+    keys = sorted(extra)
+    local = np.array([float(getattr(stats, n)) for n in names] + [float(extra[k]) for k in keys])
+    total = np.empty_like(local)
+    comm.Allreduce(local, total, op=MPI.SUM)
+    mean = total / comm.Get_size()
+    typed: dict[str, Any] = {n: (round(float(v)) if hints[n] is int else float(v)) for n, v in zip(names, mean)}
+    return replace(stats, **typed), {k: float(v) for k, v in zip(keys, mean[len(names):])}
+
+
+STRAGGLER_FIELDS = ("wait_caused_ms", "lag_ms", "rank_step_ms", "slowest_rank", "slowest_wait_ms", "slowest_share")
+
+
+def _straggler_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """mpisgd.app.straggler.analyse's report as EpochRecord fields (lists as tuples; {} at k = 1)."""
+    return {k: tuple(report[k]) if isinstance(report[k], list) else report[k] for k in STRAGGLER_FIELDS
+            if k in report}
+
+
+def run_record(run: Run) -> RunRecord:
+    """What ``run`` is, for the metrics file's first line of this run (docs/metrics.md): the batch, the
+    buckets and overlap, the update's sharding, the optimizer and its rate."""
+    cfg, dp, flat = run.cfg, run.dp, run.model.flat
+    assert flat is not None  # materialized at set-up
+    per_node: dict[str, int] = {}
+    for host, _, _ in run.places:
+        per_node[host] = per_node.get(host, 0) + 1
+    itemsize = dp.summed.dtype.itemsize  # int64 integers when reproducible
+    return RunRecord(
+        schema=SCHEMA, started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        version=mpisgd.__version__, world_size=run.k, nodes=len(per_node), ranks_per_node=max(per_node.values()),
+        device="gpu" if run.ctx.backend.is_gpu else "cpu", threads=run.threads, model=cfg.model, dtype=str(flat.dtype),
+        parameters=int(flat.size), grad_nbytes=int(flat.nbytes),
+        bucket_nbytes=tuple(int((b.stop - b.start) * itemsize) for b in dp.buckets), bucket_cap_mb=cfg.bucket_cap_mb,
+        overlap=bool(dp.overlap), allreduce=cfg.allreduce, allreduce_plan=dp.describe(),
+        reproducible=cfg.reproducible, sharded=bool(dp.sharded), shard_min_bytes=SHARD_MIN_BYTES,
+        optimizer=cfg.optimizer,
+        optimizer_state_nbytes=int(sum(b.nbytes for b in run.optimizer.state_buffers().values())),
+        lr=cfg.lr, base_batch=cfg.base_batch, lr_scaling=cfg.lr_scaling, peak_lr=run.schedule.peak_lr,
+        warmup_steps=run.schedule.warmup_steps, local_batch=run.batches.local_batch,
+        accum_steps=run.batches.accum_steps, effective_batch=run.B, steps_per_epoch=run.batches.steps_per_epoch,
+        total_steps=run.total_steps, train_samples=len(run.data.train), noise_scale_every=cfg.noise_scale_every,
+        shard_optimizer=cfg.shard_optimizer, resumed_from_step=run.resume.global_step if run.resume else None)
+
+
+def per_token(record: EpochRecord | TestRecord, context: int) -> dict[str, float]:
     """A language model's epoch or test record's losses (mean nats per token) also in bits per token (bits
     per character for a character-level model), and its speed in tokens per second (context per window)."""
-    out = {f"{key[:-5]}_bits_per_token": record[key] / math.log(2) for key in ("train_loss", "val_loss", "test_loss")
-           if record.get(key) is not None}
-    if "samples_per_s" in record:
-        out["tokens_per_s"] = record["samples_per_s"] * context
+    out = {f"{key[:-5]}_bits_per_token": getattr(record, key) / math.log(2)
+           for key in ("train_loss", "val_loss", "test_loss") if getattr(record, key, None) is not None}
+    if isinstance(record, EpochRecord):
+        out["tokens_per_s"] = record.samples_per_s * context
     return out
 
 
@@ -77,14 +133,14 @@ class Trainer:
         self.start_epoch, self.start_step = (plan.epoch, plan.step_in_epoch) if plan else (0, 0)
         self.saved_at = plan.global_step if plan else -1  # the step of the newest checkpoint this run wrote
         self.clock = Clock(self.comm) if run.k > 1 and run.cfg.straggler_report else None  # the report's time base
-        self.history: list[dict[str, Any]] = []
-        self.final_test: dict[str, Any] | None = None  # with --val-split: the test set, scored once at the end
+        self.history: list[EpochRecord] = []
+        self.final_test: TestRecord | None = None  # with --val-split: the test set, scored once at the end
 
     def log(self, msg: str) -> None:
         if self.run.is_root:
             print(msg, flush=True)
 
-    def record(self, record: dict[str, Any]) -> None:
+    def record(self, record: Record) -> None:
         """One record to the metrics file and to TensorBoard (rank 0; no-ops where not asked)."""
         self.metrics.write(record)
         self.tensorboard.write(record)
@@ -95,6 +151,8 @@ class Trainer:
         run, cfg, dp = self.run, self.cfg, self.dp
         for line in report.banner(run) + run.warnings:
             self.log(line)
+        if run.is_root and cfg.metrics_file:
+            self.metrics.write(run_record(run))  # what the run is, before its steps (docs/metrics.md)
         if self.global_step >= run.total_steps:
             self.log(f"resume: the run is finished (step {self.global_step} of {run.total_steps}); nothing to train")
             status, where = self._save_model()
@@ -146,12 +204,10 @@ class Trainer:
                      f"(--on-nan skip; {dp.skipped_steps} skipped so far)")
         self.global_step += 1
         if cfg.metrics_file or cfg.tensorboard:
-            record = {"kind": "step", "step": self.global_step, "epoch": epoch + 1, "lr": lr, "loss": float(loss),
-                      "step_ms": 1e3 * (time.perf_counter() - t0)}
             grad_norm = getattr(dp, "last_grad_norm", None)  # the averaged gradient's, where DataParallel has it
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
-            self.record(record)
+            self.record(StepRecord(step=self.global_step, epoch=epoch + 1, lr=lr, loss=float(loss),
+                                   step_ms=1e3 * (time.perf_counter() - t0),
+                                   grad_norm=None if grad_norm is None else float(grad_norm)))
         if cfg.check_replicas and self.global_step % cfg.check_replicas == 0:
             dp.check_replicas()
         return loss
@@ -242,65 +298,62 @@ class Trainer:
             return
         with self.dp.watchdog.watching("the test set, after training"):
             acc, loss = self.score(self.run.test_loader, loss=True)
-        self.final_test = {"kind": "test", "step": self.global_step, "test_acc": acc, "test_loss": loss}
+        assert loss is not None  # score(loss=True) returns one
+        self.final_test = TestRecord(step=self.global_step, test_acc=acc, test_loss=loss)
         if self.run.data.tokens:
-            self.final_test.update(per_token(self.final_test, self.run.data.in_shape[0]))
+            self.final_test = replace(self.final_test, **per_token(self.final_test, self.run.data.in_shape[0]))
         self.record(self.final_test)
 
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
-        run, t = self.run, self.dp.times
-        local = np.array([float(loss_sum), steps, t.comm_exposed_s, t.comm_total_s, t.forward_s, t.backward_s,
-                          t.optimizer_s, t.bytes_reduced, t.noise_steps, t.small_sq, t.big_sq_share])
-        total = np.zeros_like(local)
+        run = self.run
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
-            self.comm.Allreduce(local, total, op=MPI.SUM)
-            scores = self._scores()
+            # every rank's timings and norms and its loss, averaged in one all-reduce keyed by field name
+            mean, extra = mean_over_ranks(self.comm, self.dp.times, {"loss_sum": float(loss_sum)})
+            scores: dict[str, Any] = dict(self._scores())
             # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
             mem = np.array([preflight.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
             self.comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
             step_time = train_time / max(1, steps)
             straggler = self._straggler(1e3 * step_time)
-        mean = total / run.k
         peak_mib, start_mib, state_mib = (float(v) for v in mem)
         # achieved bandwidth of the real gradient buckets, in nccl-tests terms (start to observed completion)
-        algbw = mean[7] / mean[3] / 1e9 if mean[3] > 0 else 0.0
+        algbw = mean.bytes_reduced / mean.comm_total_s / 1e9 if mean.comm_total_s > 0 else 0.0
         per_step = 1e3 / max(1, steps)
-        noise = self._noise_scale(mean, t.b_small)
-        record = {
-            "kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
-            "lr": run.schedule(max(0, self.global_step - 1)),
-            "train_loss": mean[0] / max(1, steps), **scores,
-            "samples_per_s": steps * run.B / train_time if train_time > 0 else 0.0,
-            "comm_frac": mean[2] / max(1e-12, train_time),
-            "comm_exposed_ms": per_step * mean[2], "comm_total_ms": per_step * mean[3],
-            "forward_ms": per_step * mean[4], "backward_ms": per_step * mean[5],
-            "optimizer_ms": per_step * mean[6], "step_ms": 1e3 * step_time,
-            "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
-            "world_size": run.k, "effective_batch": run.B, "local_batch": run.batches.local_batch,
-            "accum_steps": run.batches.accum_steps, "grad_nbytes": run.model.flat.nbytes,
-            "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (run.k - 1) / run.k,
-            "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
-            "allreduce": self.dp.describe(), **noise, **straggler,
-        }
+        record = EpochRecord(
+            epoch=epoch + 1, step=self.global_step, steps=steps, lr=run.schedule(max(0, self.global_step - 1)),
+            train_loss=extra["loss_sum"] / max(1, steps), **scores,
+            samples_per_s=steps * run.B / train_time if train_time > 0 else 0.0,
+            comm_frac=mean.comm_exposed_s / max(1e-12, train_time),
+            comm_exposed_ms=per_step * mean.comm_exposed_s, comm_total_ms=per_step * mean.comm_total_s,
+            forward_ms=per_step * mean.forward_s, backward_ms=per_step * mean.backward_s,
+            optimizer_ms=per_step * mean.optimizer_s, step_ms=1e3 * step_time,
+            epoch_time_s=train_time, skipped_steps=self.dp.skipped_steps,
+            world_size=run.k, effective_batch=run.B, local_batch=run.batches.local_batch,
+            accum_steps=run.batches.accum_steps, grad_nbytes=run.model.flat.nbytes,
+            bucket_algbw_gbps=algbw, bucket_busbw_gbps=algbw * 2 * (run.k - 1) / run.k,
+            peak_rss_mib=peak_mib, rss_start_mib=start_mib, state_mib=state_mib,
+            **self._noise_scale(mean), **_straggler_fields(straggler))
         if run.data.tokens:  # a language model: per token, in nats and bits, and tokens per second
-            record.update(per_token(record, run.data.in_shape[0]))
+            record = replace(record, **per_token(record, run.data.in_shape[0]))
         self.history.append(record)
         self.record(record)
         self.log(report.format_epoch(record, self.n_epochs, report.token_unit(run)))
         if straggler and straggler["slowest_share"] >= REPORT_SHARE:
             self.log(describe_straggler(straggler, run.places))
 
-    def _noise_scale(self, mean: np.ndarray, b_small: int) -> dict[str, Any]:
-        """The epoch's gradient noise scale from the ranks' summed squared norms (mpisgd.noise): the
-        small batch is a rank's gradient (or, at k = 1, a micro-batch's), the big one the average."""
-        steps = mean[8]  # every rank measured the same steps
+    def _noise_scale(self, mean: StepStats) -> dict[str, Any]:
+        """The epoch's gradient noise scale from the ranks' mean squared norms (mpisgd.noise): the small
+        batch is a rank's gradient (or, at k = 1, a micro-batch's), the big one the average. The fields
+        are read by name: ``small_sq`` in true units, ``big_sq_share`` = |G|^2 / k (so k times the mean
+        over ranks is |G|^2)."""
+        steps = mean.noise_steps  # every rank measured the same steps
         if steps < 1:
             return {}
-        est = estimate(b_small, mean[9] / steps, self.run.B, mean[10] * self.run.k / steps)
+        est = estimate(mean.b_small, mean.small_sq / steps, self.run.B, mean.big_sq_share * self.run.k / steps)
         if est is None:
             return {}
         return {"noise_scale": est.noise_scale, "grad_sqr": est.grad_sqr, "grad_var": est.grad_var,
-                "noise_steps": int(round(mean[8]))}
+                "noise_steps": int(steps)}
 
     def _straggler(self, step_ms: float) -> dict[str, Any]:
         """Rank 0's straggler report for this epoch (collective; {} at k = 1 or on other ranks)."""
