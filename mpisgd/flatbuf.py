@@ -9,7 +9,7 @@ its element offset; sizes come from the dtype, never a hard-coded itemsize.
 from __future__ import annotations
 
 from math import prod
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,3 +47,17 @@ class FlatBuffer:
 
     def zero_grad(self) -> None:
         self.grads.fill(0)
+
+
+class Materialized(Protocol):
+    """A model whose parameters live in a FlatBuffer once it is materialised (None before)."""
+
+    @property
+    def flat(self) -> FlatBuffer | None: ...
+
+
+def flat_of(model: Materialized) -> FlatBuffer:
+    """The model's FlatBuffer; ValueError where it has none yet."""
+    if model.flat is None:
+        raise ValueError(f"materialize() the model first: {type(model).__name__} has no parameters yet")
+    return model.flat

@@ -30,6 +30,7 @@ from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
+from mpisgd.flatbuf import flat_of
 from mpisgd.model_file import FORMAT, VERSION, model_structure
 from mpisgd.nn import Sequential, build_model
 from mpisgd.nn.models import check_output
@@ -174,7 +175,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
-    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
+    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, flat_of(model).nbytes)
     with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
@@ -237,14 +238,15 @@ def _check_model_output(cfg: Config, model: Sequential, xp: Any, run_data: RunDa
 
 
 def _optimizer(cfg: Config, model: Sequential) -> Optimizer:
+    flat = flat_of(model)
     if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
         rule = AdamW if cfg.optimizer == "adamw" else LAMB
-        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        return rule(flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
-        return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
+        return LARS(flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
                     cfg.trust_coef, level1=level1)
-    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+    return SGD(flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
 
 
 # Below this the update is too small to split: sharding saves (1 - 1/k) of an optimizer step that costs
@@ -293,7 +295,8 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
-    plan, state, warnings, error = None, None, [], None
+    plan, state, error = None, None, None
+    warnings: list[str] = []
     if world.Get_rank() == 0 and cfg.resume != "no":
         try:
             state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
@@ -314,20 +317,19 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
 
 def _restore(run: Run, state: TrainState | None) -> None:
     """Continue from the planned checkpoint: rank 0 loads it, every rank takes rank 0's copy."""
-    plan, model, optimizer = run.resume, run.model, run.optimizer
+    plan, flat = run.resume, flat_of(run.model)
     assert plan is not None
     error = None
     if run.is_root:
         assert state is not None
-        if state.params.size != model.flat.size:
-            error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has "
-                                    f"{model.flat.size}")
+        if state.params.size != flat.size:
+            error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has {flat.size}")
         else:
-            model.flat.params[...] = run.ctx.xp.asarray(state.params)
+            flat.params[...] = run.ctx.xp.asarray(state.params)
     agree(run.ctx.comm, error)
-    # rank 0's state buffers (the others' are broadcast next), every rank's scalars (the plan's)
-    optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
-    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
+    # every rank's scalars (the plan's), rank 0's whole state buffers to every rank (sharded: its chunks)
+    run.dp.load_optimizer_state(plan.optimizer_state, state.buffers if state is not None else None)
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's parameters
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)
 
 
@@ -338,7 +340,7 @@ def model_record(run: Run, step: int | None = None) -> dict[str, Any]:
     cfg, data = run.cfg, run.data
     meta = {"format": FORMAT, "version": VERSION, "model": cfg.model, "in_shape": list(data.in_shape),
             "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
-            "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
+            "parameters": int(flat_of(run.model).size), "input_scale": float(data.train.scale),
             "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}
     if step is not None:
         meta["step"] = step

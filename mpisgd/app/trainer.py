@@ -27,6 +27,7 @@ from mpisgd.backend import to_numpy
 from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
+from mpisgd.flatbuf import flat_of
 from mpisgd.model_file import model_fallbacks, save_params
 from mpisgd.nn import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.noise import estimate
@@ -161,14 +162,14 @@ class Trainer:
         run, cfg = self.run, self.cfg
         if step_in_epoch >= run.batches.steps_per_epoch:
             epoch, step_in_epoch = epoch + 1, 0
-        self.dp.gather_optimizer_state()
+        buffers = self.dp.gather_optimizer_state()  # whole on rank 0 (sharded: from every rank's chunks)
         self.saved_at = self.global_step
         if not run.is_root:  # only rank 0 writes; no collective, so nothing waits on it
             return None
         opt = run.optimizer
         state = TrainState(
-            params=to_numpy(run.model.flat.params),
-            buffers={name: to_numpy(buf) for name, buf in opt.state_buffers().items()}, optimizer_state=opt.state(),
+            params=to_numpy(flat_of(run.model).params),
+            buffers={name: to_numpy(buf) for name, buf in buffers.items()}, optimizer_state=opt.state(),
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
@@ -215,6 +216,7 @@ class Trainer:
         if run.val_loader is None:
             return {"test_acc": self.evaluate()}
         val_acc, val_loss = self.score(run.val_loader, loss=True)
+        assert val_loss is not None  # asked for
         return {"val_loss": val_loss, "val_acc": val_acc,
                 **({"test_acc": self.evaluate()} if self.cfg.test_every_epoch else {})}
 
@@ -230,7 +232,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
         run, t = self.run, self.dp.times
         local = np.array([float(loss_sum), steps, t.comm_exposed_s, t.comm_total_s, t.forward_s, t.backward_s,
-                          t.optimizer_s, t.bytes_reduced, t.noise_steps, t.small_sq, t.big_sq_share])
+                          t.optimizer_s, t.bytes_reduced, t.noise_steps, t.small_sq, t.big_sq])
         total = np.zeros_like(local)
         with self.dp.watchdog.watching(f"end of epoch {epoch + 1}: metrics and evaluation"):
             self.comm.Allreduce(local, total, op=MPI.SUM)
@@ -257,7 +259,7 @@ class Trainer:
             "optimizer_ms": per_step * mean[6], "step_ms": 1e3 * step_time,
             "epoch_time_s": train_time, "skipped_steps": self.dp.skipped_steps,
             "world_size": run.k, "effective_batch": run.B, "local_batch": run.batches.local_batch,
-            "accum_steps": run.batches.accum_steps, "grad_nbytes": run.model.flat.nbytes,
+            "accum_steps": run.batches.accum_steps, "grad_nbytes": flat_of(run.model).nbytes,
             "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (run.k - 1) / run.k,
             "peak_rss_mib": peak_mib, "rss_start_mib": start_mib, "state_mib": state_mib,
             "allreduce": self.dp.describe(), **noise, **straggler,
@@ -274,7 +276,7 @@ class Trainer:
         steps = mean[8]  # every rank measured the same steps
         if steps < 1:
             return {}
-        est = estimate(b_small, mean[9] / steps, self.run.B, mean[10] * self.run.k / steps)
+        est = estimate(b_small, mean[9] / steps, self.run.B, mean[10] / steps)  # both true units (StepStats)
         if est is None:
             return {}
         return {"noise_scale": est.noise_scale, "grad_sqr": est.grad_sqr, "grad_var": est.grad_var,
