@@ -512,6 +512,14 @@ def test_a_rank_in_another_collective_is_named_at_the_check_in():
         assert f"rank(s) [{last}] are not at the check-in of step 1" in err, err
 
 
+def test_close_twice_is_a_no_op():
+    """The second close() of a DataParallel does nothing (the first freed the communicator and the watchdog)."""
+    dp = train(world(), 8, 1)
+    dp.close()
+    dp.close()
+    assert dp.shared_grads is False
+
+
 def test_an_unmaterialised_model_says_so():
     model = mlp((8,))
     with pytest.raises(ValueError, match="materialize"):
