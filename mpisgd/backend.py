@@ -62,6 +62,7 @@ def select_backend(device: str, local_rank: int = 0) -> tuple[Backend, str]:
         if device == "gpu":
             raise UsageError(f"--device gpu but {why}; use --device cpu or auto")
         return Backend(np, "cpu"), f"no GPU: {why}"
+    assert cupy is not None  # n > 0: CuPy found the devices
     gpu_id = local_rank % n
     cupy.cuda.Device(gpu_id).use()
     props = cupy.cuda.runtime.getDeviceProperties(gpu_id)

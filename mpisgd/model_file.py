@@ -32,6 +32,7 @@ from mpisgd.backend import to_numpy
 from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_checkpoint
 from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, free_bytes, write_npz
+from mpisgd.flatbuf import flat_of
 from mpisgd.nn import Sequential, build_model
 
 FORMAT = "mpisgd-model"
@@ -164,7 +165,8 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
     if wrong:
         raise ModelFileError(f"{p}: parameters {', '.join(wrong)} do not have the shapes its model gives them")
     model.materialize(np if xp is None else xp, meta.get("dtype") or str(flat.dtype), seed=0)
-    model.flat.params[...] = model.flat.xp.asarray(flat)
+    params = flat_of(model)
+    params.params[...] = params.xp.asarray(flat)
     return model
 
 

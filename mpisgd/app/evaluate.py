@@ -69,7 +69,9 @@ def check_fit(meta: dict[str, Any], test: Any, name: str, classes: int, path: st
     if trained and trained != name:
         warnings.append(f"warning: the model was trained on {trained}; this is {name}")
     scale, shift = meta.get("input_scale"), meta.get("input_shift")
-    if scale is not None and (not np.isclose(scale, test.scale) or not np.isclose(shift, test.shift)):
+    scaled_otherwise = scale is not None and shift is not None and \
+        not (np.isclose(scale, test.scale) and np.isclose(shift, test.shift))
+    if scaled_otherwise:
         warnings.append(f"warning: the model was trained on inputs scaled as x * {scale:.4g} + {shift:.4g}, these "
                         f"are scaled as x * {test.scale:.4g} + {test.shift:.4g}: pass the data options it was "
                         "trained with")
@@ -141,6 +143,7 @@ def _main(argv: list[str] | None, comm: Any) -> int:
         if rank == 0:
             print(f"mpisgd-evaluate: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    assert result is not None  # agreed: every rank prepared it
     saved, test, name, source, classes, warnings = result
     n_classes = int(saved.meta["classes"])
     counts = score(saved.model, test, n_classes, args.batch_size, rank, size)

@@ -257,6 +257,7 @@ def read_profile(path: str, epoch: int | None = None, noise_scale: float | None 
     if missing:
         raise PlanError(f"{path}: its epoch records lack {', '.join(missing)}: written by another program or an "
                         "older mpisgd")
+    rec: dict[str, Any] | None
     if epoch is None:
         rec = epochs[-1]
     else:

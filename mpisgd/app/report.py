@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from mpisgd.flatbuf import flat_of
 from mpisgd.noise import why_none
 
 if TYPE_CHECKING:  # report reads the run
@@ -161,7 +162,7 @@ def banner(run: Run) -> list[str]:
     """The run in one short line per concern (rank 0)."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    cfg, ctx, s, flat, dp, places = run.cfg, run.ctx, run.schedule, run.model.flat, run.dp, run.places
+    cfg, ctx, s, flat, dp, places = run.cfg, run.ctx, run.schedule, flat_of(run.model), run.dp, run.places
     library = " ".join(MPI.Get_library_version().splitlines()[0].replace("\x00", "").replace("Version:", "").split())
     device = "cpu, NumPy" if not ctx.backend.is_gpu else ctx.backend.describe()
     if ctx.backend_note:
@@ -195,8 +196,9 @@ def banner(run: Run) -> list[str]:
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))
-    if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
-        lines.append(fit(f"cuda-aware MPI: {dp.reducer.why}"))
+    cuda_why = getattr(dp.reducer, "why", "")  # GPU buffers: why MPI gets device pointers, or host copies
+    if cuda_why:
+        lines.append(fit(f"cuda-aware MPI: {cuda_why}"))
     plan = run.resume
     if plan is not None:  # not cut: a path is shown whole
         lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "

@@ -42,7 +42,7 @@ def _summary_writer() -> Any:
     floats. An import of torch during it fails, and tensorboardX goes on without."""
     hide = "torch" not in sys.modules
     if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment] - Python's own mark for "cannot be imported"
+        sys.modules["torch"] = None  # type: ignore[assignment]  # Python's own mark for "cannot be imported"
     try:
         from tensorboardX import SummaryWriter  # noqa: PLC0415 - only when asked
     except ImportError:

@@ -265,7 +265,7 @@ class AutoReducer(Reducer):
             now = time.time()
             entries = {name: (e, status_of(e, now)) for name, e in plans.get(self.plan_key, {}).items()}
             self.plan_file = where
-            return {name: e for name, e in entries.items() if e[1] is not None}, ""
+            return {name: (e, status) for name, (e, status) in entries.items() if status is not None}, ""
         except Exception as exc:  # whatever is at the path, the other ranks must not be left waiting
             return {}, f"plan file {path} ignored ({exc})"
 
@@ -419,8 +419,8 @@ class AutoReducer(Reducer):
         classes: dict[tuple[str, str], list[tuple[int, str]]] = {}
         for name, choice in self.plan.items():
             op, rest = name.split(" ", 1)
-            dtype, c = rest.rsplit(":", 1)
-            classes.setdefault((op, dtype), []).append((int(c), choice))
+            dtype, size_class = rest.rsplit(":", 1)
+            classes.setdefault((op, dtype), []).append((int(size_class), choice))
         out = []
         for op, dtype in sorted(classes, key=lambda k: (OPERATIONS.index(k[0]), k[1])):
             runs: list[list[Any]] = []  # [first class, last class, choice], neighbours with one choice merged
