@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim.base import Shards, StateLayout, load_buffers
+from mpisgd.optim.base import Shards, StateBuffers, StateLayout, load_buffers
 from mpisgd.optim.norms import Norms, TensorNorms
 
 
@@ -56,22 +56,32 @@ class AdamW:
             raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
         self.flat = flat
         self.beta1, self.beta2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
-        xp = flat.xp
-        self.layout = StateLayout([(0, flat.size)])  # the flat ranges the state covers (keep_state)
-        self.exp_avg: Any = xp.zeros_like(flat.params)  # m
-        self.exp_avg_sq: Any = xp.zeros_like(flat.params)  # v
-        self._tmp: Any = xp.empty_like(flat.params)  # scratch, so that the step allocates nothing
+        # the moments m and v, and scratch so that the step allocates nothing: made when first used
+        self.buffers = StateBuffers(flat, ["exp_avg", "exp_avg_sq"], ["tmp"])
         self.steps = 0  # t: the steps taken
+
+    @property
+    def exp_avg(self) -> Any:
+        return self.buffers["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> Any:
+        return self.buffers["exp_avg_sq"]
+
+    @property
+    def _tmp(self) -> Any:
+        return self.buffers["tmp"]
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.buffers.layout
 
     def keep_state(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Keep both moments (and the scratch) only for these flat ranges, values kept (the Optimizer protocol)."""
-        layout, old = StateLayout(ranges), self.layout
-        self.exp_avg, self.exp_avg_sq = old.moved(self.exp_avg, layout), old.moved(self.exp_avg_sq, layout)
-        self._tmp = old.moved(self._tmp, layout)
-        self.layout = layout
+        self.buffers.keep(ranges)
 
     def state_buffers(self) -> dict[str, Any]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return self.buffers.state()
 
     def state(self) -> dict[str, float]:
         return {"step": self.steps}
@@ -82,7 +92,7 @@ class AdamW:
 
     def buffer_nbytes(self) -> int:
         """The two moments and the scratch buffer."""
-        return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + self._tmp.nbytes)
+        return self.buffers.nbytes()
 
     def step(self, lr: float) -> None:
         """Update every parameter from the gradient buffer (the state must cover every parameter)."""

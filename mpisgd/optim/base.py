@@ -27,7 +27,7 @@ from mpisgd.optim.norms import Norms, TensorNorms
 Array = Any  # numpy.ndarray or cupy.ndarray
 Shards = Sequence[tuple[int, int, Array]]  # (lo, hi, g): flat range [lo, hi) and its gradient (hi - lo elements)
 
-__all__ = ["Norms", "Optimizer", "Shards", "StateLayout", "TensorNorms", "clip_grad_norm_", "grad_norm",
+__all__ = ["Norms", "Optimizer", "Shards", "StateBuffers", "StateLayout", "TensorNorms", "clip_grad_norm_", "grad_norm",
            "load_buffers"]
 
 
@@ -59,22 +59,60 @@ class StateLayout:
         a, _, start = self._kept[i]
         return slice(start + lo - a, start + hi - a)
 
-    def moved(self, buf: Array | None, to: StateLayout) -> Array | None:
+    def moved(self, buf: Array, to: StateLayout) -> Array:
         """``buf`` (laid out as self) laid out as ``to``: the values of the ranges ``to`` keeps, copied into a
-        new buffer (which must lie inside self's ranges); None stays None."""
-        if buf is None:
-            return None
+        new buffer (they must lie inside self's ranges)."""
         out = xp_of(buf).zeros(to.size, dtype=buf.dtype)
         for lo, hi in to.ranges:
             out[to.where(lo, hi)] = buf[self.where(lo, hi)]
         return out
 
 
+class StateBuffers:
+    """An optimizer's parameter-sized buffers: its ``state`` (zeros at first: momentum, moments) and its
+    ``scratch`` (uninitialised), laid out as :attr:`layout` and made at that size when first used. So a
+    sharded step's ``keep_state`` before the first step means the whole buffers are never made: a whole
+    buffer made and freed would also leave NumPy's allocator (glibc's malloc, whose mmap threshold rises
+    to the size of a freed mapping) serving later allocations from its heap, and the process's peak
+    memory would keep what keep_state saved."""
+
+    def __init__(self, flat: FlatBuffer, state: Sequence[str], scratch: Sequence[str] = ()) -> None:
+        self.flat, self.layout = flat, StateLayout([(0, flat.size)])
+        self.state_names, self.scratch_names = list(state), list(scratch)
+        self._bufs: dict[str, Array] | None = None
+
+    def __getitem__(self, name: str) -> Array:
+        if self._bufs is None:
+            xp, n, dtype = self.flat.xp, self.layout.size, self.flat.dtype
+            self._bufs = {**{s: xp.zeros(n, dtype=dtype) for s in self.state_names},
+                          **{s: xp.empty(n, dtype=dtype) for s in self.scratch_names}}
+        return self._bufs[name]
+
+    def state(self) -> dict[str, Array]:
+        """The state buffers by name (made now if not yet)."""
+        return {name: self[name] for name in self.state_names}
+
+    def keep(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """From now on only these flat ranges, values kept (buffers already made are moved, the others
+        will be made at the new size)."""
+        layout = StateLayout(ranges)
+        if self._bufs is not None:
+            self._bufs = {name: self.layout.moved(buf, layout) for name, buf in self._bufs.items()}
+        self.layout = layout
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer at its layout's size (made or still to be made)."""
+        return (len(self.state_names) + len(self.scratch_names)) * self.layout.size * self.flat.dtype.itemsize
+
+
 class Optimizer(Protocol):
     """What DataParallel, the checkpoints and the CLI use of an update rule."""
 
     flat: FlatBuffer
-    layout: StateLayout  # which flat ranges its state buffers cover
+
+    @property
+    def layout(self) -> StateLayout:
+        """Which flat ranges its state buffers cover."""
 
     def step(self, lr: float) -> None:
         """Update every parameter from the (averaged) gradient buffer ``flat.grads`` (whole state only)."""

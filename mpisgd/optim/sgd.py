@@ -7,7 +7,7 @@ from typing import Any
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim.base import Shards, StateLayout, load_buffers
+from mpisgd.optim.base import Shards, StateBuffers, StateLayout, load_buffers
 from mpisgd.optim.norms import Norms
 
 
@@ -49,23 +49,31 @@ class SGD:
         self.flat = flat
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
         self.momentum_correction = momentum_correction
-        xp = flat.xp
-        self.layout = StateLayout([(0, flat.size)])
-        self.velocity: Any = xp.zeros_like(flat.params) if momentum else None
         self.prev_lr: float | None = None  # eta_{t-1}, for the momentum correction
-        bufs = (flat.params, flat.grads) if self.velocity is None else (flat.params, flat.grads, self.velocity)
-        self.blas = level1_for(*bufs) if level1 else None
-        self._tmp: Any = None if self.blas else xp.empty_like(flat.params)  # the ufuncs' one temporary
+        self.blas = level1_for(flat.params, flat.grads) if level1 else None  # velocity: their dtype, contiguous
+        # momentum, and the ufuncs' one temporary where BLAS is not used: made when first used
+        self.buffers = StateBuffers(flat, ["velocity"] if momentum else [], [] if self.blas else ["tmp"])
+
+    @property
+    def velocity(self) -> Any:
+        """The momentum buffer (None without momentum)."""
+        return self.buffers["velocity"] if self.momentum else None
+
+    @property
+    def _tmp(self) -> Any:
+        return None if self.blas else self.buffers["tmp"]
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.buffers.layout
 
     def keep_state(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Keep momentum (and the temporary) only for these flat ranges, values kept (the Optimizer protocol)."""
-        layout = StateLayout(ranges)
-        self.velocity, self._tmp = self.layout.moved(self.velocity, layout), self.layout.moved(self._tmp, layout)
-        self.layout = layout
+        self.buffers.keep(ranges)
 
     def buffer_nbytes(self) -> int:
         """Bytes of the optimizer's own state: momentum, and the ufuncs' temporary where BLAS is not used."""
-        return sum(int(b.nbytes) for b in (self.velocity, self._tmp) if b is not None)
+        return self.buffers.nbytes()
 
     def step(self, lr: float) -> None:
         """Update every parameter from the gradient buffer (the state must cover every parameter)."""
@@ -148,7 +156,7 @@ class SGD:
 
     def state_buffers(self) -> dict[str, Any]:
         """The momentum buffer, when there is momentum (the Optimizer protocol)."""
-        return {} if self.velocity is None else {"velocity": self.velocity}
+        return self.buffers.state()
 
     def state(self) -> dict[str, float]:
         """The rate of the last step (-1.0: none yet), for the momentum correction."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -19,8 +18,9 @@ CHECK_IN = 0x6D70_7367_645F_636B  # first word of a step check-in, so a peer in 
 CHECK_IN_WORDS = 9  # marker, step, gradient size, itemsize, buckets, micro-batches, targets, stop, bad labels
 
 
-def check_in(comm: Any, watchdog: Watchdog, timeline: Timeline, meter: Meter, *, step: int, size: int, itemsize: int,
-             buckets: int, labels: Sequence[Array], targets: int, stop: bool, n_classes: int | None) -> bool:
+def check_in(comm: MPI.Intracomm, watchdog: Watchdog, timeline: Timeline, meter: Meter, *, step: int, size: int,
+             itemsize: int, buckets: int, labels: Sequence[Array], targets: int, stop: bool,
+             n_classes: int | None) -> bool:
     """Collective. ``labels``: this rank's micro-batches' targets (none: the check-in between steps),
     ``targets``: how many the loss scores; labels outside 0..n_classes-1 are refused. Returns whether any
     rank passed ``stop`` (a SIGTERM to stop at this step). Raises ReplicaError on every rank otherwise."""

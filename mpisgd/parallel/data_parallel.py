@@ -24,9 +24,9 @@ import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from mpisgd.agreement import ReplicaError, bcast_, differing_ranks, layout_digest, verify_same
 from mpisgd.backend import is_device_array, to_numpy
@@ -75,7 +75,7 @@ class DataParallel:
     ``stall_abort_s`` ends the job (0: never; both 0: no watchdog).
     """
 
-    def __init__(self, model: ReplicaModel | BasicModel, optimizer: Optimizer, comm: Any, *,
+    def __init__(self, model: ReplicaModel | BasicModel, optimizer: Optimizer, comm: MPI.Intracomm, *,
                  reducer: Reducer | None = None, loss: Loss | None = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, on_nan: str = "stop", shard_optimizer: bool = False, shared_grads: bool = True,
                  watchdog: WatchdogLike | None = None, timeline: Timeline | None = None, check_in: bool = True,
@@ -121,12 +121,14 @@ class DataParallel:
         self._n_classes: int | None = None  # the model's outputs, known after the first forward
         self._rows = np.zeros((0, self.replica.stat_size))  # per micro-batch, the model's statistics
         self._closed = False
-        verify_same(self.comm, layout_digest(model_layout(self.replica, flat) + optimizer_layout(optimizer)),
-                    "the model (layers, shapes, dtype or state) or the optimizer (its kind and state buffers)")
         reduced = kind.reduced_dtype(flat.dtype)
         ranges = [(b.start, b.stop) for b in self.buckets]
         self.update: Update = ShardedStep(flat, ranges, self.comm, self.reducer, reduced, kind.block_sums) \
             if self.sharded else ReplicatedStep(flat, self.comm, self.reducer, kind.block_sums)
+        self.update.own_state(optimizer)  # sharded: each rank keeps its chunks of the state only (local, before
+        # the optimizer's buffers are first made: the whole ones never are)
+        verify_same(self.comm, layout_digest(model_layout(self.replica, flat) + optimizer_layout(optimizer)),
+                    "the model (layers, shapes, dtype or state) or the optimizer (its kind and state buffers)")
         # what the buckets reduce, in memory the reducer reads in place where it has any (one node: comm.shared)
         shared = self.reducer.shared_buffer(flat.size, reduced) if shared_grads and self.k > 1 and not device else None
         self.shared_grads = shared is not None
@@ -134,7 +136,6 @@ class DataParallel:
         self.gradients: Gradients = kind(self.replica, flat, self.comm, self.update, self.schedule, self.watchdog,
                                          overlap=overlap, shared=shared)
         self.broadcast_parameters()
-        self.update.own_state(optimizer)  # sharded: from now on each rank keeps its chunks of the state only
         if self.k > 1:  # auto picks its strategy for these sizes now, not mid-step
             self.reducer.tune([self.gradients.reduced[b.start:b.stop] for b in self.buckets],
                               reduce_scatter=self.sharded)
@@ -185,7 +186,7 @@ class DataParallel:
         return self.meter.reset()
 
     # -- the step ------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[tuple[Any, ...]], lr: float) -> Array:
+    def train_step(self, micro_batches: Sequence[tuple[Array, ...]], lr: float) -> Array:
         """One optimizer step over this rank's micro-batches, each ``(x, y)`` or ``(x, y, sample_ids)``
         (without ids: mpisgd.parallel.replica.micro_batches_of says which); returns the local mean loss
         (0-d array). The model is put in train mode."""
@@ -265,7 +266,7 @@ class DataParallel:
         skipped for a non-finite gradient."""
         return self._grad_norm
 
-    def check_in_step(self, stop: bool = False, micro: Sequence[tuple[Any, ...]] = ()) -> bool:
+    def check_in_step(self, stop: bool = False, micro: Sequence[tuple[Array, ...]] = ()) -> bool:
         """Collective, once per step before any bucket: every rank must be at the same step with the same
         buffers (and, given its ``micro`` batches, as many micro-batches and targets, with labels the
         model can score), and at a check-in (not in another collective). A rank out of step is named on

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -46,8 +45,8 @@ class ExactGradients:
             raise ValueError("reproducible=True needs the optimizer's ufunc update (level1=False): a BLAS "
                              "kernel may round a range's last elements otherwise, so bits would depend on k")
 
-    def __init__(self, model: ReplicaModel, flat: FlatBuffer, comm: Any, update: Update, schedule: BucketSchedule,
-                 watchdog: Watchdog, *, overlap: bool, shared: Array | None) -> None:
+    def __init__(self, model: ReplicaModel, flat: FlatBuffer, comm: MPI.Intracomm, update: Update,
+                 schedule: BucketSchedule, watchdog: Watchdog, *, overlap: bool, shared: Array | None) -> None:
         self.model, self.flat, self.comm, self.update = model, flat, comm, update
         self.schedule, self.watchdog, self.overlap = schedule, watchdog, overlap
         self.meter: Meter = schedule.meter

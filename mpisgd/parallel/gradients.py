@@ -9,7 +9,6 @@ effective batch with no pass after it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -41,8 +40,8 @@ class FloatGradients:
         """Any update rule will do."""
         return None
 
-    def __init__(self, model: ReplicaModel, flat: FlatBuffer, comm: Any, update: Update, schedule: BucketSchedule,
-                 watchdog: Watchdog, *, overlap: bool, shared: Array | None) -> None:
+    def __init__(self, model: ReplicaModel, flat: FlatBuffer, comm: MPI.Intracomm, update: Update,
+                 schedule: BucketSchedule, watchdog: Watchdog, *, overlap: bool, shared: Array | None) -> None:
         self.model, self.flat, self.comm, self.update = model, flat, comm, update
         self.schedule, self.watchdog, self.overlap = schedule, watchdog, overlap
         self.k = comm.Get_size()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -87,7 +86,7 @@ class MicroBatch:
     count: int  # targets the loss scores (Loss.count)
 
 
-def micro_batches_of(given: Sequence[tuple[Any, ...]], rank: int, loss: Loss) -> list[MicroBatch]:
+def micro_batches_of(given: Sequence[tuple[Array, ...]], rank: int, loss: Loss) -> list[MicroBatch]:
     """A step's micro-batches, each ``(x, y)`` or ``(x, y, ids)``. Without ids, a sample's index is its
     position in this step's global batch when every rank's micro-batches are that batch's consecutive
     slices in rank order (as mpisgd.data.GlobalBatches makes them): ``rank * n + position`` among this

@@ -4,9 +4,9 @@ whole optimizer state."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from mpisgd.agreement import agree, bcast_
 from mpisgd.blas import finite_sq_norm
@@ -23,7 +23,7 @@ class ReplicatedStep:
 
     what = "all-reduce"
 
-    def __init__(self, flat: FlatBuffer, comm: Any, reducer: Reducer, block_sums: BlockSums) -> None:
+    def __init__(self, flat: FlatBuffer, comm: MPI.Intracomm, reducer: Reducer, block_sums: BlockSums) -> None:
         self.flat, self.comm, self.reducer = flat, comm, reducer
         self._norms = BlockNorms(flat.offsets, [(0, flat.size)], None, block_sums)
 

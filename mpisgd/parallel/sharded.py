@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -63,7 +62,7 @@ class ShardedStep:
 
     what = "reduce-scatter"
 
-    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
+    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: MPI.Intracomm, reducer: Reducer,
                  reduced_dtype: np.dtype, block_sums: BlockSums) -> None:
         covered = sorted(buckets)
         if covered[0][0] != 0 or covered[-1][1] != flat.size or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
