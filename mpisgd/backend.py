@@ -6,6 +6,7 @@ The CPU path never imports CuPy: ``--device cpu`` does not try, and
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -62,6 +63,7 @@ def select_backend(device: str, local_rank: int = 0) -> tuple[Backend, str]:
         if device == "gpu":
             raise UsageError(f"--device gpu but {why}; use --device cpu or auto")
         return Backend(np, "cpu"), f"no GPU: {why}"
+    assert cupy is not None  # n > 0: CuPy found the devices
     gpu_id = local_rank % n
     cupy.cuda.Device(gpu_id).use()
     props = cupy.cuda.runtime.getDeviceProperties(gpu_id)
@@ -157,9 +159,9 @@ def numpy_simd() -> str:
     """The SIMD targets NumPy's loops run here: its baseline and the dispatched targets this CPU has
     (NPY_DISABLE_CPU_FEATURES can turn some off); "unknown" where NumPy does not say."""
     try:
-        from numpy._core import _multiarray_umath as umath  # type: ignore[attr-defined]  # noqa: PLC0415
+        umath = importlib.import_module("numpy._core._multiarray_umath")
     except ImportError:  # pragma: no cover - NumPy 1.x
-        from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]  # noqa: PLC0415
+        umath = importlib.import_module("numpy.core._multiarray_umath")
     baseline = getattr(umath, "__cpu_baseline__", None)
     dispatch, features = getattr(umath, "__cpu_dispatch__", None), getattr(umath, "__cpu_features__", None)
     if baseline is None or dispatch is None or features is None:

@@ -261,7 +261,8 @@ def find_resume(resume: str, directory: str | None, overwrite: bool = False
         if not Path(resume).is_file():
             raise CheckpointError(f"--resume {resume}: not a regular file")
         return load_checkpoint(resume), resume, []
-    warnings, reasons = [], []
+    warnings: list[str] = []
+    reasons: list[str] = []
     found = list_checkpoints(directory or ".")
     for path in found:
         try:

@@ -53,7 +53,8 @@ def init(comm: Any = None, device: str = "auto") -> Context:
     except UsageError as exc:
         error = exc
     agree(comm, error)
-    kinds = comm.allgather(backend.device)  # type: ignore[union-attr]
+    assert backend is not None  # agreed: no rank failed
+    kinds = comm.allgather(backend.device)
     if len(set(kinds)) > 1:
         gpu = [r for r, d in enumerate(kinds) if d == "gpu"]
         agree(comm, UsageError(f"ranks {gpu} found a GPU and the others none; every rank must use the same "

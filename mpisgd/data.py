@@ -48,8 +48,8 @@ FILES = {
     "test_labels": "t10k-labels-idx1-ubyte",
 }
 INSTALL_HINT = "install it with: apt-get install dataset-fashion-mnist (Debian), or pass --data-dir DIR"
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES: dict[int, np.dtype] = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
+                                    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 # Fashion-MNIST training-set pixel statistics, used to standardise inputs
 PIXEL_MEAN, PIXEL_STD = 0.2860, 0.3530
 
@@ -84,7 +84,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
             if expected > (on_disk * 1032 if path.suffix == ".gz" else on_disk):
                 raise DataError(f"{path} is truncated: dims {dims} need {expected} bytes, file has {on_disk}")
             data = np.empty(dims, dtype)
-            got = header + _read_into(f, memoryview(data).cast("B") if data.nbytes else memoryview(b""))
+            got = header + _read_into(f, data.data.cast("B") if data.nbytes else memoryview(b""))
             if got == expected and f.read(1):
                 raise DataError(f"{path} is longer than its header says: dims {dims} need {expected} bytes")
     except (OSError, EOFError, gzip.BadGzipFile) as exc:

@@ -16,12 +16,13 @@ The scale of tensor t is s_t = P - H - E_t with
 - H = ``HEADROOM_BITS``: the gradient may grow that many binades from one step to the next.
 
 A micro-batch whose norm exceeds 2**(E_t + H) would overflow: the step is then computed again with the
-exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.data_parallel redoes the step), as is
+exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.fixed_point redoes the step), as is
 the first step, which has no previous one. Conversion truncates g * 2**s toward zero: each element
 keeps P - H bits below the bound (50 with M = 64), more than a float32 sum keeps; only what lies more
 than that below the tensor's norm is lost.
 
-Nothing here communicates: the caller agrees the exponents and sums the integers.
+Nothing here communicates: the caller agrees the exponents and sums the integers (DataParallel's driver,
+mpisgd.parallel.fixed_point). Whole-tensor norms that do not depend on k are mpisgd.optim.norms.BlockNorms.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class FixedPoint:
         """Some micro-batch on this rank held NaN or Inf."""
         return bool(self.bad.any())
 
-    def set_exponents(self, exponents: np.ndarray) -> None:
+    def set_exponents(self, exponents: Sequence[int] | np.ndarray) -> None:
         """The exponents every rank agreed (the MAX over the ranks of :attr:`needed`)."""
         self.exponents = np.asarray(exponents, dtype=np.int64).copy()
 
@@ -140,64 +141,3 @@ class FixedPoint:
             x, y = max(self.offsets[t], lo), min(self.offsets[t + 1], hi)
             if x < y:
                 xp.multiply(q[x - lo:y - lo], 1.0 / self.scale(t), out=out[x - lo:y - lo], casting="unsafe")
-
-
-class BlockNorms:
-    """Whole-tensor squared norms that do not depend on how the tensors are cut among ranks: each tensor
-    is cut into blocks of ``BLOCK`` elements from its start, each block's squared norm is computed from
-    that block alone (the same bits wherever it is computed), and a tensor's norm is the exactly
-    rounded sum of its blocks' (``math.fsum``: independent of their order). The sharded step's chunks
-    must begin and end on block boundaries (:func:`block_boundaries`)."""
-
-    BLOCK = 4096
-
-    def __init__(self, offsets: Sequence[int], ranges: Sequence[tuple[int, int]], gather: Any = None) -> None:
-        """``ranges``: the flat ranges this rank holds; ``gather(list) -> list of lists``: every rank's
-        list (an allgather), or None where this rank holds every tensor whole."""
-        self.offsets, self.ranges, self.gather = list(offsets), list(ranges), gather
-
-    def _blocks(self, q: Sequence[Any]) -> list[tuple[int, float]]:
-        """(tensor, squared norm) of every block inside this rank's ranges. A block's value is a float64
-        pairwise sum of its own elements' squares: the same bits wherever the block lies in memory."""
-        out: list[tuple[int, float]] = []
-        for piece, (lo, hi) in enumerate(self.ranges):
-            for t in range(len(self.offsets) - 1):
-                a, b = self.offsets[t], self.offsets[t + 1]
-                x, y = max(a, lo), min(b, hi)
-                if x >= y:
-                    continue
-                assert (x - a) % self.BLOCK == 0 and (y == b or (y - a) % self.BLOCK == 0), \
-                    "chunks must begin and end on block boundaries"
-                values = q[piece][x - lo:y - lo]
-                xp = xp_of(values)
-                full = (y - x) // self.BLOCK * self.BLOCK
-                sums = []
-                if full:
-                    blocks = values[:full].astype(np.float64).reshape(-1, self.BLOCK)
-                    blocks *= blocks
-                    sums.append(blocks.sum(axis=1))
-                if full < y - x:
-                    tail = values[full:].astype(np.float64)
-                    sums.append((tail * tail).sum().reshape(1))
-                out += [(t, float(v)) for v in to_numpy(xp.concatenate(sums))]
-        return out
-
-    def squared(self, *quantities: Sequence[Any]) -> np.ndarray:
-        mine = [self._blocks(q) for q in quantities]
-        every = self.gather(mine) if self.gather is not None else [mine]
-        out = np.zeros((len(quantities), len(self.offsets) - 1))
-        for i in range(len(quantities)):
-            per_tensor: dict[int, list[float]] = {}
-            for rank_blocks in every:
-                for t, v in rank_blocks[i]:
-                    per_tensor.setdefault(t, []).append(v)
-            for t, values in per_tensor.items():
-                out[i, t] = math.fsum(values)
-        return out
-
-
-def block_boundaries(offsets: Sequence[int], block: int = BlockNorms.BLOCK) -> list[int]:
-    """Where the sharded step's parts may begin and end in the reproducible mode: every block boundary
-    of every tensor (blocks counted from each tensor's start), so that no block is cut between ranks."""
-    return sorted({p for t in range(len(offsets) - 1) for p in range(offsets[t], offsets[t + 1], block)}
-                  | {offsets[-1]})

@@ -56,7 +56,7 @@ def check_output_dir(path: str, what: str) -> None:
         raise UsageError(f"{what} {path}: cannot write there ({exc.strerror})") from None
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
     """Write ``path`` through ``write(f)`` all or nothing: temporary file, fsync, rename, fsync of the
     directory. The temporary file is removed whatever happens (a full disk included). A symbolic link is
     written through: the file it names is replaced, the link stays (a rename onto the link would replace it)."""

@@ -9,9 +9,10 @@ gradient estimates at two batch sizes (their Appendix A): with the expected |G_B
     tr(Σ) ≈ (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
 
 Synchronous data parallelism has both for the price of one scalar per rank: each rank's gradient
-before the all-reduce is a small batch, the average after it the big one (mpisgd.parallel.data_parallel measures
-them every few steps). The two estimates are unbiased but noisy; they are averaged over the steps
-of an epoch before the ratio is taken, as McCandlish et al. smooth them over steps.
+before the all-reduce is a small batch, the average after it the big one (DataParallel measures them
+every few steps; mpisgd.parallel.stats.StepStats sums both in true units, the gradient of the mean
+loss). The two estimates are unbiased but noisy; they are averaged over the steps of an epoch before
+the ratio is taken, as McCandlish et al. smooth them over steps.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from mpisgd.exact import NO_EXPONENT, BlockNorms, FixedPoint, block_boundaries, exponent_of
+from mpisgd.exact import NO_EXPONENT, FixedPoint, exponent_of
+from mpisgd.optim.norms import BlockNorms, block_boundaries
 from mpisgd.parallel.sharded import partition
 
 OFFSETS = [0, 3000, 3010, 9000, 9100]  # four tensors: a big one, a small one, another big one, a bias

@@ -77,7 +77,7 @@ def test_one_rank_measures_its_first_micro_batch_against_the_whole_step(reproduc
     expected_small = np.mean(small) if reproducible else small[0]
     assert t.noise_steps == 1 and t.b_small == 16
     assert t.small_sq == pytest.approx(expected_small, rel=1e-9)
-    assert t.big_sq_share == pytest.approx(_grad_sq(check, x, y), rel=1e-9)
+    assert t.big_sq == pytest.approx(_grad_sq(check, x, y), rel=1e-9)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -100,8 +100,8 @@ def test_each_rank_measures_its_own_gradient_before_the_all_reduce():
     check = mlp((12,)).materialize(np, "float64", seed=0)
     check.flat.params[...] = params
     own, whole = _grad_sq(check, *mine), _grad_sq(check, x, y)
-    ok = t.small_sq == pytest.approx(own, rel=1e-9) and t.big_sq_share * k == pytest.approx(whole, rel=1e-9)
-    assert all(comm.allgather(ok)), (t.small_sq, own, t.big_sq_share * k, whole)
+    ok = t.small_sq == pytest.approx(own, rel=1e-9) and t.big_sq == pytest.approx(whole, rel=1e-9)  # true units
+    assert all(comm.allgather(ok)), (t.small_sq, own, t.big_sq, whole)
 
 
 def test_a_run_records_the_noise_scale_the_same_for_every_k_when_reproducible(tmp_path):

@@ -20,8 +20,8 @@ from mpisgd.nn import SoftmaxCrossEntropy, mlp
 from mpisgd.optim import SGD
 from mpisgd.optim.adam import LAMB, AdamW
 from mpisgd.optim.lars import LARS
+from mpisgd.optim.norms import BlockNorms
 from mpisgd.parallel.data_parallel import CHECK_IN_WORDS, DataParallel, ReplicaError, verify_same
-from mpisgd.parallel.sharded import RankNorms
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STRATEGIES = ("mpi", "ring", "auto", "shared", "deterministic")
@@ -278,8 +278,9 @@ def test_gradients_in_node_shared_memory_train_like_one_rank(shard, bucket_mb, o
     assert len(set(sums)) == 1 and np.max(np.abs(ours - ref)) < 1e-10
     assert (n_buckets > 1) == (bucket_mb < 1)  # this model fits in one 25 MiB bucket, not in 0.5 KiB ones
     np.testing.assert_array_equal(after_close, grads)  # private again, same values
-    ufunc_tmp = 0 if dp.optimizer.blas else dp.flat.nbytes  # without BLAS axpby (reference BLAS) a temporary
-    assert state == 3 * dp.flat.nbytes + ufunc_tmp + owned * dp.flat.dtype.itemsize
+    momentum = owned * dp.flat.dtype.itemsize if shard else dp.flat.nbytes  # sharded: this rank's chunks only
+    ufunc_tmp = 0 if dp.optimizer.blas else momentum  # without BLAS axpby (reference BLAS) a temporary
+    assert state == 2 * dp.flat.nbytes + momentum + ufunc_tmp + owned * dp.flat.dtype.itemsize
     assert not off_shared  # shared_grads=False keeps them private
 
 
@@ -289,12 +290,28 @@ def test_sharded_norms_without_every_ranks_pieces_differ(monkeypatch, opt):
     chunks of a layer, not the whole layer's (for clipping, ranks would then even clip unalike)."""
     comm = world()
     k, b, steps = comm.Get_size(), 8, 12
-    monkeypatch.setattr(RankNorms, "squared", RankNorms.partial)  # this rank's pieces only
-    dp = train(comm, b, steps, shard=True, **opt)
+    every_rank = BlockNorms.squared
+
+    def own_blocks_only(self, *quantities):
+        return every_rank(BlockNorms(self.offsets, self.ranges, None, self.block_sums), *quantities)
+
+    monkeypatch.setattr(BlockNorms, "squared", own_blocks_only)
+    dp = train(comm, b, steps, shard=True, bucket_mb=0.02, hidden=(32, 16), **opt)  # chunks that split layers
     ours = dp.flat.params.copy()
     dp.close()
     monkeypatch.undo()
-    assert not np.allclose(ours, reference(k, b, steps, **opt), rtol=1e-5, atol=1e-9)
+    assert not np.allclose(ours, reference(k, b, steps, hidden=(32, 16), **opt), rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("opt", [LARS_OPT, LAMB_OPT, {"clip": 0.05}, {**LARS_OPT, "momentum_correction": True}])
+def test_sharded_lars_lamb_and_clipping_give_the_replicated_steps_bits(opt):
+    """The norms are block norms that no chunk cuts (mpisgd.optim.norms): with the default strategy (sums in
+    rank order either way) the sharded step gives the replicated step's bits, however the chunks cut the
+    layers (here at k >= 2 they do)."""
+    comm = world()
+    got = {shard: digest(train(comm, 8, 8, allreduce="auto", shard=shard, dtype="float32", hidden=(256, 64), **opt))
+           for shard in (False, True)}
+    assert got[True] == got[False]
 
 
 def test_sharded_step_without_dividing_by_k_still_differs():
@@ -309,23 +326,42 @@ def test_sharded_step_without_dividing_by_k_still_differs():
 
 @pytest.mark.parametrize("opt", [{}, ADAMW_OPT, LAMB_OPT])
 def test_sharded_optimizer_state_is_made_whole_for_checkpoints(opt):
-    """Each rank updates only its chunks of every state buffer (momentum; Adam's two moments);
-    gather_optimizer_state makes every rank's buffers the replicated run's."""
+    """Each rank keeps only its chunks of every state buffer (momentum; Adam's two moments);
+    gather_optimizer_state makes rank 0's the replicated run's whole buffers."""
     comm = world()
     dp = train(comm, 8, 6, shard=True, **opt)
-    before = {name: buf.copy() for name, buf in dp.optimizer.state_buffers().items()}
-    dp.gather_optimizer_state()
-    after = {name: buf.copy() for name, buf in dp.optimizer.state_buffers().items()}
-    every = comm.allgather(after)
+    own = dp.update.own
+    local = {name: buf.copy() for name, buf in dp.optimizer.state_buffers().items()}
+    whole = dp.gather_optimizer_state()
     dp.close()
     plain = train(comm, 8, 6, **opt)
     ref = {name: buf.copy() for name, buf in plain.optimizer.state_buffers().items()}
     plain.close()
     assert sorted(ref) == (["velocity"] if not opt else ["exp_avg", "exp_avg_sq"])
-    for name, buf in after.items():
-        assert not np.allclose(before[name], ref[name])  # before the gather, the other ranks' chunks are stale
-        assert all(np.array_equal(other[name], buf) for other in every)
+    assert sorted(whole) == (sorted(ref) if comm.Get_rank() == 0 else [])
+    for name, buf in whole.items():
         np.testing.assert_allclose(buf, ref[name], rtol=1e-9, atol=1e-12)
+    for name, buf in local.items():  # this rank's chunks, back to back: nothing else
+        assert buf.size == sum(hi - lo for lo, hi in own) < ref[name].size
+        np.testing.assert_allclose(buf, np.concatenate([ref[name][lo:hi] for lo, hi in own]), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("opt", [{}, ADAMW_OPT, LARS_OPT, LAMB_OPT])
+def test_the_sharded_step_keeps_one_kth_of_the_optimizer_state(opt):
+    """ZeRO-1: the ranks' optimizer buffers tile the replicated step's (momentum or moments and the
+    update's scratch), each rank's near 1/k of them."""
+    comm = world()
+    k = comm.Get_size()
+    dp = train(comm, 8, 1, shard=True, hidden=(256,), **opt)
+    mine, owned = dp.optimizer.buffer_nbytes(), sum(hi - lo for lo, hi in dp.update.own)
+    dp.close()
+    plain = train(comm, 8, 1, hidden=(256,), **opt)
+    whole, n = plain.optimizer.buffer_nbytes(), plain.flat.size
+    plain.close()
+    every = comm.allgather(mine)
+    assert whole > 0 and mine == whole * owned // n  # exactly this rank's share of every buffer
+    assert sum(every) == whole  # the chunks tile the parameters
+    assert max(every) <= whole / k + whole * 2 * 4096 / n  # even shares, up to a block per bucket boundary
 
 
 def test_broadcast_parameters_gives_every_rank_root_s_state_buffers():
@@ -474,6 +510,14 @@ def test_a_rank_in_another_collective_is_named_at_the_check_in():
     dp.close()
     if err is not None:
         assert f"rank(s) [{last}] are not at the check-in of step 1" in err, err
+
+
+def test_close_twice_is_a_no_op():
+    """The second close() of a DataParallel does nothing (the first freed the communicator and the watchdog)."""
+    dp = train(world(), 8, 1)
+    dp.close()
+    dp.close()
+    assert dp.shared_grads is False
 
 
 def test_an_unmaterialised_model_says_so():

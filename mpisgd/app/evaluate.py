@@ -78,7 +78,8 @@ def check_fit(meta: dict[str, Any], test: Any, name: str, classes: int, path: st
     if trained and trained != name:
         warnings.append(f"warning: the model was trained on {trained}; this is {name}")
     scale, shift = meta.get("input_scale"), meta.get("input_shift")
-    if scale is not None and (not np.isclose(scale, test.scale) or not np.isclose(shift, test.shift)):
+    if scale is not None and shift is not None and (not np.isclose(scale, test.scale)
+                                                    or not np.isclose(shift, test.shift)):
         warnings.append(f"warning: the model was trained on inputs scaled as x * {scale:.4g} + {shift:.4g}, these "
                         f"are scaled as x * {test.scale:.4g} + {test.shift:.4g}: pass the data options it was "
                         "trained with")

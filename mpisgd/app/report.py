@@ -211,8 +211,9 @@ def banner(run: Run) -> list[str]:
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))
-    if getattr(dp.reducer, "why", ""):  # GPU buffers: why MPI gets device pointers, or host copies
-        lines.append(fit(f"cuda-aware MPI: {dp.reducer.why}"))
+    cuda_why = getattr(dp.reducer, "why", "")  # GPU buffers: why MPI gets device pointers, or host copies
+    if cuda_why:
+        lines.append(fit(f"cuda-aware MPI: {cuda_why}"))
     plan = run.resume
     if plan is not None:  # not cut: a path is shown whole
         lines.append(f"resumed from {plan.path} at step {plan.global_step} (epoch {plan.epoch + 1}, step "

@@ -283,6 +283,7 @@ def _level1(optimizer: Optimizer) -> bool:
 
 
 def _optimizer(cfg: Config, model: Model) -> Optimizer:
+    flat = model.flat
     if cfg.optimizer == "adamw":  # ufuncs only: reproducible as it is
         mask = matrices(model.flat) if cfg.weight_decay_on == "matrices" else None
         return AdamW(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, decay_mask=mask)
@@ -290,9 +291,9 @@ def _optimizer(cfg: Config, model: Model) -> Optimizer:
         return LAMB(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
-        return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
+        return LARS(flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,
                     cfg.trust_coef, level1=level1)
-    return SGD(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
+    return SGD(flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction, level1=level1)
 
 
 # Below this the update is too small to split: sharding saves (1 - 1/k) of an optimizer step that costs
@@ -343,7 +344,8 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
     """Rank 0 finds the checkpoint (falling back past corrupt ones), checks that this run may continue it
     and works out b and m; every rank takes the plan (and the b and m it sets in ``cfg``). The state
     itself (rank 0's) is loaded into the model once it exists (_restore)."""
-    plan, state, warnings, error = None, None, [], None
+    plan, state, error = None, None, None
+    warnings: list[str] = []
     if world.Get_rank() == 0 and cfg.resume != "no":
         try:
             state, path, warnings = run_dir.find_resume(cfg.resume) if run_dir is not None else \
@@ -369,26 +371,25 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
 
 def _restore(run: Run, state: TrainState | None) -> None:
     """Continue from the planned checkpoint: rank 0 loads it, every rank takes rank 0's copy."""
-    plan, model, optimizer = run.resume, run.model, run.optimizer
+    plan, flat, optimizer = run.resume, run.model.flat, run.optimizer
     assert plan is not None
     error = None
     if run.is_root:
         assert state is not None
         missing = sorted(set(optimizer.state_buffers()) - set(state.buffers))
-        if state.params.size != model.flat.size:
-            error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has "
-                                    f"{model.flat.size}")
+        if state.params.size != flat.size:
+            error = CheckpointError(f"{plan.path} holds {state.params.size} parameters, the model has {flat.size}")
         elif missing and not set(plan.changed) & set(NEW_OPTIMIZER_STATE):
             error = CheckpointError(
                 f"{plan.path} lacks the optimizer's state {', '.join(missing)} ({type(optimizer).__name__} keeps it): "
                 "resuming would restart it at zero; a checkpoint damaged or edited by hand? (when the optimizer or "
                 "its momentum changed on purpose, --resume-allow optimizer or momentum starts it at zero)")
         else:
-            model.flat.params[...] = run.ctx.xp.asarray(state.params)
+            flat.params[...] = run.ctx.xp.asarray(state.params)
     agree(run.ctx.comm, error)
-    # rank 0's state buffers (the others' are broadcast next), every rank's scalars (the plan's)
-    optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
-    run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
+    # every rank's scalars (the plan's), rank 0's whole state buffers to every rank (sharded: its chunks)
+    run.dp.load_optimizer_state(plan.optimizer_state, state.buffers if state is not None else None)
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's parameters
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)
 
 

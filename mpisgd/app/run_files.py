@@ -30,8 +30,10 @@ def check(cfg: Config, rank: int) -> None:
 
 def _is_input(path: Path, cfg: Config) -> bool:
     given = getattr(cfg, "config_file", None)
+    if not given:
+        return False
     try:
-        return bool(given) and path.exists() and os.path.samefile(path, given)
+        return path.exists() and os.path.samefile(path, given)
     except OSError:
         return False
 

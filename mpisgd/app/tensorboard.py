@@ -56,7 +56,7 @@ def _summary_writer() -> Any:
     floats. An import of torch during it fails, and tensorboardX goes on without."""
     hide = "torch" not in sys.modules
     if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment] - Python's own mark for "cannot be imported"
+        sys.modules["torch"] = None  # type: ignore[assignment]  # Python's own mark for "cannot be imported"
     try:
         from tensorboardX import SummaryWriter  # noqa: PLC0415 - only when asked
     except ImportError:
@@ -79,8 +79,8 @@ class TensorBoardWriter:
 
     def __init__(self, logdir: str) -> None:
         _summary_writer()  # the library, or UsageError
-        from tensorboardX.proto import event_pb2, summary_pb2  # type: ignore[import-untyped]  # noqa: PLC0415
-        from tensorboardX.record_writer import masked_crc32c  # type: ignore[import-untyped]  # noqa: PLC0415
+        from tensorboardX.proto import event_pb2, summary_pb2  # noqa: PLC0415
+        from tensorboardX.record_writer import masked_crc32c  # noqa: PLC0415
 
         self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
         self.failed: str | None = None

@@ -72,7 +72,7 @@ def run_record(run: Run) -> RunRecord:
     per_node: dict[str, int] = {}
     for host, _, _ in run.places:
         per_node[host] = per_node.get(host, 0) + 1
-    itemsize = dp.summed.dtype.itemsize  # int64 integers when reproducible
+    itemsize = dp.gradients.reduced.dtype.itemsize  # int64 integers when reproducible
     return RunRecord(
         schema=SCHEMA, started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         version=mpisgd.__version__, world_size=run.k, nodes=len(per_node), ranks_per_node=max(per_node.values()),
@@ -243,14 +243,14 @@ class Trainer:
         run, cfg = self.run, self.cfg
         if step_in_epoch >= run.batches.steps_per_epoch:
             epoch, step_in_epoch = epoch + 1, 0
-        self.dp.gather_optimizer_state()
+        buffers = self.dp.gather_optimizer_state()  # whole on rank 0 (sharded: from every rank's chunks)
         self.saved_at = self.global_step
         if not run.is_root:  # only rank 0 writes; no collective, so nothing waits on it
             return None
         opt = run.optimizer
         state = TrainState(
             params=to_numpy(run.model.flat.params),
-            buffers={name: to_numpy(buf) for name, buf in opt.state_buffers().items()}, optimizer_state=opt.state(),
+            buffers={name: to_numpy(buf) for name, buf in buffers.items()}, optimizer_state=opt.state(),
             global_step=self.global_step, epoch=epoch, step_in_epoch=step_in_epoch,
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
@@ -289,6 +289,7 @@ class Trainer:
         if run.val_loader is None:
             return {"test_acc": self.evaluate()}
         val_acc, val_loss = self.score(run.val_loader, loss=True)
+        assert val_loss is not None  # asked for
         return {"val_loss": val_loss, "val_acc": val_acc,
                 **({"test_acc": self.evaluate()} if self.cfg.test_every_epoch else {})}
 
@@ -301,7 +302,8 @@ class Trainer:
         assert loss is not None  # score(loss=True) returns one
         self.final_test = TestRecord(step=self.global_step, test_acc=acc, test_loss=loss)
         if self.run.data.tokens:
-            self.final_test = replace(self.final_test, **per_token(self.final_test, self.run.data.in_shape[0]))
+            bits = per_token(self.final_test, self.run.data.in_shape[0])
+            self.final_test = replace(self.final_test, test_bits_per_token=bits.get("test_bits_per_token"))
         self.record(self.final_test)
 
     def _end_epoch(self, epoch: int, steps: int, loss_sum: Any, train_time: float) -> None:
@@ -334,7 +336,10 @@ class Trainer:
             peak_rss_mib=peak_mib, rss_start_mib=start_mib, state_mib=state_mib,
             **self._noise_scale(mean), **_straggler_fields(straggler))
         if run.data.tokens:  # a language model: per token, in nats and bits, and tokens per second
-            record = replace(record, **per_token(record, run.data.in_shape[0]))
+            bits = per_token(record, run.data.in_shape[0])
+            record = replace(record, tokens_per_s=bits["tokens_per_s"],
+                             train_bits_per_token=bits["train_bits_per_token"],
+                             val_bits_per_token=bits.get("val_bits_per_token"))
         self.history.append(record)
         self.record(record)
         self.log(report.format_epoch(record, self.n_epochs, report.token_unit(run)))
@@ -344,12 +349,13 @@ class Trainer:
     def _noise_scale(self, mean: StepStats) -> dict[str, Any]:
         """The epoch's gradient noise scale from the ranks' mean squared norms (mpisgd.noise): the small
         batch is a rank's gradient (or, at k = 1, a micro-batch's), the big one the average. The fields
-        are read by name: ``small_sq`` in true units, ``big_sq_share`` = |G|^2 / k (so k times the mean
-        over ranks is |G|^2)."""
+        are read by name, both in true units (mpisgd.parallel.stats.StepStats); a language model's batches
+        are counted in tokens, so its noise scale is in tokens."""
         steps = mean.noise_steps  # every rank measured the same steps
         if steps < 1:
             return {}
-        est = estimate(mean.b_small, mean.small_sq / steps, self.run.B, mean.big_sq_share * self.run.k / steps)
+        targets = self.run.data.in_shape[0] if self.run.data.tokens else 1  # per sample: a window's tokens
+        est = estimate(mean.b_small, mean.small_sq / steps, self.run.B * targets, mean.big_sq / steps)
         if est is None:
             return {}
         return {"noise_scale": est.noise_scale, "grad_sqr": est.grad_sqr, "grad_var": est.grad_var,

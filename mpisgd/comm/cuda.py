@@ -111,7 +111,9 @@ def probe_cuda_aware(comm: Any, mode: str = "auto", xp: Any = None) -> tuple[boo
     if not comm.allreduce(ok, op=MPI.LAND):
         return False, why if not ok else why + "; another rank's did not"
     if xp is None:
-        import cupy as xp  # noqa: PLC0415 - GPU path only
+        import cupy  # noqa: PLC0415 - GPU path only
+
+        xp = cupy
     wrong = probe_calls(comm, xp)
     everyone = comm.allgather(wrong)
     bad = sorted({name for w in everyone for name in w})
@@ -124,7 +126,8 @@ class _DeviceOp:
     """One operation on a device buffer, begun (in start order) once the kernels that wrote it are done."""
 
     def __init__(self, red: Any, buf: Array, written: Any = None) -> None:
-        self.red, self.buf, self.cupy, self.inner = red, buf, red.cupy, None
+        self.red, self.buf, self.cupy = red, buf, red.cupy
+        self.inner: Handle | None = None
         if written is None:  # the kernels queued so far on the compute stream wrote the buffer
             written = self.cupy.cuda.Event(disable_timing=True)
             written.record(self.cupy.cuda.get_current_stream())
@@ -153,7 +156,8 @@ class _DeviceOp:
 
     def wait(self) -> None:
         self.red.order.pump(until=self)
-        self.inner.wait()  # type: ignore[union-attr]
+        assert self.inner is not None  # pumped until this operation began
+        self.inner.wait()
         self.finish()
 
 
@@ -162,7 +166,8 @@ class _StagedOp(_DeviceOp):
 
     def __init__(self, red: StagedReducer, buf: Array) -> None:
         cupy, stream = red.cupy, red.copies
-        self.flat, self.slot, self.back = flat_view(buf), red.take(buf.nbytes), None
+        self.flat, self.slot = flat_view(buf), red.take(buf.nbytes)
+        self.back: Any = None  # the event of the copy back to the device
         self.host = self.slot[1][:buf.nbytes].view(buf.dtype)
         written = cupy.cuda.Event(disable_timing=True)
         written.record(cupy.cuda.get_current_stream())

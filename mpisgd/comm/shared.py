@@ -98,11 +98,12 @@ class SharedOp:
         self.phase = 2
 
     def _copy(self) -> None:
-        red = self.red
+        red, mine = self.red, self.red.mine
+        assert mine is not None  # an operation runs on the buffer the reducer handed out
         red.win.Sync()
         for p in self.peers:  # every peer's reduced chunk, from its buffer into ours
             lo, hi = self.bounds[p], self.bounds[p + 1]
-            red.mine[lo:hi] = red.bufs[p][lo:hi]
+            mine[lo:hi] = red.bufs[p][lo:hi]
         self._signal(self.tag + 2)
         self.phase = 3
 

@@ -87,6 +87,7 @@ class Residual(Module):
         d_main = self.backward_child(self.main, dy, need_dx)
         if not need_dx:
             return None
+        assert d_main is not None and d_short is not None  # need_dx: both branches return one
         out = self._buf("dx", d_main.shape, dy)
         xp.add(d_main, d_short, out=out)
         return out

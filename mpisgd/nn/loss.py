@@ -32,6 +32,11 @@ class SoftmaxCrossEntropy:
         picked = p[xp.arange(n), labels]
         return -xp.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)).mean()
 
+    def count(self, labels: Array) -> int:
+        """How many targets a micro-batch scores: one per label (data parallelism weighs each target
+        1 / (k * the step's count over the rank))."""
+        return int(labels.size)
+
     def backward(self, scale: float | None = None) -> Array:
         xp = xp_of(self._p)
         n = self._p.shape[0]

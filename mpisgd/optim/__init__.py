@@ -5,9 +5,10 @@ given (in the sharded step, one that adds every rank's pieces).
 """
 
 from mpisgd.optim.adam import LAMB, AdamW
-from mpisgd.optim.base import Optimizer, Shards, TensorNorms, clip_grad_norm_, grad_norm, load_buffers
+from mpisgd.optim.base import Optimizer, Shards, StateLayout, clip_grad_norm_, grad_norm, load_buffers
 from mpisgd.optim.lars import LARS
+from mpisgd.optim.norms import BlockNorms, Norms, TensorNorms
 from mpisgd.optim.sgd import SGD
 
-__all__ = ["LAMB", "LARS", "SGD", "AdamW", "Optimizer", "Shards", "TensorNorms", "clip_grad_norm_", "grad_norm",
-           "load_buffers"]
+__all__ = ["LAMB", "LARS", "SGD", "AdamW", "BlockNorms", "Norms", "Optimizer", "Shards", "StateLayout", "TensorNorms",
+           "clip_grad_norm_", "grad_norm", "load_buffers"]

@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim.base import Shards, TensorNorms, load_buffers
+from mpisgd.optim.base import Shards, StateBuffers, StateLayout, load_buffers
+from mpisgd.optim.norms import Norms, TensorNorms
 
 
 class AdamW:
@@ -61,14 +62,32 @@ class AdamW:
         self.flat = flat
         self.beta1, self.beta2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
         self.decayed = _runs(flat.offsets, decay_mask)  # [lo, hi) ranges weight decay shrinks
-        xp = flat.xp
-        self.exp_avg = xp.zeros_like(flat.params)  # m
-        self.exp_avg_sq = xp.zeros_like(flat.params)  # v
-        self._tmp = xp.empty_like(flat.params)  # scratch, so that the step allocates nothing
+        # the moments m and v, and scratch so that the step allocates nothing: made when first used
+        self.buffers = StateBuffers(flat, ["exp_avg", "exp_avg_sq"], ["tmp"])
         self.steps = 0  # t: the steps taken
 
+    @property
+    def exp_avg(self) -> Any:
+        return self.buffers["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> Any:
+        return self.buffers["exp_avg_sq"]
+
+    @property
+    def _tmp(self) -> Any:
+        return self.buffers["tmp"]
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.buffers.layout
+
+    def keep_state(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Keep both moments (and the scratch) only for these flat ranges, values kept (the Optimizer protocol)."""
+        self.buffers.keep(ranges)
+
     def state_buffers(self) -> dict[str, Any]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return self.buffers.state()
 
     def state(self) -> dict[str, float]:
         return {"step": self.steps}
@@ -79,33 +98,35 @@ class AdamW:
 
     def buffer_nbytes(self) -> int:
         """The two moments and the scratch buffer."""
-        return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + self._tmp.nbytes)
+        return self.buffers.nbytes()
 
     def step(self, lr: float) -> None:
-        """Update every parameter from the gradient buffer."""
+        """Update every parameter from the gradient buffer (the state must cover every parameter)."""
         self.step_shards(lr, [(0, self.flat.size, self.flat.grads)])
 
-    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+    def step_shards(self, lr: float, shards: Shards, norms: Norms | None = None) -> None:
         """Update only the ranges ``[lo, hi)`` of ``shards`` from their gradient pieces; element by element
         the whole step's update (AdamW needs no norms)."""
         self.steps += 1
         step_size = lr / (1.0 - self.beta1 ** self.steps)
         for lo, hi, g in shards:
-            w, tmp = self.flat.params[lo:hi], self._tmp[lo:hi]
+            at = self.layout.where(lo, hi)
+            w, tmp = self.flat.params[lo:hi], self._tmp[at]
             if self.weight_decay:
                 for a, b in self.decayed:
                     x, y = max(a, lo), min(b, hi)
                     if x < y:
                         w[x - lo:y - lo] *= 1.0 - lr * self.weight_decay
-            self._denominator(lo, hi, g)  # into tmp
-            self.flat.xp.divide(self.exp_avg[lo:hi], tmp, out=tmp)
+            self._denominator(at, g)  # into tmp
+            self.flat.xp.divide(self.exp_avg[at], tmp, out=tmp)
             tmp *= step_size
             w -= tmp
 
-    def _denominator(self, lo: int, hi: int, g: Any) -> None:
-        """Both moments of [lo, hi) from ``g``, then sqrt(v)/sqrt(1 - b2^t) + eps into the scratch buffer."""
+    def _denominator(self, at: slice, g: Any) -> None:
+        """Both moments at ``at`` (where a flat range lies in the state) from ``g``, then
+        sqrt(v)/sqrt(1 - b2^t) + eps into the scratch buffer."""
         xp, b1, b2 = self.flat.xp, self.beta1, self.beta2
-        m, v, tmp = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self._tmp[lo:hi]
+        m, v, tmp = self.exp_avg[at], self.exp_avg_sq[at], self._tmp[at]
         m *= b1
         xp.multiply(g, 1.0 - b1, out=tmp)
         m += tmp
@@ -148,7 +169,7 @@ class LAMB(AdamW):
         super().__init__(flat, betas, eps, weight_decay)
         self.adapted = [len(shape) > 1 for shape in flat.shapes]  # per tensor, in flat.shapes order
 
-    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+    def step_shards(self, lr: float, shards: Shards, norms: Norms | None = None) -> None:
         """Update only the ranges ``[lo, hi)`` of ``shards``. ``norms`` gives the whole tensors' squared
         norms of w and r; without it they come from ``shards`` alone, right only when those hold whole
         tensors."""
@@ -156,11 +177,12 @@ class LAMB(AdamW):
         self.steps += 1
         bc1, w, xp = 1.0 - self.beta1 ** self.steps, self.flat.params, self.flat.xp
         for lo, hi, g in shards:  # g becomes r
-            self._denominator(lo, hi, g)
-            xp.divide(self.exp_avg[lo:hi], self._tmp[lo:hi], out=g)
+            at = self.layout.where(lo, hi)
+            self._denominator(at, g)
+            xp.divide(self.exp_avg[at], self._tmp[at], out=g)
             g /= bc1
             if self.weight_decay:
-                tmp = self._tmp[lo:hi]
+                tmp = self._tmp[at]
                 xp.multiply(w[lo:hi], self.weight_decay, out=tmp)
                 g += tmp
         ratios = self.trust_ratios(norms.squared([w[lo:hi] for lo, hi, _ in shards], [g for _, _, g in shards]))

@@ -28,7 +28,8 @@ import math
 import numpy as np
 
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim.base import Shards, TensorNorms
+from mpisgd.optim.base import Shards
+from mpisgd.optim.norms import Norms, TensorNorms
 from mpisgd.optim.sgd import SGD
 
 
@@ -59,7 +60,7 @@ class LARS(SGD):
         """Update every parameter from the gradient buffer (each norm over its whole tensor)."""
         self.step_shards(lr, [(0, self.flat.size, self.flat.grads)])
 
-    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+    def step_shards(self, lr: float, shards: Shards, norms: Norms | None = None) -> None:
         """Update only the ranges ``[lo, hi)`` of ``shards`` (as SGD.step_shards). ``norms`` gives the
         whole tensors' squared norms; without it they come from ``shards`` alone, which is right only
         when the shards hold whole tensors."""
@@ -70,7 +71,7 @@ class LARS(SGD):
             if wd and b is not None:  # d = g + wd*w on all of the shard, biases included
                 b.axpy(wd, w[lo:hi], g)
             elif wd:
-                tmp = self._tmp[lo:hi]
+                tmp = self._tmp[self.layout.where(lo, hi)]
                 self.flat.xp.multiply(w[lo:hi], wd, out=tmp)
                 g += tmp
             for (x, y), ratio in zip(self._pieces(lo, hi), ratios):
@@ -78,7 +79,7 @@ class LARS(SGD):
                     g[x - lo:y - lo] *= ratio
         super().step_shards(lr, shards)  # momentum and the step on d, with no decay of SGD's own
 
-    def sq_norms(self, shards: Shards, norms: TensorNorms) -> np.ndarray:
+    def sq_norms(self, shards: Shards, norms: Norms) -> np.ndarray:
         """(2, adapted tensors) float64: rows ||w||^2 and ||g||^2 of each adapted tensor (``g`` as given:
         before weight decay), over every piece ``norms`` adds up."""
         w = self.flat.params

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpisgd.blas import level1_for
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim.base import Shards, TensorNorms, load_buffers
+from mpisgd.optim.base import Shards, StateBuffers, StateLayout, load_buffers
+from mpisgd.optim.norms import Norms
 
 
 class SGD:
@@ -31,6 +32,9 @@ class SGD:
     eta*v (or eta*d). ``level1=False`` forces the ufuncs. Weight decay is added into the
     gradient buffer in place (the next backward overwrites it), so after ``step`` the
     grads hold d, not g.
+
+    State: the momentum buffer ``velocity`` (and the ufuncs' temporary) cover the flat ranges of
+    :attr:`layout`: every parameter, or after ``keep_state`` only this rank's chunks (the sharded step).
     """
 
     def __init__(self, flat: FlatBuffer, momentum: float = 0.0, nesterov: bool = False,
@@ -45,23 +49,39 @@ class SGD:
         self.flat = flat
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
         self.momentum_correction = momentum_correction
-        xp = flat.xp
-        self.velocity = xp.zeros_like(flat.params) if momentum else None
         self.prev_lr: float | None = None  # eta_{t-1}, for the momentum correction
-        bufs = (flat.params, flat.grads) if self.velocity is None else (flat.params, flat.grads, self.velocity)
-        self.blas = level1_for(*bufs) if level1 else None
-        self._tmp = None if self.blas else xp.empty_like(flat.params)  # the ufuncs' one temporary
+        self.blas = level1_for(flat.params, flat.grads) if level1 else None  # velocity: their dtype, contiguous
+        # momentum, and the ufuncs' one temporary where BLAS is not used: made when first used
+        self.buffers = StateBuffers(flat, ["velocity"] if momentum else [], [] if self.blas else ["tmp"])
+
+    @property
+    def velocity(self) -> Any:
+        """The momentum buffer (None without momentum)."""
+        return self.buffers["velocity"] if self.momentum else None
+
+    @property
+    def _tmp(self) -> Any:
+        return None if self.blas else self.buffers["tmp"]
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.buffers.layout
+
+    def keep_state(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Keep momentum (and the temporary) only for these flat ranges, values kept (the Optimizer protocol)."""
+        self.buffers.keep(ranges)
 
     def buffer_nbytes(self) -> int:
         """Bytes of the optimizer's own state: momentum, and the ufuncs' temporary where BLAS is not used."""
-        return sum(int(b.nbytes) for b in (self.velocity, self._tmp) if b is not None)
+        return self.buffers.nbytes()
 
     def step(self, lr: float) -> None:
-        """Update every parameter from the gradient buffer."""
+        """Update every parameter from the gradient buffer (the state must cover every parameter)."""
+        self.layout.where(0, self.flat.size)  # ValueError where keep_state left only some ranges
         self._update(self.flat.params, self.flat.grads, self.velocity, self._tmp, lr)
         self.prev_lr = lr
 
-    def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
+    def step_shards(self, lr: float, shards: Shards, norms: Norms | None = None) -> None:
         """Update only the parameter ranges ``[lo, hi)`` of ``shards``, each from its own gradient array
         ``g`` (hi - lo elements; the sharded step of mpisgd.parallel.sharded). Element by element the same
         update as :meth:`step`, so ranks that update disjoint ranges and exchange them arrive at the
@@ -69,7 +89,8 @@ class SGD:
         ``norms``: where whole-tensor norms come from, for rules that need them (SGD does not)."""
         w, v, tmp = self.flat.params, self.velocity, self._tmp
         for lo, hi, g in shards:
-            self._update(w[lo:hi], g, None if v is None else v[lo:hi], None if tmp is None else tmp[lo:hi], lr)
+            at = self.layout.where(lo, hi)
+            self._update(w[lo:hi], g, None if v is None else v[at], None if tmp is None else tmp[at], lr)
         self.prev_lr = lr
 
     def _update(self, w: Any, g: Any, v: Any, tmp: Any, lr: float) -> None:
@@ -135,7 +156,7 @@ class SGD:
 
     def state_buffers(self) -> dict[str, Any]:
         """The momentum buffer, when there is momentum (the Optimizer protocol)."""
-        return {} if self.velocity is None else {"velocity": self.velocity}
+        return self.buffers.state()
 
     def state(self) -> dict[str, float]:
         """The rate of the last step (-1.0: none yet), for the momentum correction."""

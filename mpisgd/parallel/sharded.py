@@ -1,48 +1,37 @@
-"""The sharded step: each rank updates 1/k of the parameters (ZeRO stage 1's split of the update).
+"""The sharded step: each rank updates 1/k of the parameters and keeps 1/k of the optimizer state (ZeRO
+stage 1).
 
 Each bucket of the gradient is reduce-scattered instead of all-reduced, rank r receiving chunk r of the
 bucket's sum; each rank checks its chunks, updates those parameters and their optimizer state, and an
-all-gather of the parameters, bucket by bucket, gives every rank the same new replica. The optimizer's
-state buffers (momentum, Adam's moments) stay whole-sized, each rank keeping its own chunks current, so
-checkpoints do not change; DataParallel gathers them before one is written. Element by element the
-update is the replicated one, and with BLAS bit for bit (mpisgd.blas).
+all-gather of the parameters, bucket by bucket, gives every rank the same new replica. The optimizer
+keeps state only for this rank's chunks (``Optimizer.keep_state``): momentum, Adam's moments and the
+update's scratch shrink to 1/k. A checkpoint gathers the whole buffers on one rank
+(:meth:`ShardedStep.gather_state`), resuming scatters them back (:meth:`ShardedStep.scatter_state`), so
+checkpoints are the replicated step's and resume on any k.
 
-Two things need every rank: whether the averaged gradient is finite (each rank sees only its chunks:
-one small all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask
-for (LARS, LAMB; and the gradient's global norm, for clipping): :class:`RankNorms` all-gathers each
-rank's partial squared norms and sums them in rank order, so every rank applies the same ratios,
-bitwise, whatever the MPI library's reduction order.
+Element by element the update is the replicated one: BLAS runs every element through its kernel's
+vector body wherever a chunk is cut (mpisgd.blas), the ufuncs round each element alike. Two things need
+every rank: whether the averaged gradient is finite (each rank sees only its chunks: one small
+all-reduce makes it every rank's verdict), and the whole-tensor norms some update rules ask for (LARS,
+LAMB; and the gradient's global norm, for clipping): :class:`~mpisgd.optim.norms.BlockNorms` over every
+rank's blocks, which the chunks never cut, so every rank applies the replicated step's ratios, bitwise.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 from mpi4py import MPI
 
+from mpisgd.agreement import agree
 from mpisgd.blas import finite_sq_norm
-from mpisgd.comm.base import Handle, Reducer
-from mpisgd.exact import BlockNorms, block_boundaries
+from mpisgd.comm.base import Handle, Reducer, byte_spec
 from mpisgd.flatbuf import FlatBuffer
-from mpisgd.optim import TensorNorms
-
-
-class RankNorms(TensorNorms):
-    """TensorNorms over this rank's chunks, added up over every rank in rank order (collective)."""
-
-    def __init__(self, offsets: list[int], ranges: list[tuple[int, int]], comm: Any, watchdog: Any,
-                 step: int) -> None:
-        super().__init__(offsets, ranges)
-        self.comm, self.watchdog, self.step = comm, watchdog, step
-
-    def squared(self, *quantities: Any) -> np.ndarray:
-        mine = self.partial(*quantities)
-        every = np.empty((self.comm.Get_size(), *mine.shape), dtype=mine.dtype)
-        with self.watchdog.watching(f"tensor-norm all-gather of step {self.step}"):
-            self.comm.Allgather(mine, every)
-        return every.sum(axis=0)  # rank order, the same on every rank
+from mpisgd.optim.base import Optimizer
+from mpisgd.optim.norms import BlockNorms, Blocks, BlockSums, block_boundaries
+from mpisgd.parallel.protocols import Array, Timeline, Watchdog
 
 
 def partition(lo: int, hi: int, k: int, cuts: list[int] | None = None) -> list[int]:
@@ -65,31 +54,31 @@ def partition(lo: int, hi: int, k: int, cuts: list[int] | None = None) -> list[i
 class ShardedStep:
     """The sharded update of ``flat`` over ``comm``'s k ranks, for buckets given as [start, stop) ranges.
 
-    Each bucket is split into k near-equal chunks in rank order (so every rank shares every bucket's
-    reduction work as it arrives) and reduce-scattered; rank r updates its chunk of every bucket. The
-    update calls BLAS on each chunk, whose kernels give every element the same bits wherever a call
-    starts (mpisgd.blas), so the sharded step gives the replicated step's bits.
+    Each bucket is split into k near-equal chunks in rank order, cut only on the blocks of the norms
+    (mpisgd.optim.norms.block_boundaries), and reduce-scattered; rank r updates its chunk of every
+    bucket. ``reduced_dtype``: what the buckets hold (the gradients' dtype, or int64 fixed point in the
+    reproducible mode: reduce-scattered into an int64 buffer, then converted into this rank's floats);
+    ``block_sums``: how the norms' blocks are summed (the gradient strategy's)."""
 
-    ``exact`` (the reproducible mode, mpisgd.exact): the buckets hold fixed-point integers, reduce-
-    scattered into an int64 buffer and converted into this rank's floats; the chunks end on the blocks
-    of :class:`~mpisgd.exact.BlockNorms`, so whole-tensor norms do not depend on k."""
+    what = "reduce-scatter"
 
-    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: Any, reducer: Reducer,
-                 exact: bool = False) -> None:
+    def __init__(self, flat: FlatBuffer, buckets: list[tuple[int, int]], comm: MPI.Intracomm, reducer: Reducer,
+                 reduced_dtype: np.dtype, block_sums: BlockSums) -> None:
         covered = sorted(buckets)
         if covered[0][0] != 0 or covered[-1][1] != flat.size or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
             raise ValueError(f"buckets {covered} do not tile the {flat.size} parameters")
-        self.flat, self.comm, self.reducer, self.exact = flat, comm, reducer, exact
+        self.flat, self.comm, self.reducer, self.block_sums = flat, comm, reducer, block_sums
         self.k, self.rank = comm.Get_size(), comm.Get_rank()
-        cuts = block_boundaries(flat.offsets) if exact else None
-        bounds = [partition(a, b, self.k, cuts) for a, b in buckets]
-        self.counts = [[bb[c + 1] - bb[c] for c in range(self.k)] for bb in bounds]  # per bucket, every rank's
-        own = [(bb[self.rank], bb[self.rank + 1]) for bb in bounds]  # per bucket, this rank's chunk
-        # this rank's chunks of the averaged gradient, back to back; (exact) their integers likewise
+        cuts = block_boundaries(flat.offsets)
+        self.bounds = [partition(a, b, self.k, cuts) for a, b in buckets]  # per bucket, every rank's chunk
+        self.counts = [[bb[c + 1] - bb[c] for c in range(self.k)] for bb in self.bounds]
+        own = self.chunks(self.rank)
+        # this rank's chunks of the averaged gradient, back to back; (int64 sums) their integers likewise
         self.grads = flat.xp.empty(sum(hi - lo for lo, hi in own), dtype=flat.dtype)
-        self.recv = flat.xp.empty(self.grads.size, dtype=np.int64) if exact else self.grads
-        self.shards: list[tuple[int, int, Any]] = []  # (lo, hi, its gradient): what step_shards takes
-        self._out: list[Any] = []  # per bucket, where its reduce-scatter lands
+        exact = np.dtype(reduced_dtype) != flat.dtype
+        self.recv = flat.xp.empty(self.grads.size, dtype=reduced_dtype) if exact else self.grads
+        self.shards: list[tuple[int, int, Array]] = []  # (lo, hi, its gradient): what step_shards takes
+        self._out: list[Array] = []  # per bucket, where its reduce-scatter lands
         offset = 0
         for lo, hi in own:
             self.shards.append((lo, hi, self.grads[offset:offset + hi - lo]))
@@ -97,16 +86,24 @@ class ShardedStep:
             offset += hi - lo
         self.ranges = list(buckets)
 
+    def chunks(self, rank: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s chunks of the flat buffer, one per bucket (possibly empty), in bucket order."""
+        return [(bb[rank], bb[rank + 1]) for bb in self.bounds]
+
     @property
     def own(self) -> list[tuple[int, int]]:
-        """This rank's chunks of the flat buffer, one per bucket, as [(lo, hi), ...]."""
-        return [(lo, hi) for lo, hi, _ in self.shards]
+        """This rank's chunks, as [(lo, hi), ...]: where its optimizer state lies, back to back."""
+        return self.chunks(self.rank)
 
-    def start(self, index: int, summed: Any) -> Handle:
+    def start(self, index: int, buf: Array) -> Handle:
         """Begin bucket ``index``'s reduce-scatter: this rank's chunk of the sum into its shard buffer."""
-        return self.reducer.start_reduce_scatter(summed, self._out[index], self.counts[index])
+        return self.reducer.start_reduce_scatter(buf, self._out[index], self.counts[index])
 
-    def finite(self, watchdog: Any, step: int) -> tuple[bool, float]:
+    def landed(self, reduced: Array) -> list[tuple[int, int, Array, Array]]:
+        """This rank's chunks of the sum, and the gradient pieces they become."""
+        return [(lo, hi, q, g) for (lo, hi, g), q in zip(self.shards, self._out)]
+
+    def finite(self, watchdog: Watchdog, step: int) -> tuple[bool, float]:
         """Whether the whole averaged gradient is finite, and its squared norm: this rank's chunks, then
         every rank's (one small all-reduce: the count of non-finite chunks, the squared norms)."""
         ok, sq = finite_sq_norm(self.grads, self.flat.xp)
@@ -115,33 +112,34 @@ class ShardedStep:
             self.comm.Allreduce(MPI.IN_PLACE, votes, op=MPI.SUM)
         return bool(votes[0] == 0), float(votes[1])
 
-    def decode(self, codec: Any, summed: Any) -> None:
-        """Exact: this rank's integers to its floats, chunk by chunk."""
-        for (lo, hi, g), q in zip(self.shards, self._out):
-            codec.decode(q, g, lo, hi)
+    def sq_norm(self, watchdog: Watchdog, step: int) -> float:
+        """|G|^2: this rank's chunks' squared norm, added over the ranks (one small all-reduce)."""
+        sq = np.array([finite_sq_norm(self.grads, self.flat.xp)[1]])
+        with watchdog.watching(f"gradient norm of step {step}"):
+            self.comm.Allreduce(MPI.IN_PLACE, sq, op=MPI.SUM)
+        return float(sq[0])
 
-    def sq_norm_share(self, k: int) -> float:
-        """This rank's part of |G|^2 (summed over the ranks: |G|^2)."""
-        return finite_sq_norm(self.grads, self.flat.xp)[1]
-
-    def norms(self, watchdog: Any, step: int) -> Any:
+    def norms(self, watchdog: Watchdog, step: int) -> BlockNorms:
         """Whole-tensor norms over every rank's chunks (what an update rule that needs them is given)."""
-        ranges = [(lo, hi) for lo, hi, _ in self.shards]
-        if not self.exact:
-            return RankNorms(self.flat.offsets, ranges, self.comm, watchdog, step)
 
-        def gather(mine: Any) -> Any:
+        def gather(mine: list[Blocks]) -> list[list[Blocks]]:
             with watchdog.watching(f"tensor-norm all-gather of step {step}"):
                 return self.comm.allgather(mine)
-        return BlockNorms(self.flat.offsets, ranges, gather)
 
-    def apply(self, optimizer: Any, lr: float, watchdog: Any, step: int) -> None:
+        return BlockNorms(self.flat.offsets, self.own, gather, self.block_sums)
+
+    def apply(self, optimizer: Optimizer, lr: float, watchdog: Watchdog, step: int) -> None:
         """Update this rank's chunks (the optimizer may ask for whole-tensor norms: every rank's)."""
         optimizer.step_shards(lr, self.shards, self.norms(watchdog, step))
 
-    def gather_(self, buf: Any, watchdog: Any, what: str) -> float:
-        """Every rank's chunks of ``buf`` (parameters or momentum) to every rank, in place (collective):
-        all buckets in flight at once, then wait. Returns the seconds it took."""
+    def after_step(self, watchdog: Watchdog, timeline: Timeline, step: int) -> float:
+        """Every rank's new parameters to every rank (the all-gather); its seconds."""
+        with timeline.span("all-gather", cat="comm"):
+            return self.gather_(self.flat.params, watchdog, f"parameter all-gather of step {step}")
+
+    def gather_(self, buf: Array, watchdog: Watchdog, what: str) -> float:
+        """Every rank's chunks of the flat-sized ``buf`` to every rank, in place (collective): all buckets in
+        flight at once, then wait. Returns the seconds it took."""
         t0 = time.perf_counter()
         with watchdog.watching(what):
             handles = [self.reducer.start_allgather(buf[a:b], counts)
@@ -150,6 +148,63 @@ class ShardedStep:
                 h.wait()
         return time.perf_counter() - t0
 
+    # -- the optimizer state: 1/k on each rank, whole in checkpoints ---------------------------------
+    def own_state(self, optimizer: Optimizer) -> None:
+        """The optimizer keeps state for this rank's chunks only."""
+        optimizer.keep_state(self.own)
+
+    def broadcast_state(self, optimizer: Optimizer, root: int) -> None:
+        """Nothing: each rank's chunks of the state are its own (:meth:`scatter_state` distributes a whole one)."""
+        return None
+
+    def _packed(self) -> tuple[list[int], list[int]]:
+        """Elements per rank of its chunks back to back (its state buffers' size), and their displacements."""
+        counts = [sum(hi - lo for lo, hi in self.chunks(r)) for r in range(self.k)]
+        return counts, [sum(counts[:r]) for r in range(self.k)]
+
+    def gather_state(self, optimizer: Optimizer, watchdog: Watchdog, root: int) -> dict[str, np.ndarray]:
+        """The whole state buffers on ``root`` (one Gatherv per buffer, by name); {} on the other ranks."""
+        counts, displs = self._packed()
+        out = {}
+        for name, local in sorted(optimizer.state_buffers().items()):
+            packed = np.empty(self.flat.size, dtype=local.dtype) if self.rank == root else None
+            with watchdog.watching(f"optimizer state ({name}) gather"):
+                self.comm.Gatherv(byte_spec(local), byte_spec(packed, counts, displs) if packed is not None else None,
+                                  root=root)
+            if packed is not None:
+                whole, at = np.empty_like(packed), 0
+                for r in range(self.k):
+                    for lo, hi in self.chunks(r):
+                        whole[lo:hi] = packed[at:at + hi - lo]
+                        at += hi - lo
+                out[name] = whole
+        return out
+
+    def scatter_state(self, optimizer: Optimizer, buffers: Mapping[str, Array] | None, watchdog: Watchdog,
+                      root: int) -> None:
+        """``root``'s whole buffers (None elsewhere) into every rank's chunks (one Scatterv per buffer, by
+        name); a buffer ``root`` lacks stays as it is. A whole buffer of the wrong size is an error on every rank."""
+        mine, given = optimizer.state_buffers(), dict(buffers or {})
+        error = None
+        if self.rank == root:
+            size = (self.flat.size,)
+            wrong = [f"{n!r}: {given[n].shape}" for n in sorted(mine) if n in given and given[n].shape != size]
+            if wrong:
+                error = ValueError(f"optimizer state {', '.join(wrong)} elements for buffers of ({self.flat.size},)")
+        with watchdog.watching("optimizer state: the names to scatter"):
+            agree(self.comm, error)
+            names = self.comm.bcast(sorted(n for n in given if n in mine) if self.rank == root else None, root=root)
+        counts, displs = self._packed()
+        for name in names:
+            local = mine[name]
+            packed = None
+            if self.rank == root:
+                whole = np.asarray(given[name], dtype=local.dtype)
+                packed = np.concatenate([whole[lo:hi] for r in range(self.k) for lo, hi in self.chunks(r)])
+            with watchdog.watching(f"optimizer state ({name}) scatter"):
+                self.comm.Scatterv(byte_spec(packed, counts, displs) if packed is not None else None, byte_spec(local),
+                                   root=root)
+
     def nbytes(self) -> int:
-        """The part's buffers' bytes (what this rank holds beyond the replicated step's state)."""
-        return int(self.grads.nbytes) + (int(self.recv.nbytes) if self.exact else 0)
+        """The chunks' buffers' bytes (what this rank holds beyond the replicated step's state)."""
+        return int(self.grads.nbytes) + (int(self.recv.nbytes) if self.recv is not self.grads else 0)
