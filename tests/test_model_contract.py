@@ -56,8 +56,8 @@ class Fake:
             return
         self.inner.backward(dy)  # every gradient computed; reported below, one by one
         ranges = self.inner.layer_param_ranges()
-        leaves = [i for i, (a, _) in enumerate(ranges) if a >= 0]  # flat order: 1, 3, 5
-        order = [leaves[1], leaves[0], *leaves[2:]]  # 3, 1, 5: the last leaf (first in reverse) comes last
+        leaves = [i for i, (a, _) in enumerate(ranges) if a >= 0]  # flat order: the three Linear layers
+        order = [leaves[1], leaves[0], *leaves[2:]]  # the middle, the first, the last (first in reverse) last
         grads = self.flat.grads
         kept = {i: grads[ranges[i][0]:ranges[i][1]].copy() for i in order}
         for i in order:
@@ -159,7 +159,7 @@ def record_early_starts(monkeypatch, model: Fake) -> list:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("reproducible", [False, True])
-@pytest.mark.parametrize("bucket_mb", [25.0, 0.0015])  # one bucket of three leaves; buckets {5, 3} and {1}
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0015])  # one bucket of the three leaves; two: the last two, the first
 def test_buckets_wait_for_every_leaf_whatever_the_order(monkeypatch, bucket_mb, reproducible):
     """Each bucket starts only once all its leaves have reported (checked at its start), and the run ends
     with the bits of the same model reporting in reverse order (reproducible: of one rank)."""
@@ -172,7 +172,8 @@ def test_buckets_wait_for_every_leaf_whatever_the_order(monkeypatch, bucket_mb, 
     ours = finish(dp)
     monkeypatch.undo()
     in_order = finish(train(comm, Fake(), 4, bucket_mb=bucket_mb, reproducible=reproducible))
-    assert buckets == ([(1, 3, 5)] if bucket_mb > 1 else [(3, 5), (1,)])
+    first, middle, last = [i for i, (a, _) in enumerate(scrambled.layer_param_ranges()) if a >= 0]
+    assert buckets == ([(first, middle, last)] if bucket_mb > 1 else [(middle, last), (first,)])
     assert early == [] and np.array_equal(ours, in_order)
     if reproducible:
         from mpi4py import MPI
@@ -203,7 +204,8 @@ def test_starting_a_bucket_at_its_first_report_is_caught(monkeypatch, bucket_mb)
     early = record_early_starts(monkeypatch, scrambled)
     monkeypatch.setattr(BucketSchedule, "armed", any_report)
     finish(train(comm, scrambled, 1, bucket_mb=bucket_mb, on_nan="skip"))
-    assert early and early[0][1] == [3]  # the first bucket started after leaf 3 alone
+    middle = [i for i, (a, _) in enumerate(scrambled.layer_param_ranges()) if a >= 0][1]
+    assert early and early[0][1] == [middle]  # the first bucket started after the middle leaf alone
 
 
 # -- the model's state and statistics -----------------------------------------------------------------
