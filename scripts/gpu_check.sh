@@ -308,8 +308,9 @@ if runs:
     speed = {}
     for name, device, k, epochs, args in runs:
         path = work / f"{name}.jsonl"
-        recs = [r for r in map(json.loads, filter(str.strip, path.read_text().splitlines()))
-                if r.get("kind") == "epoch"] if path.exists() else []
+        every = [*map(json.loads, filter(str.strip, path.read_text().splitlines()))] if path.exists() else []
+        recs = [r for r in every if r.get("kind") == "epoch"]
+        plan = next((r.get("allreduce_plan", "") for r in every if r.get("kind") == "run"), "")
         if not recs:
             print(f"| {name} | {device} | {k} | 0 of {epochs} | | | | | `{args}` | (no epoch finished) |")
             continue
@@ -317,7 +318,7 @@ if runs:
         speed[name] = last["samples_per_s"]
         print(f"| {name} | {device} | {k} | {len(recs)} of {epochs} | {last['test_acc']:.4f} | "
               f"{last['samples_per_s']:,.0f} | {last['step_ms']:.2f} | {100 * last['comm_frac']:.1f} | `{args}` | "
-              f"{last['allreduce'].replace('|', '/')} |")
+              f"{plan.replace('|', '/')} |")
     for model in ("mlp", "cnn"):
         gpu, cpu = speed.get(f"train-{model}-gpu"), speed.get(f"train-{model}-cpu")
         if gpu and cpu:
