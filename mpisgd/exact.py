@@ -11,15 +11,15 @@ same floats.
 The scale of tensor t is s_t = P - H - E_t with
 
 - P = 62 - ceil(log2 M): M terms (micro-batches, over all ranks) of magnitude < 2**P sum below 2**62;
-- E_t: 2**E_t bounds the L2 norm (hence every element) of tensor t's gradient in any micro-batch of
-  the previous step, the same on every rank (a MAX over the ranks);
+- E_t: 2**E_t bounds every element of tensor t's gradient in any micro-batch of the previous step,
+  the same on every rank (a MAX over the ranks); a maximum, so exact on every machine;
 - H = ``HEADROOM_BITS``: the gradient may grow that many binades from one step to the next.
 
-A micro-batch whose norm exceeds 2**(E_t + H) would overflow: the step is then computed again with the
+A micro-batch whose largest element exceeds 2**(E_t + H) would overflow: the step is then computed again with the
 exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.data_parallel redoes the step), as is
 the first step, which has no previous one. Conversion truncates g * 2**s toward zero: each element
 keeps P - H bits below the bound (50 with M = 64), more than a float32 sum keeps; only what lies more
-than that below the tensor's norm is lost.
+than that below the tensor's largest element is lost.
 
 Nothing here communicates: the caller agrees the exponents and sums the integers.
 """
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import to_numpy, xp_of
+from mpisgd.portable.reduce import fold_
 
 HEADROOM_BITS = 6
 NO_EXPONENT = -(1 << 40)  # a tensor whose gradient was zero in every micro-batch: any scale is exact
@@ -94,27 +95,28 @@ class FixedPoint:
         return range(first, last)
 
     def measure(self, g: Any, lo: int, hi: int) -> None:
-        """Note the norms of one micro-batch's gradient ``g`` (the flat range [lo, hi)): the exponents it
-        needs, and whether it is finite or would overflow at the agreed exponents."""
+        """Note the magnitudes of one micro-batch's gradient ``g`` (the flat range [lo, hi)): the exponents it
+        needs, and whether it is finite or would overflow at the agreed exponents. The exponent bounds each
+        tensor's largest element: a maximum, exact and independent of any kernel's order, so the scales
+        (hence the integers) are the same on every machine. The squared norm (the noise scale's statistics
+        only) is a BLAS dot."""
         xp = xp_of(g)
         tensors = self.tensors_in(lo, hi)
         pieces = [g[self.offsets[t] - lo:self.offsets[t + 1] - lo] for t in tensors]
+        if not pieces:
+            return
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-            sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
-        tiny = math.sqrt(float(np.finfo(g.dtype).tiny))  # below it, squares may have underflowed
-        for t, piece, s in zip(tensors, pieces, sq):
-            if not math.isfinite(s):  # NaN or Inf, or a finite gradient so large its squares overflow
-                if not bool(xp.isfinite(piece).all()):
-                    self.bad[t] = True
-                    continue
-                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
-            elif s < tiny:  # a vanishing gradient: its squares in its own dtype may have been lost
-                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
-            e = exponent_of(math.sqrt(s))
+            stats = to_numpy(xp.stack([xp.stack([p.max(), -p.min(), p.dot(p)]) if p.size else xp.zeros(3, g.dtype)
+                                       for p in pieces])).astype(np.float64)
+        for t, (high, low, sq) in zip(tensors, stats):
+            if not (math.isfinite(high) and math.isfinite(low)):  # NaN or Inf somewhere in the tensor
+                self.bad[t] = True
+                continue
+            e = exponent_of(max(high, low))
             self.needed[t] = max(int(self.needed[t]), e)
             if self.exponents is not None and e > int(self.exponents[t]) + self.headroom_bits:
                 self.overflow = True
-            self.sq_sum += s
+            self.sq_sum += sq if math.isfinite(sq) else math.inf
 
     def encode_(self, g: Any, out: Any, lo: int, hi: int, accumulate: bool, scratch: Any = None) -> None:
         """out (int64, the flat range [lo, hi)) = (or +=) trunc(g * 2**s) per tensor. ``scratch``: an int64
@@ -145,9 +147,9 @@ class FixedPoint:
 class BlockNorms:
     """Whole-tensor squared norms that do not depend on how the tensors are cut among ranks: each tensor
     is cut into blocks of ``BLOCK`` elements from its start, each block's squared norm is computed from
-    that block alone (the same bits wherever it is computed), and a tensor's norm is the exactly
-    rounded sum of its blocks' (``math.fsum``: independent of their order). The sharded step's chunks
-    must begin and end on block boundaries (:func:`block_boundaries`)."""
+    that block alone in a fixed order (the same bits wherever and on whatever machine it is computed), and
+    a tensor's norm is the exactly rounded sum of its blocks' (``math.fsum``: independent of their order).
+    The sharded step's chunks must begin and end on block boundaries (:func:`block_boundaries`)."""
 
     BLOCK = 4096
 
@@ -157,8 +159,9 @@ class BlockNorms:
         self.offsets, self.ranges, self.gather = list(offsets), list(ranges), gather
 
     def _blocks(self, q: Sequence[Any]) -> list[tuple[int, float]]:
-        """(tensor, squared norm) of every block inside this rank's ranges. A block's value is a float64
-        pairwise sum of its own elements' squares: the same bits wherever the block lies in memory."""
+        """(tensor, squared norm) of every block inside this rank's ranges. A block's value is the sum of its
+        own elements' squares in float64, in one fixed order (mpisgd.portable.reduce): the same bits
+        wherever the block lies in memory, and on any machine."""
         out: list[tuple[int, float]] = []
         for piece, (lo, hi) in enumerate(self.ranges):
             for t in range(len(self.offsets) - 1):
@@ -175,10 +178,11 @@ class BlockNorms:
                 if full:
                     blocks = values[:full].astype(np.float64).reshape(-1, self.BLOCK)
                     blocks *= blocks
-                    sums.append(blocks.sum(axis=1))
+                    sums.append(fold_(blocks, 1)[:, 0])
                 if full < y - x:
                     tail = values[full:].astype(np.float64)
-                    sums.append((tail * tail).sum().reshape(1))
+                    tail *= tail
+                    sums.append(fold_(tail, 0))
                 out += [(t, float(v)) for v in to_numpy(xp.concatenate(sums))]
         return out
 
