@@ -22,21 +22,23 @@ from mpisgd.app import preflight, run_files
 from mpisgd.app.preflight import peak_rss_mib
 from mpisgd.app.resume import ResumePoint, resume_point
 from mpisgd.app.run_dir import RunDirectory
+from mpisgd.backend import bits_depend_on, set_threads
 from mpisgd.backend import environment as backend_environment
-from mpisgd.backend import set_threads
 from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
+from mpisgd.kernels import kernels_for
 from mpisgd.model_file import FORMAT, VERSION, model_structure
-from mpisgd.nn import Model, Module, build_model
+from mpisgd.nn import Model, Module, SoftmaxCrossEntropy, build_model
 from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD, Optimizer
 from mpisgd.optim.adam import LAMB, AdamW
 from mpisgd.optim.lars import LARS
 from mpisgd.parallel import DataParallel
+from mpisgd.portable.scalar import LIBM, PORTABLE
 from mpisgd.schedule import Schedule, accum_steps_for, effective_batch, total_steps
 from mpisgd.timeline import Timeline
 
@@ -146,9 +148,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
-    threads, threads_from = blas_threads(cfg.threads, ctx.local_size)
+    level = cfg.reproducible_level if cfg.reproducible else ""
+    threads, threads_from = (1, "the pinned level") if level == "pinned" else blas_threads(cfg.threads, ctx.local_size)
     if ctx.backend.device == "cpu":
         set_threads(threads)
+    environment = backend_environment(ctx.backend, threads, level)
+    if level == "pinned":  # every rank pinned, and alike (mpisgd.pinning)
+        stage("the pinned kernels", lambda: preflight.pinned(environment, world), collective=True)
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
@@ -158,18 +164,19 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
-    environment = backend_environment(ctx.backend, threads)
-    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
-                            if resume.environment.get(k) != v)
-        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
-                        "--reproducible promises the same bits only on the same one")
+    if resume is not None and resume.environment and cfg.reproducible:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
+                            for k in bits_depend_on(level) if resume.environment.get(k) != environment.get(k))
+        if differs:
+            warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
+                            f"--reproducible at the {level} level promises the same bits only with the same")
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
                                                      ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
     model = module.materialize(xp, cfg.dtype, cfg.seed)
+    model.ctx.kernels = kernels_for("portable" if level == "portable" else "fast")
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
@@ -180,6 +187,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
+                          loss=SoftmaxCrossEntropy(model.ctx.kernels),
                           clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
     B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
@@ -237,9 +245,10 @@ def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -
 
 
 def _optimizer(cfg: Config, model: Model) -> Optimizer:
-    if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are
+    if cfg.optimizer in ("adamw", "lamb"):  # ufuncs only: reproducible as they are, with portable powers
         rule = AdamW if cfg.optimizer == "adamw" else LAMB
-        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        return rule(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
+                    scalar_math=PORTABLE if cfg.reproducible else LIBM)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(model.flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,

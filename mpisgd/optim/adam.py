@@ -34,6 +34,7 @@ from typing import Any
 
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim.base import Shards, TensorNorms, load_buffers
+from mpisgd.portable.scalar import LIBM, ScalarMath
 
 
 class AdamW:
@@ -41,7 +42,9 @@ class AdamW:
     (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.base.Optimizer)."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, scalar_math: ScalarMath = LIBM) -> None:
+        """``scalar_math``: the powers beta^t of the bias corrections, the C library's or portable ones
+        (mpisgd.portable.scalar: the reproducible mode's)."""
         if flat is None:
             raise ValueError(f"materialize() the model before building its optimizer: {type(self).__name__}"
                              "(model.flat) needs the parameters")
@@ -60,6 +63,7 @@ class AdamW:
         self.exp_avg_sq = xp.zeros_like(flat.params)  # v
         self._tmp = xp.empty_like(flat.params)  # scratch, so that the step allocates nothing
         self.steps = 0  # t: the steps taken
+        self.scalar_math = scalar_math
 
     def state_buffers(self) -> dict[str, Any]:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -83,7 +87,7 @@ class AdamW:
         """Update only the ranges ``[lo, hi)`` of ``shards`` from their gradient pieces; element by element
         the whole step's update (AdamW needs no norms)."""
         self.steps += 1
-        step_size = lr / (1.0 - self.beta1 ** self.steps)
+        step_size = lr / (1.0 - self.scalar_math.power(self.beta1, self.steps))
         for lo, hi, g in shards:
             w, tmp = self.flat.params[lo:hi], self._tmp[lo:hi]
             if self.weight_decay:
@@ -105,7 +109,7 @@ class AdamW:
         tmp *= 1.0 - b2
         v += tmp
         xp.sqrt(v, out=tmp)
-        tmp /= math.sqrt(1.0 - b2 ** self.steps)
+        tmp /= math.sqrt(1.0 - self.scalar_math.power(b2, self.steps))
         tmp += self.eps
 
 
@@ -113,8 +117,8 @@ class LAMB(AdamW):
     """Adam's direction plus decay, r, scaled per weight tensor (2-D and up) to step lr*||w||."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(flat, betas, eps, weight_decay)
+                 weight_decay: float = 0.0, scalar_math: ScalarMath = LIBM) -> None:
+        super().__init__(flat, betas, eps, weight_decay, scalar_math)
         self.adapted = [len(shape) > 1 for shape in flat.shapes]  # per tensor, in flat.shapes order
 
     def step_shards(self, lr: float, shards: Shards, norms: TensorNorms | None = None) -> None:
@@ -123,7 +127,7 @@ class LAMB(AdamW):
         tensors."""
         norms = norms or TensorNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in shards])
         self.steps += 1
-        bc1, w, xp = 1.0 - self.beta1 ** self.steps, self.flat.params, self.flat.xp
+        bc1, w, xp = 1.0 - self.scalar_math.power(self.beta1, self.steps), self.flat.params, self.flat.xp
         for lo, hi, g in shards:  # g becomes r
             self._denominator(lo, hi, g)
             xp.divide(self.exp_avg[lo:hi], self._tmp[lo:hi], out=g)
