@@ -139,15 +139,16 @@ def environment(backend: Backend, threads: int, level: str = "") -> dict[str, st
             **facts}
 
 
-def numpy_simd() -> list[str]:
-    """The SIMD targets NumPy's loops dispatch to in this process, beyond its baseline (after
-    NPY_DISABLE_CPU_FEATURES): which exp, log and tanh loops run."""
+def numpy_simd(enabled: bool = True) -> list[str]:
+    """The SIMD targets NumPy's loops dispatch to in this process beyond its baseline (after
+    NPY_DISABLE_CPU_FEATURES): which exp, log and tanh loops run; with ``enabled`` false, every target
+    this NumPy was built for."""
     try:
         from numpy._core import _multiarray_umath as umath  # noqa: PLC0415 - NumPy >= 2
     except ImportError:  # pragma: no cover - NumPy 1.x
         from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]  # noqa: PLC0415
     features = umath.__cpu_features__
-    return [t for t in umath.__cpu_dispatch__ if features.get(t)]
+    return [t for t in umath.__cpu_dispatch__ if features.get(t) or not enabled]
 
 
 # The facts each level's bits depend on (keys of environment()): compared across ranks at start-up and

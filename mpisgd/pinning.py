@@ -184,10 +184,10 @@ HOW = ("start it with python -m mpisgd.train, which pins itself before NumPy loa
        "before Python starts (mpisgd.pinning.pinned_variables; then MPISGD_PINNED, their JSON)")
 
 
-def problem(facts: Mapping[str, object], machine_problem: str | None = None) -> str:
+def problem(facts: Mapping[str, object], expected: Mapping[str, str], machine_problem: str | None = None) -> str:
     """Why a process with these facts (mpisgd.backend.environment) does not compute at the pinned level
-    ("" when it does): the machine cannot, the variables were not set before NumPy loaded, or a library
-    ignored them."""
+    ("" when it does): the machine cannot, the variables were not set before NumPy loaded (or were set
+    otherwise than ``expected``, :func:`pinned_variables` for this NumPy), or a library ignored them."""
     why = unavailable() if machine_problem is None else machine_problem
     if why:
         return why + "; use --reproducible portable (any machine)"
@@ -195,15 +195,21 @@ def problem(facts: Mapping[str, object], machine_problem: str | None = None) -> 
         return "the pinned level pins CPU kernels; on a GPU use --reproducible portable"
     if not facts.get("pinned"):
         return f"this process was not pinned before NumPy loaded: {HOW}"
-    simd = str(facts.get("numpy_simd", ""))
-    wide = avx512_targets(simd.split())
+    try:
+        pinned = json.loads(str(facts["pinned"]))
+    except ValueError:
+        pinned = {}
+    odd = [f"{k}={pinned.get(k)!r} (the pinned level's: {v!r})" for k, v in expected.items() if pinned.get(k) != v]
+    if odd:
+        return f"this process was pinned otherwise: {', '.join(odd)}"
+    wide = avx512_targets(str(facts.get("numpy_simd", "")).split())
     if wide:
-        return f"NumPy still dispatches to {' '.join(wide)} (NPY_DISABLE_CPU_FEATURES did not name them): {HOW}"
+        return f"NumPy still dispatches to {' '.join(wide)}: {HOW}"
     blas = str(facts.get("blas", ""))
     if "openblas" in blas.lower() and f"({CORETYPE})" not in blas:
         return (f"OpenBLAS runs other kernels than {CORETYPE}'s ({blas}): a build without DYNAMIC_ARCH ignores "
                 "OPENBLAS_CORETYPE; use NumPy's wheel, or --reproducible portable")
     threads = str(facts.get("blas_threads", "1"))
     if any(t not in ("1", "-") for t in threads.split(",")):
-        return f"the BLAS runs {threads} threads, the pinned level one (pass --threads 1 or none)"
+        return f"the BLAS runs {threads} threads, the pinned level one"
     return ""

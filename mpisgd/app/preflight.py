@@ -46,9 +46,9 @@ def pinned(environment: dict[str, Any], comm: Any) -> None:
     """The pinned level holds on every rank (collective): each rank is pinned (mpisgd.pinning.problem), and
     all pin the same kernels, threads and libraries. Names the first rank that is not, and why."""
     from mpisgd import pinning  # noqa: PLC0415
-    from mpisgd.backend import bits_depend_on  # noqa: PLC0415
+    from mpisgd.backend import bits_depend_on, numpy_simd  # noqa: PLC0415
 
-    why = comm.allgather(pinning.problem(environment))
+    why = comm.allgather(pinning.problem(environment, pinning.pinned_variables(numpy_simd(enabled=False))))
     bad = [r for r, w in enumerate(why) if w]
     if bad:
         raise UsageError(f"--reproducible (pinned level): rank {bad[0]}: {why[bad[0]]}"
