@@ -63,7 +63,8 @@ def unavailable(machine: str | None = None, flags: set[str] | None = None) -> st
     flags = cpu_flags() if flags is None else flags
     missing = [f for f in NEEDS if f not in flags]
     if missing:
-        return f"the pinned level needs a CPU with AVX2 and FMA, and this one lacks {' and '.join(missing).upper()}"
+        lacks = " and ".join(f.upper() for f in missing)
+        return f"the pinned level needs a CPU with AVX2 and FMA, and this one lacks {lacks}"
     return ""
 
 
