@@ -19,7 +19,11 @@ denominators, means) and every transcendental function (exp, log, tanh, erf, 1/s
 An operand used in several products (a convolution's output gradient, multiplied by each kernel
 offset's weights) may be prepared once: ``d = ops.right(dy)``, then ``ops.matmul(W_ij, d)`` for each;
 ``left`` likewise for the first operand. The fast kernels return the array itself; the portable ones
-split it into integer slices once (valid until the next ``left``/``right`` of that shape).
+split it into integer slices once (valid until the next ``left``/``right`` of that shape). A layer's
+weight matrix, used forward as ``W`` and backward as ``W.T``, is prepared once per forward:
+``self._w = ops.weight(W, self._w)``, then ``ops.matmul(x, self._w)`` and ``ops.matmul(dy, self._w.T)``
+(the fast kernels return W itself; the portable ones split it once for both products and the layer
+keeps the slices until its backward).
 ``columns_nbytes``: how many bytes of im2col columns one product should take (None: the layer's own
 cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger).
 """
@@ -48,6 +52,9 @@ class FastKernels:
 
     def right(self, b: Array) -> Array:
         return b
+
+    def weight(self, w: Array, previous: Any = None) -> Array:
+        return w
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return xp_of(a).sum(a, axis=axis, out=out, keepdims=keepdims)
@@ -96,6 +103,11 @@ class PortableKernels:
 
     def right(self, b: Array) -> gemm.Split:
         return gemm.split(b, "right", self.workspace, tag="prepared-right")
+
+    def weight(self, w: Array, previous: Any = None) -> gemm.Weight:
+        """``w`` split once for ``matmul(x, w)`` and ``matmul(dy, w.T)``; ``previous``, this layer's last one,
+        lends its arrays."""
+        return (previous if isinstance(previous, gemm.Weight) else gemm.Weight()).prepare(w)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)

@@ -97,6 +97,37 @@ def test_non_finite_and_zero_inputs_and_empty_inner_dimension():
         gemm.matmul(np.ones((2, 3), np.float16), np.ones((3, 3), np.float16))
 
 
+def test_rows_far_below_and_above_float32_s_squares_stay_accurate():
+    """Squares of float32 values flush below 2^-75 and overflow from 2^64: such rows take their scale from
+    their largest element (exact) instead, and keep their accuracy."""
+    a = np.ones((5, 300), np.float32)
+    a[0, :5], a[1], a[2], a[3, :7], a[4, 3] = 3e19, 1e-30, 1e-45, 1e-20, np.inf
+    b = np.random.default_rng(10).standard_normal((300, 4)).astype(np.float32)
+    got, want = gemm.matmul(a, b), a.astype(np.float64) @ b.astype(np.float64)
+    size = np.abs(a[:4]).astype(np.float64) @ np.abs(b).astype(np.float64)  # |a| |b|: what the error is relative to
+    assert (np.abs(got[:4] - want[:4]) <= 1e-6 * size + 1e-44).all() and not np.isfinite(got[4]).any()
+
+
+@pytest.mark.parametrize("spread", [1.2, 10.0])
+def test_a_weight_split_once_serves_both_products(spread):
+    """Linear's W: x @ W and dy @ W.T exactly (int64 agrees) and at least as accurately as float32 BLAS,
+    from tiles scaled once where its columns' norms spread little, split per product where they spread
+    10x (tiles would cost their weak columns bits)."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((784, 300)) * np.exp(rng.uniform(0, np.log(spread), 300))).astype(np.float32)
+    x, dy = rng.standard_normal((64, 784)).astype(np.float32), rng.standard_normal((64, 300)).astype(np.float32)
+    prepared = gemm.Weight().prepare(w)
+    assert (prepared.right.slices[0][0].base is prepared.T.slices[0][0].base) == (spread < gemm.SPREAD)
+    for q, _ in (prepared.right.slices[0], prepared.T.slices[0]):
+        assert np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
+    for a, b, wt in ((x, w, prepared), (dy, w.T, prepared.T)):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        assert rel_error(gemm.matmul(a, wt), want) <= rel_error(a @ b, want)
+    qa = gemm.split(x, "left", gemm.Workspace()).slices[0][0]
+    qb = prepared.right.slices[0][0]
+    assert np.array_equal(np.matmul(qa, qb), np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
+
+
 @pytest.mark.parametrize("shape", [(128, 784, 1024), (1024, 128, 1024), (128, 1024, 10), (25, 3584, 6)])
 def test_portable_products_are_at_least_as_accurate_as_float32_blas(shape):
     """Against the float64 product of the same float32 operands: the portable product's relative error

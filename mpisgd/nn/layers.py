@@ -17,6 +17,7 @@ mpisgd.kernels): the array module's own (fast) or ones whose bits are a function
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class Linear(Module):
         self.n_in, self.n_out = n_in, n_out
         self.param_shapes = [("W", (n_in, n_out)), ("b", (n_out,))]
         self._x: Array = None
+        self._w: Any = None  # W as the kernels prepared it in forward, for backward (mpisgd.kernels.weight)
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
         # He (Kaiming) uniform for ReLU networks, zero bias
@@ -43,8 +45,9 @@ class Linear(Module):
 
     def forward(self, x: Array) -> Array:
         self._x = x
+        self._w = self.ctx.kernels.weight(self.params["W"], self._w)
         y = self._buf("y", (x.shape[0], self.n_out), x)
-        self.ctx.kernels.matmul(x, self.params["W"], out=y)
+        self.ctx.kernels.matmul(x, self._w, out=y)
         y += self.params["b"]
         return y
 
@@ -59,7 +62,7 @@ class Linear(Module):
         if not need_dx:
             return None
         dx = self._buf("dx", self._x.shape, dy)
-        ops.matmul(dy, self.params["W"].T, out=dx)
+        ops.matmul(dy, self._w.T, out=dx)
         return dx
 
     def __repr__(self) -> str:

@@ -40,9 +40,10 @@ from mpisgd.portable.reduce import fold_
 Array = Any
 GAMMA = 26  # bits of a scaled row's (column's) norm: two of them and the rounding stay below 2^53
 CHUNK = 256  # most terms per chunk of the inner dimension: shorter chunks scale closer to their values
-MARGIN = 1.0 + 2.0**-40  # covers the relative rounding error of a fixed-order sum of <= 2^12 squares
-E_BIG = 1024 + 13  # the exponent assumed where a norm is not finite
+E_BIG = 1024 + 13  # the exponent assumed where a row holds inf or NaN (its products are not finite anyway)
 SLICES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
+SPREAD = 2.0  # the widest ratio of norms within a tile of a prepared weight (mpisgd.portable.gemm.Weight)
+TINY_SUM = 2.0**-1000  # below: a float64 sum of squares whose flushed terms may matter
 
 
 def chunking(k: int) -> tuple[int, int]:
@@ -52,32 +53,41 @@ def chunking(k: int) -> tuple[int, int]:
 
 
 class Workspace:
-    """Float64 scratch arrays kept by (name, shape) and reused from call to call: a step's products
-    allocate nothing after the first. Arrays are made zeroed; the split keeps a short last chunk's
-    padding zero."""
+    """Scratch arrays kept by (name, shape, dtype) and reused from call to call: a step's products allocate
+    nothing after the first. Arrays are made zeroed; the split keeps a short last chunk's padding zero."""
 
     def __init__(self) -> None:
-        self._arrays: dict[tuple[str, tuple[int, ...], str], Array] = {}
+        self._arrays: dict[tuple[str, tuple[int, ...], str, str], Array] = {}
 
-    def get(self, xp: Any, name: str, shape: tuple[int, ...]) -> Array:
-        key = (name, shape, xp.__name__)
+    def get(self, xp: Any, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> Array:
+        key = (name, shape, np.dtype(dtype).str, xp.__name__)
         a = self._arrays.get(key)
         if a is None:
-            a = self._arrays[key] = xp.zeros(shape, dtype=np.float64)
+            a = self._arrays[key] = xp.zeros(shape, dtype=dtype)
         return a
 
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self._arrays.values())
 
 
-def _scales(xp: Any, sq: Array) -> Array:
-    """Powers of two s with sqrt(sq) * s < 2^GAMMA, sq the fixed-order sums of squares (float64)."""
-    bound = xp.sqrt(sq * MARGIN) * MARGIN  # >= the exact norm despite the sum's and sqrt's rounding
+def _scales(xp: Any, sq: Array, kc: int, largest: Any) -> Array:
+    """Powers of two s such that every row (column) x of a chunk has ||x s|| < 2^GAMMA, from ``sq``: the
+    fixed-order float64 sums of the squares (exact squares for float32 operands). The sum's rounding (at
+    most log2(kc) + 1 additions, and rounded squares of float64 operands) is covered by a relative margin
+    of 2^-40, squares flushed below the smallest normal (float64 operands under 2^-511) by kc of them,
+    so that the bound holds and is the same bits everywhere. Where the sum overflowed (float64 values
+    from 2^511) or lies where flushing may weigh in, the bound is sqrt(kc) times the largest element
+    instead (``largest()``: exact, made only then)."""
+    total = sq * (1.0 + 2.0**-40) + kc * float(np.finfo(np.float64).tiny)
+    bound = xp.sqrt(total) * (1.0 + 2.0**-40)  # and sqrt's own rounding
     _, e = xp.frexp(bound)  # bound < 2^e
-    # a norm that overflowed (float64 values beyond 1e153, or inf and NaN): a scale that fits any finite
-    # value (2^(GAMMA - E_BIG) * 2^1024 * sqrt(CHUNK) < 2^GAMMA); a vanishing norm: at most 2^1023
-    xp.maximum(e, GAMMA - 1023, out=e)
-    e[~(bound < np.inf)] = E_BIG  # NaN too
+    xp.maximum(e, GAMMA - 1023, out=e)  # a vanishing norm: a scale of at most 2^1023
+    over = ~(bound < np.inf) | ((sq < TINY_SUM) & (sq > 0))  # 0: a row of zeros (float32: exactly)
+    if bool(over.any()):
+        big = largest()  # max |x| per row (column), exact: ||x|| <= sqrt(kc) max |x| < 2^(e_max + 4.5)
+        _, e_max = xp.frexp(big)
+        fallback = e_max + int(np.ceil(np.log2(np.sqrt(kc)))) + 1
+        e[over] = xp.where(big < np.inf, fallback, E_BIG)[over]  # inf or NaN in the row: any scale
     return xp.ldexp(1.0, GAMMA - e)
 
 
@@ -119,7 +129,8 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None) -> Split:
     shape = list(x.shape)
     shape[axis] = kc
     work = (nc, *shape)
-    sq = ws.get(xp, f"{tag}:sq", work)
+    square = np.float64  # float32 values' squares are exact in float64: no flushing, no overflow
+    sq = ws.get(xp, f"{tag}:sq", work, square)
     full = (nc - 1) * kc  # chunks 0..nc-2 hold kc terms each, the last the rest (padded with zeros)
 
     def chunks(a: Array) -> list[tuple[Array, Array]]:
@@ -134,12 +145,23 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None) -> Split:
     rest: Array = None  # (slices > 1) what is still to split, scaled: x s - q, exact
     total: Array = None
     for i in range(slices):
-        if i == 0:  # straight from x: its squares are exact in float64 (float32 x), or rounded (float64 x)
-            for part, dst in chunks(sq):
-                xp.multiply(part, part, out=dst, dtype=np.float64)
-        else:
-            xp.multiply(rest, rest, out=sq)
-        s = _scales(xp, fold_(sq, axis))  # per (chunk, row or column), the inner axis of length 1
+        with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what _scales handles
+            if i == 0:  # straight from x
+                for part, dst in chunks(sq):
+                    xp.multiply(part, part, out=dst, dtype=square)
+            else:
+                xp.multiply(rest, rest, out=sq)
+
+        def largest(src: Array = rest, first: bool = i == 0) -> Array:
+            mx = ws.get(xp, f"{tag}:largest", work, x.dtype)
+            if first:
+                for part, dst in chunks(mx):
+                    xp.abs(part, out=dst)
+            else:
+                xp.abs(src, out=mx)
+            return mx.max(axis=axis, keepdims=True).astype(np.float64)
+
+        s = _scales(xp, fold_(sq, axis), kc, largest)  # per (chunk, row or column), the inner axis of length 1
         q = ws.get(xp, f"{tag}:q{i}", work)
         if i == 0:
             for (part, dst), scale in zip(chunks(q), (s[:nc - 1], s[nc - 1]), strict=True):
@@ -157,11 +179,72 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None) -> Split:
     return Split(side, tuple(x.shape), dtype, nc, kc, out)
 
 
-def matmul(a: Array | Split, b: Array | Split, out: Array = None, ws: Workspace | None = None) -> Array:
+class Weight:
+    """A weight matrix W (k, n) split once for the two products a layer needs, x @ W forward and dy @ W.T
+    backward: integers Q = rint(W t) with one power of two t per tile of (k chunk) x (n chunk), the chunks
+    of both inner dimensions (:func:`chunking`), t chosen so that every column of a tile (x @ W's
+    operands) and every row (dy @ W.T's) has norm below 2^GAMMA. Half the work of splitting W for each
+    product; a tile's weaker columns or rows give up the bits its strongest needs, so tiles are used only
+    where no tile's norms spread wider than SPREAD (at most a bit lost; a hidden layer's weights spread
+    about 1.2), and W is split for each product otherwise (a classifier's 10 columns of 1024 rows spread
+    10x). The choice is made from the same exact sums everywhere. It owns its arrays (a layer keeps it
+    from forward to backward; :meth:`prepare` reuses them). Float32 W; a float64 one is split per
+    product as any operand."""
+
+    def __init__(self) -> None:
+        self.ws = Workspace()
+        self.right: Split | None = None  # for x @ W
+        self.T: Split | None = None  # for dy @ W.T  # noqa: N815 - as ndarray.T
+
+    def prepare(self, w: Array) -> Weight:
+        xp = xp_of(w)
+        if w.ndim != 2:
+            raise ValueError(f"a weight matrix is 2-D, got shape {tuple(w.shape)}")
+        if np.dtype(w.dtype) != np.float32:
+            self.right, self.T = split(w, "right", self.ws, "w"), split(w.T, "right", self.ws, "wT")
+            return self
+        (k, n), (ncr, kcr), (ncc, kcc) = w.shape, chunking(w.shape[0]), chunking(w.shape[1])
+        rows, cols = ncr * kcr, ncc * kcc
+        by_col = self.ws.get(xp, "cols", (rows, cols))  # squares (exact in float64), padded with zeros
+        by_row = self.ws.get(xp, "rows", (rows, cols))
+        xp.multiply(w, w, out=by_col[:k, :n], dtype=np.float64)
+        by_row[...] = by_col
+        col = fold_(by_col.reshape(ncr, kcr, cols), 1)[:, 0, :]  # (ncr, cols): each column within its k chunk
+        row = fold_(by_row.reshape(rows, ncc, kcc), 2)[:, :, 0]  # (rows, ncc): each row within its n chunk
+        col_t, row_t = col.reshape(ncr, ncc, kcc), row.reshape(ncr, kcr, ncc)
+        tile = xp.maximum(col_t.max(axis=2), row_t.max(axis=1))
+        weakest = xp.minimum(xp.where(col_t > 0, col_t, np.inf).min(axis=2),
+                             xp.where(row_t > 0, row_t, np.inf).min(axis=1))
+        if bool((tile > SPREAD**2 * weakest).any()):  # some tile's norms spread too wide: a split per product
+            self.right, self.T = split(w, "right", self.ws, "w"), split(w.T, "right", self.ws, "wT")
+            return self
+        q = self.ws.get(xp, "q", (rows, cols))
+
+        def largest() -> Array:
+            mx = self.ws.get(xp, "largest", (rows, cols), np.float32)  # never for float32 W: no overflow
+            xp.abs(w, out=mx[:k, :n])
+            return mx.reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64)
+
+        t = _scales(xp, tile, max(kcr, kcc), largest)  # (ncr, ncc)
+        q[:k, :n] = w
+        q.reshape(ncr, kcr, ncc, kcc)[...] *= t[:, None, :, None]  # exact: powers of two
+        xp.rint(q, out=q)
+        per_col = xp.repeat(t, kcc, axis=1)[:, :n]  # (ncr, n): the scale of W[chunk c, j]
+        per_row = xp.repeat(t, kcr, axis=0)[:k, :]  # (k, ncc): the scale of W[i, chunk J]
+        self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
+                           [(q[:, :n].reshape(ncr, kcr, n), per_col[:, None, :])])
+        self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
+                       [(q[:k, :].reshape(k, ncc, kcc).transpose(1, 2, 0), per_row.T[:, None, :])])
+        return self
+
+
+def matmul(a: Array | Split, b: Array | Split | Weight, out: Array = None, ws: Workspace | None = None) -> Array:
     """a @ b (a: (..., m, k), b: (..., k, n), batch dimensions broadcast; either may be a :class:`Split`
     made once for several products) computed exactly in float64 from integer slices, rounded once into
     ``out`` (made in the operands' dtype when None). Float32 and float64 only."""
     ws = ws or Workspace()
+    if isinstance(b, Weight):
+        b = b.right
     sa = a if isinstance(a, Split) else split(a, "left", ws)
     sb = b if isinstance(b, Split) else split(b, "right", ws)
     if sa.side != "left" or sb.side != "right":
@@ -179,6 +262,7 @@ def matmul(a: Array | Split, b: Array | Split, out: Array = None, ws: Workspace 
         return out
     if len(sa.slices) != len(sb.slices):
         raise TypeError(f"matmul: operands of one dtype, got {sa.dtype} and {sb.dtype}")
+    assert (sa.nc, sa.kc) == (sb.nc, sb.kc), "both operands are cut by chunking(k)"
     nc = sa.nc
     pad_a, pad_b = len(batch) - (len(sa.shape) - 2), len(batch) - (len(sb.shape) - 2)
 
