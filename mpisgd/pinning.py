@@ -163,6 +163,31 @@ def _toml(path: str) -> dict[str, object]:
         return {}
 
 
+def pin() -> None:
+    """For a script of your own: replace this process with a pinned one (first thing, before NumPy is
+    imported), where the machine can hold the pinned level; a process already pinned returns at once.
+    Raises RuntimeError where it cannot (NumPy already loaded, another CPU, a failed exec)."""
+    if is_pinned() is not None:
+        return
+    why = unavailable() or ("NumPy is loaded already: call pin() before importing it" if "numpy" in sys.modules
+                            else "")
+    if why or os.environ.get(MARKER):
+        raise RuntimeError(f"mpisgd.pinning.pin(): {why or 'pinned once already, and it did not hold'}")
+    _exec_pinned()
+    raise RuntimeError("mpisgd.pinning.pin(): the process could not replace itself")
+
+
+def _exec_pinned() -> None:
+    variables = pinned_variables(numpy_dispatch())
+    env = {**os.environ, **variables, MARKER: json.dumps(variables, sort_keys=True)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, list(getattr(sys, "orig_argv", [sys.executable, *sys.argv])), env)
+    except OSError:  # the caller says what follows
+        return
+
+
 def reexec_pinned(argv: Sequence[str]) -> None:
     """Replace this process with a pinned one when ``argv`` asks for the pinned level, this process is not
     pinned, NumPy is not loaded yet and the machine can hold the level; otherwise return (set-up then
@@ -171,14 +196,7 @@ def reexec_pinned(argv: Sequence[str]) -> None:
         return
     if os.environ.get(MARKER):  # pinned once already, and it did not hold: do not loop
         return
-    variables = pinned_variables(numpy_dispatch())
-    env = {**os.environ, **variables, MARKER: json.dumps(variables, sort_keys=True)}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, list(getattr(sys, "orig_argv", [sys.executable, *sys.argv])), env)
-    except OSError:  # set-up's check says the process is not pinned
-        return
+    _exec_pinned()  # returns only where the exec failed: set-up's check says the process is not pinned
 
 
 HOW = ("start it with python -m mpisgd.train, which pins itself before NumPy loads, or set the variables "

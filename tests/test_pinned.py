@@ -182,3 +182,19 @@ def test_a_resume_under_other_libraries_warns_naming_them(tmp_path):
     out = r.stdout + r.stderr
     assert "warning: resume: the checkpoint was written with other arithmetic (" in out
     assert "array 'numpy " in out and "promises the same bits only with the same" in out
+
+
+@serial_only
+def test_a_script_pins_itself_with_pin(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text("from mpisgd import pinning\npinning.pin()\nimport json, numpy\n"
+                      "from mpisgd.backend import numpy_simd\n"
+                      "print(json.dumps([numpy_simd(), pinning.is_pinned()]))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**clean_env(), "PYTHONPATH": str(ROOT), "OPENBLAS_CORETYPE": "Sandybridge"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    simd, pinned = json.loads(r.stdout.splitlines()[-1])
+    assert not pinning.avx512_targets(simd) and pinned["OPENBLAS_CORETYPE"] == "Haswell"
+    late = subprocess.run([sys.executable, "-c", "import numpy\nfrom mpisgd import pinning\npinning.pin()"],
+                          capture_output=True, text=True, timeout=300, env={**clean_env(), "PYTHONPATH": str(ROOT)})
+    assert late.returncode != 0 and "NumPy is loaded already: call pin() before importing it" in late.stderr
