@@ -97,7 +97,7 @@ def one_layer(layer: Any, x: Any, dy: Any, dtype: str, kernels: str) -> dict[str
 
 
 def rel(got: Any, ref: Any) -> float:
-    return float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
+    return float(np.linalg.norm(got.astype(np.float64) - ref)) / max(float(np.linalg.norm(ref)), 1e-300)
 
 
 def layers(steps: int) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def numpy_simd(enabled: bool = True) -> list[str]:
     NPY_DISABLE_CPU_FEATURES): which exp, log and tanh loops run; with ``enabled`` false, every target
     this NumPy was built for."""
     try:
-        from numpy._core import _multiarray_umath as umath  # noqa: PLC0415 - NumPy >= 2
+        from numpy._core import _multiarray_umath as umath  # type: ignore[attr-defined]  # noqa: PLC0415 - NumPy >= 2
     except ImportError:  # pragma: no cover - NumPy 1.x
         from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]  # noqa: PLC0415
     features = umath.__cpu_features__

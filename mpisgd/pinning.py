@@ -116,8 +116,9 @@ def asks_pinned(argv: Sequence[str]) -> bool:
         if isinstance(file_on, bool):
             on = file_on
         for key in ("reproducible-level", "reproducible_level"):
-            if isinstance(table.get(key), str):
-                level = table[key]
+            value = table.get(key)
+            if isinstance(value, str):
+                level = value
     i = 0
     while i < len(argv):
         word = argv[i]
