@@ -162,14 +162,17 @@ def machines() -> list[dict[str, str]]:
     flags = pinning.cpu_flags()
     cores = [c for c in ("SkylakeX", "Haswell", "Sandybridge", "Prescott")
              if c != "SkylakeX" or "avx512f" in flags]
-    dispatch = ["", "X86_V4 AVX512_ICL AVX512_SPR", "X86_V3 X86_V4 AVX512_ICL AVX512_SPR"]
+    # NumPy >= 2.4's names (X86_V4 ...) and earlier ones (AVX512F ...): each NumPy ignores the other's
+    dispatch = ["", "X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL",
+                "X86_V3 X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX2 FMA3 "
+                "F16C AVX"]
     return [{"OPENBLAS_CORETYPE": c, "NPY_DISABLE_CPU_FEATURES": d, "OPENBLAS_NUM_THREADS": t}
             for c in cores for d, t in zip(dispatch, ("1", "2", "1"), strict=True)]
 
 
 def child(env: dict[str, str], python: str = sys.executable) -> dict[str, str]:
     r = subprocess.run([python, "-c", CHILD], capture_output=True, text=True, timeout=300,
-                       env={**clean_env(), "PYTHONPATH": str(ROOT), **env})
+                       env={**clean_env(), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", **env})
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.splitlines()[-1])
 
