@@ -7,6 +7,7 @@ The CPU path never imports CuPy: ``--device cpu`` does not try, and
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -110,20 +111,34 @@ def set_threads(n: int) -> None:
     threadpool_limits(n)
 
 
-def environment(backend: Backend, threads: int) -> dict[str, str | int]:
-    """What a run's exact bits depend on besides its inputs: the BLAS and its threads, NumPy and the SIMD
-    targets its loops run (or the GPU), the CPU model. Two runs that differ here may round differently
-    (docs/reproducible.md)."""
+def environment(backend: Backend, threads: int, level: str = "") -> dict[str, str | int]:
+    """What a run's exact bits may depend on besides its inputs: the BLAS, its kernel and threads, NumPy and
+    the SIMD loops it dispatches to (or the GPU), the CPU model, and how the run is pinned (``pinned``: the
+    variables mpisgd.pinning set, JSON; "" where none) at ``level`` ("pinned", "portable" or "" for
+    neither). Which of these a level's bits depend on: :func:`bits_depend_on`. Checkpoints keep them;
+    set-up compares them across ranks (docs/reproducible.md)."""
+    from mpisgd import pinning  # noqa: PLC0415
+
+    pinned = pinning.is_pinned()
+    facts: dict[str, str | int] = {"level": level, "pinned": json.dumps(pinned, sort_keys=True) if pinned else ""}
     if backend.is_gpu:
-        return {"device": backend.gpu_name, "array": f"cupy {backend.xp.__version__}"}
+        return {"device": backend.gpu_name, "array": f"cupy {backend.xp.__version__}", **facts}
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    return {"blas": blas_kernel(), "threads": threads, "array": f"numpy {np.__version__}", "simd": numpy_simd(),
-            "cpu": cpu or "unknown"}
+    flags = pinning.cpu_flags()
+    return {"blas": ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')})"
+                              for i in blas) or "none found",
+            "threads": threads, "blas_threads": ",".join(str(i.get("num_threads")) for i in blas) or "-",
+            "array": f"numpy {np.__version__}", "numpy_simd": " ".join(numpy_simd()) or "baseline",
+            "cpu": cpu or "unknown", "cpu_simd": " ".join(f for f in ("avx2", "fma", "avx512f") if f in flags),
+            **facts}
 
 
 def arithmetic(params: Any, level1: bool) -> dict[str, str]:
@@ -142,7 +157,8 @@ def arithmetic(params: Any, level1: bool) -> dict[str, str]:
 
     threads = [str(i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas"]
     return {"blas": blas_kernel(), "blas threads": ", ".join(threads) or "-", "array": f"numpy {np.__version__}",
-            "simd": numpy_simd(), "level-1 BLAS update": "on" if level1 else "off", "dtype": str(params.dtype)}
+            "simd": " ".join(numpy_simd()) or "baseline", "level-1 BLAS update": "on" if level1 else "off",
+            "dtype": str(params.dtype)}
 
 
 def blas_kernel() -> str:
@@ -155,16 +171,27 @@ def blas_kernel() -> str:
     return ", ".join(blas) or "none found"
 
 
-def numpy_simd() -> str:
-    """The SIMD targets NumPy's loops run here: its baseline and the dispatched targets this CPU has
-    (NPY_DISABLE_CPU_FEATURES can turn some off); "unknown" where NumPy does not say."""
+def numpy_simd(enabled: bool = True) -> list[str]:
+    """The SIMD targets NumPy's loops dispatch to in this process beyond its baseline (after
+    NPY_DISABLE_CPU_FEATURES): which exp, log and tanh loops run; with ``enabled`` false, every target
+    this NumPy was built for."""
     try:
-        umath = importlib.import_module("numpy._core._multiarray_umath")
+        umath = importlib.import_module("numpy._core._multiarray_umath")  # NumPy >= 2
     except ImportError:  # pragma: no cover - NumPy 1.x
         umath = importlib.import_module("numpy.core._multiarray_umath")
-    baseline = getattr(umath, "__cpu_baseline__", None)
-    dispatch, features = getattr(umath, "__cpu_dispatch__", None), getattr(umath, "__cpu_features__", None)
-    if baseline is None or dispatch is None or features is None:
-        return "unknown"
-    found = [t for t in dispatch if features.get(t)]
-    return " ".join(baseline) + (" + " + " ".join(found) if found else "")
+    features = umath.__cpu_features__
+    return [t for t in umath.__cpu_dispatch__ if features.get(t) or not enabled]
+
+
+# The facts each level's bits depend on (keys of environment()): compared across ranks at start-up and
+# with a checkpoint's on resume. The portable level's depend on none of them.
+BITS_DEPEND_ON = {
+    "pinned": ("level", "blas", "blas_threads", "array", "numpy_simd", "pinned"),
+    "portable": ("level",),
+    "": ("blas", "threads", "array", "numpy_simd", "cpu", "device"),
+}
+
+
+def bits_depend_on(level: str) -> tuple[str, ...]:
+    """The keys of :func:`environment` a run's bits depend on at ``level`` ("pinned", "portable", "")."""
+    return BITS_DEPEND_ON[level]

@@ -21,10 +21,11 @@ from mpisgd.errors import UsageError
 IDENTITY = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout", "data", "seed",
             "epochs", "lr", "base_batch", "lr_scaling", "warmup_epochs", "warmup_steps", "warmup_from", "decay",
             "decay_epochs", "decay_factor", "momentum", "nesterov", "momentum_correction", "weight_decay",
-            "weight_decay_on", "max_steps", "optimizer", "trust_coef", "reproducible", "beta1", "beta2", "eps",
-            "clip_grad_norm")
+            "weight_decay_on", "max_steps", "optimizer", "trust_coef", "reproducible", "reproducible_level", "beta1",
+            "beta2", "eps", "clip_grad_norm")
 STRUCTURE = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout")
 MAX_THREADS = 1024  # BLAS threads per rank: beyond any node's cores, and within what BLAS libraries take
+LEVELS = ("pinned", "portable")  # --reproducible's levels (docs/reproducible.md)
 OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
 # The options only some update rules read, and which: the others ignore them, so a resumed run of
 # those may change them freely (mpisgd.checkpoint.identity_changes).
@@ -118,7 +119,13 @@ class Config:
     deterministic: bool = opt(False, "sum every gradient element in rank order: bitwise reproducible across "
                                      "bucket sizes and strategies")
     reproducible: bool = opt(False, "the same parameter bits for any k dividing B/b, any strategy, bucket size "
-                                    "and sharding: exact fixed-point gradient sums (docs/reproducible.md)")
+                                    "and sharding: exact fixed-point gradient sums; --reproducible LEVEL also sets "
+                                    "--reproducible-level (docs/reproducible.md)")
+    reproducible_level: str = opt("pinned", "with --reproducible, across which machines the bits hold: pinned (every "
+                                            "rank pins the BLAS kernel, NumPy's SIMD dispatch and one thread before "
+                                            "they load: any x86-64 CPU with AVX2 and FMA, the same NumPy and BLAS "
+                                            "builds) or portable (exact GEMMs, fixed-order sums, exp and log from "
+                                            "IEEE operations: any BLAS, CPU, thread count or GPU; slower)", LEVELS)
     shard_optimizer: bool | None = opt(None, "reduce-scatter the gradient, update 1/k of the parameters on each "
                                              "rank, all-gather them (the same result); default: on for host buffers "
                                              "at k >= 2 with 1 MiB of parameters or more (docs/benchmarks.md), off "
@@ -240,6 +247,10 @@ class Config:
         if self.stall_timeout_s < 0 or self.stall_abort_s < 0:
             raise UsageError(f"--stall-timeout-s and --stall-abort-s must be >= 0, got {self.stall_timeout_s} and "
                              f"{self.stall_abort_s}")
+        if self.reproducible and self.reproducible_level == "pinned" and self.threads not in (None, 1):
+            raise UsageError(f"--reproducible at the pinned level runs one BLAS thread per rank (how a GEMM is "
+                             f"split among threads changes its sums): drop --threads {self.threads}, or use "
+                             "--reproducible portable")
         if self.resume != "no" and not self.checkpoint_dir and self.resume == "auto":
             raise UsageError("--resume auto needs --checkpoint-dir")
         for name in self.allowed_changes():
@@ -278,7 +289,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
                            "decay_factor"),
     "optimizer": ("optimizer", "momentum", "nesterov", "momentum_correction", "weight_decay", "weight_decay_on",
                   "trust_coef", "beta1", "beta2", "eps", "clip_grad_norm", "on_nan"),
-    "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "reproducible", "deterministic",
+    "communication": ("device", "threads", "allreduce", "bucket_cap_mb", "overlap", "reproducible",
+                      "reproducible_level", "deterministic",
                       "shard_optimizer", "shared_grads", "cuda_aware"),
     "checkpoints and resume": ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "resume_allow",
                                "overwrite_checkpoints", "save_model"),

@@ -11,15 +11,16 @@ same floats.
 The scale of tensor t is s_t = P - H - E_t with
 
 - P = 62 - ceil(log2 M): M terms (micro-batches, over all ranks) of magnitude < 2**P sum below 2**62;
-- E_t: 2**E_t bounds the L2 norm (hence every element) of tensor t's gradient in any micro-batch of
-  the previous step, the same on every rank (a MAX over the ranks);
+- E_t: 2**E_t bounds every element of tensor t's gradient in any micro-batch of the previous step,
+  the same on every rank (a MAX over the ranks); a maximum, so exact on every machine;
 - H = ``HEADROOM_BITS``: the gradient may grow that many binades from one step to the next.
 
-A micro-batch whose norm exceeds 2**(E_t + H) would overflow: the step is then computed again with the
-exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.fixed_point redoes the step), as is
+A micro-batch whose largest element exceeds 2**(E_t + H) would overflow: the step is then computed again
+with the exponents of the step itself (:class:`FixedPoint` reports it; mpisgd.parallel.fixed_point redoes the
+step), as is
 the first step, which has no previous one. Conversion truncates g * 2**s toward zero: each element
 keeps P - H bits below the bound (50 with M = 64), more than a float32 sum keeps; only what lies more
-than that below the tensor's norm is lost.
+than that below the tensor's largest element is lost.
 
 Nothing here communicates: the caller agrees the exponents and sums the integers (DataParallel's driver,
 mpisgd.parallel.fixed_point). Whole-tensor norms that do not depend on k are mpisgd.optim.norms.BlockNorms.
@@ -95,27 +96,28 @@ class FixedPoint:
         return range(first, last)
 
     def measure(self, g: Any, lo: int, hi: int) -> None:
-        """Note the norms of one micro-batch's gradient ``g`` (the flat range [lo, hi)): the exponents it
-        needs, and whether it is finite or would overflow at the agreed exponents."""
+        """Note the magnitudes of one micro-batch's gradient ``g`` (the flat range [lo, hi)): the exponents it
+        needs, and whether it is finite or would overflow at the agreed exponents. The exponent bounds each
+        tensor's largest element: a maximum, exact and independent of any kernel's order, so the scales
+        (hence the integers) are the same on every machine. The squared norm (the noise scale's statistics
+        only) is a BLAS dot."""
         xp = xp_of(g)
         tensors = self.tensors_in(lo, hi)
         pieces = [g[self.offsets[t] - lo:self.offsets[t + 1] - lo] for t in tensors]
+        if not pieces:
+            return
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-            sq = to_numpy(xp.stack([p.dot(p) for p in pieces])).astype(np.float64) if pieces else np.zeros(0)
-        tiny = math.sqrt(float(np.finfo(g.dtype).tiny))  # below it, squares may have underflowed
-        for t, piece, s in zip(tensors, pieces, sq):
-            if not math.isfinite(s):  # NaN or Inf, or a finite gradient so large its squares overflow
-                if not bool(xp.isfinite(piece).all()):
-                    self.bad[t] = True
-                    continue
-                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
-            elif s < tiny:  # a vanishing gradient: its squares in its own dtype may have been lost
-                s = float(np.sum(np.square(to_numpy(piece).astype(np.float64))))
-            e = exponent_of(math.sqrt(s))
+            stats = to_numpy(xp.stack([xp.stack([p.max(), -p.min(), p.dot(p)]) if p.size else xp.zeros(3, g.dtype)
+                                       for p in pieces])).astype(np.float64)
+        for t, (high, low, sq) in zip(tensors, stats):
+            if not (math.isfinite(high) and math.isfinite(low)):  # NaN or Inf somewhere in the tensor
+                self.bad[t] = True
+                continue
+            e = exponent_of(max(high, low))
             self.needed[t] = max(int(self.needed[t]), e)
             if self.exponents is not None and e > int(self.exponents[t]) + self.headroom_bits:
                 self.overflow = True
-            self.sq_sum += s
+            self.sq_sum += sq if math.isfinite(sq) else math.inf
 
     def encode_(self, g: Any, out: Any, lo: int, hi: int, accumulate: bool, scratch: Any = None) -> None:
         """out (int64, the flat range [lo, hi)) = (or +=) trunc(g * 2**s) per tensor. ``scratch``: an int64

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
+from mpisgd.portable.scalar import LIBM, PORTABLE, ScalarMath
 
 
 def effective_batch(batch_size: int, world_size: int, accum_steps: int = 1) -> int:
@@ -69,6 +70,7 @@ class Schedule:
     milestones: tuple[int, ...] = ()  # steps at which step decay applies
     decay_factor: float = 0.1
     warmup_start: float | None = None  # the rate of step 0 (None: min(base_lr, peak_lr))
+    scalar_math: ScalarMath = LIBM  # the cosine and powers: the C library's, or portable (the reproducible mode's)
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -97,9 +99,9 @@ class Schedule:
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = min(1.0, (step - self.warmup_steps) / span)
-            return 0.5 * self.peak_lr * (1.0 + math.cos(math.pi * progress))
+            return 0.5 * self.peak_lr * (1.0 + self.scalar_math.cos_pi(progress))
         if self.decay == "step":
-            return self.peak_lr * self.decay_factor ** sum(step >= m for m in self.milestones)
+            return self.peak_lr * self.scalar_math.power(self.decay_factor, sum(step >= m for m in self.milestones))
         return self.peak_lr
 
     @classmethod
@@ -112,4 +114,5 @@ class Schedule:
             warmup = round(cfg.warmup_epochs * steps_per_epoch)
         return cls(base_lr=cfg.lr, peak_lr=peak, warmup_steps=warmup, total_steps=total_steps,
                    decay=cfg.decay, milestones=tuple(e * steps_per_epoch for e in cfg.decay_epochs),
-                   decay_factor=cfg.decay_factor, warmup_start=0.0 if cfg.warmup_from == "zero" else None)
+                   decay_factor=cfg.decay_factor, warmup_start=0.0 if cfg.warmup_from == "zero" else None,
+                   scalar_math=PORTABLE if cfg.reproducible else LIBM)

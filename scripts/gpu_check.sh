@@ -20,6 +20,8 @@
 #   train-cnn-gpu     the CNN, 3 epochs, k=1
 #   train-mlp-gpu-k2  the MLP at k=2 (one GPU shared, or two): gradient buckets all-reduced, replicas checked
 #   train-mlp-nccl    with 2 or more GPUs only: the MLP with --allreduce nccl, one rank per GPU
+#   portable-bits     the same --reproducible portable job (LeNet-5, synthetic data, a few steps) on the GPU at
+#                     k=1 and on the CPU at k=2: the saved parameters must be the same bits (docs/reproducible.md)
 #   train-mlp-cpu, train-cnn-cpu   the same models on the CPU, every core, for the GPU/CPU ratio
 #                     (2 epochs of part of the data: samples/s is per epoch)
 #   bw-nccl           benchmarks/allreduce_bw.py on device buffers, nccl, one rank per GPU, 4 B to $MAX_BYTES
@@ -55,7 +57,7 @@ MAX_BYTES=${MAX_BYTES:-256M}
 STEPS=${GPU_CHECK_STEPS:-}
 INJECT=${GPU_CHECK_INJECT:-}
 ALL_STEPS="env probe tests-k1 tests-k2 tests-k3 train-mlp-gpu train-cnn-gpu train-mlp-gpu-k2 train-mlp-nccl \
-train-mlp-cpu train-cnn-cpu bw-nccl bw-staged bw-direct"
+portable-bits train-mlp-cpu train-cnn-cpu bw-nccl bw-staged bw-direct"
 for s in ${STEPS//,/ }; do
   if [[ " $ALL_STEPS " != *" $s "* ]]; then
     echo "gpu_check: unknown step '$s' in GPU_CHECK_STEPS; steps: $ALL_STEPS" >&2
@@ -265,6 +267,13 @@ check_train() {  # an epoch finished, with a test accuracy of at least MIN_ACC (
   awk -v a="${acc:-0}" -v m="$MIN_ACC" 'BEGIN { exit !(a >= m) }' || { printf ' < %s' "$MIN_ACC"; return 1; }
 }
 
+check_portable() {  # portable.sh prints "portable bits: identical ..." or "portable bits: differ ..."
+  local line
+  line=$(grep -m1 '^portable bits: ' "$WORK/$1.log") || { echo "no comparison printed"; return 1; }
+  echo "${line#portable bits: }"
+  [[ "$line" == "portable bits: identical"* ]]
+}
+
 check_bw() {
   grep -m1 '^# out of bounds values' "$WORK/$1.log" | sed 's/^# //' || { echo "no closing line"; return 1; }
 }
@@ -385,6 +394,26 @@ if shutil.which("nvidia-smi"):
 else:
     print("nvidia-smi: not on PATH")
 EOF
+cat >"$WORK/portable.sh" <<'EOF'
+# the same --reproducible portable job on DEVICE at k=1 and on the CPU at k=2: their parameters compared bitwise
+set -u
+job=(-m mpisgd.train --model cnn --dataset synthetic --synthetic-samples 1024 --limit-test 128 --batch-size 16
+     --global-batch 32 --max-steps 6 --progress off --reproducible portable)
+$MPIEXEC -n 1 "$PY" "${job[@]}" --device "$DEVICE" --save-model "$WORK/portable-$DEVICE.npz" || exit 1
+$MPIEXEC -n 2 "$PY" "${job[@]}" --device cpu --save-model "$WORK/portable-host.npz" || exit 1
+"$PY" - "$WORK/portable-$DEVICE.npz" "$WORK/portable-host.npz" "$DEVICE" <<'PY'
+import hashlib, sys
+import numpy as np
+a, b = (np.load(p)["flat"] for p in sys.argv[1:3])
+digest = lambda x: hashlib.sha256(x.tobytes()).hexdigest()[:16]
+if a.shape == b.shape and np.array_equal(a, b):
+    print(f"portable bits: identical on {sys.argv[3]} (k=1) and cpu (k=2), {a.size} parameters, sha256 {digest(a)}")
+else:
+    n = int((a != b).sum()) if a.shape == b.shape else -1
+    print(f"portable bits: differ in {n} of {a.size} parameters ({sys.argv[3]} {digest(a)}, cpu {digest(b)})")
+    sys.exit(1)
+PY
+EOF
 cat >"$WORK/probe.py" <<'EOF'
 import os
 from mpi4py import MPI
@@ -433,6 +462,8 @@ if [ "$NGPU" -ge 2 ]; then
 else
   skip_step train-mlp-nccl "$NGPU GPU: NCCL needs one GPU per rank, and training at k=1 all-reduces nothing"
 fi
+run_step portable-bits 60 check_portable env MPIEXEC="${MPIEXEC[*]}" PY="$PY" DEVICE="$DEVICE" WORK="$WORK" \
+    bash "$WORK/portable.sh"
 train train-mlp-cpu cpu 1 "$EPOCHS_CPU" 45 --model mlp --threads "$CPU_THREADS" "${CPU_LIMIT[@]}" "${DATA[@]}"
 train train-cnn-cpu cpu 1 "$EPOCHS_CPU" 45 --model cnn --threads "$CPU_THREADS" "${CPU_LIMIT[@]}" "${DATA[@]}"
 

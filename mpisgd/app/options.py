@@ -65,7 +65,12 @@ def _add_option(parser: Any, f: dataclasses.Field) -> None:
                                       + "".join(f"; {_show(d[f.name])} for --model {m}"
                                                 for m, d in MODEL_DEFAULTS.items() if f.name in d) + ")")
     kind = f.type if isinstance(f.type, str) else str(f.type)
-    if kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
+    if f.name in SWITCH_LEVELS:  # --reproducible [LEVEL], --no-reproducible
+        level = SWITCH_LEVELS[f.name]
+        parser.add_argument(*flags, f"--no-{flags[0][2:]}", dest=f.name, nargs="?", action=_SwitchWithLevel,
+                            level_dest=level, choices=FIELDS[level].metadata["choices"], default=f.default,
+                            help=help_text, metavar="LEVEL")
+    elif kind in ("bool", "bool | None"):  # None: decided at start-up (the help says how)
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
     elif kind.startswith("tuple"):
         parser.add_argument(*flags, type=parse_int_tuple, default=f.default, help=help_text, metavar="N,N")
@@ -74,6 +79,31 @@ def _add_option(parser: Any, f: dataclasses.Field) -> None:
         conv = {"int": int, "float": float, "str": str}[base]
         parser.add_argument(*flags, type=conv, default=f.default, choices=f.metadata["choices"],
                             help=help_text, metavar=None if f.metadata["choices"] else base.upper())
+
+
+class _SwitchWithLevel(argparse.Action):
+    """``--NAME`` turns the option on, ``--NAME LEVEL`` also sets its level field (``--reproducible portable``),
+    ``--no-NAME`` turns it off."""
+
+    def __init__(self, option_strings: list[str], dest: str, level_dest: str = "", choices: Any = None,
+                 **kwargs: Any) -> None:
+        self.level_dest, self.levels = level_dest, tuple(choices or ())
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: str | None = None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if value is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        setattr(namespace, self.dest, True)
+        if value is not None:
+            if value not in self.levels:
+                parser.error(f"{option_string}: the level must be one of {', '.join(self.levels)}, got {value!r}")
+            setattr(namespace, self.level_dest, value)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
 
 
 def _show(value: Any) -> str:
@@ -118,6 +148,7 @@ _UNSET = object()
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+SWITCH_LEVELS = {"reproducible": "reproducible_level"}  # a switch that may name its level field's value
 
 
 # every spelling a key may take: the long option (limit-train), the field (limit_train), an alias (bucket-mb)

@@ -34,6 +34,29 @@ def same_options(cfg: Config, comm: Any) -> None:
     raise UsageError("ranks were started with different options: " + "; ".join(diffs))
 
 
+def same_arithmetic(environment: dict[str, Any], keys: tuple[str, ...], comm: Any, what: str) -> None:
+    """Every rank computes with the same arithmetic facts (collective): ``keys`` of mpisgd.backend.environment,
+    those ``what`` depends on. Names the ranks and the settings that differ."""
+    mine = {k: environment.get(k) for k in keys}
+    diffs = name_differences(comm.allgather(mine))
+    if diffs:
+        raise UsageError(f"ranks compute with different arithmetic, so {what} cannot hold: " + "; ".join(diffs))
+
+
+def pinned(environment: dict[str, Any], comm: Any) -> None:
+    """The pinned level holds on every rank (collective): each rank is pinned (mpisgd.pinning.problem), and
+    all pin the same kernels, threads and libraries. Names the first rank that is not, and why."""
+    from mpisgd import pinning  # noqa: PLC0415
+    from mpisgd.backend import bits_depend_on, numpy_simd  # noqa: PLC0415
+
+    why = comm.allgather(pinning.problem(environment, pinning.pinned_variables(numpy_simd(enabled=False))))
+    bad = [r for r, w in enumerate(why) if w]
+    if bad:
+        raise UsageError(f"--reproducible (pinned level): rank {bad[0]}: {why[bad[0]]}"
+                         + (f" (also rank(s) {bad[1:]})" if len(bad) > 1 else ""))
+    same_arithmetic(environment, bits_depend_on("pinned"), comm, "the pinned level's same bits")
+
+
 def device_options(cfg: Config, gpu: bool) -> None:
     if cfg.shard_optimizer and gpu:
         raise UsageError("--shard-optimizer runs on the CPU only (its all-gather takes host buffers); "

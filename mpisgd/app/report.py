@@ -94,6 +94,16 @@ def wrap(line: str) -> list[str]:
     return [*out, current]
 
 
+def reproducible_scope(level: str, env: dict[str, Any]) -> str:
+    """Across what the bits hold at this level, and what they depend on (docs/reproducible.md)."""
+    if level == "portable":
+        return ("portable level: on any BLAS, CPU, thread count, NumPy version or GPU (exact GEMMs, fixed-order "
+                "sums, exp and log from IEEE operations)")
+    return (f"pinned level: on any x86-64 CPU with AVX2 and FMA with the same NumPy and BLAS builds "
+            f"({env.get('array')}, {env.get('blas')}, NumPy's {env.get('numpy_simd')} loops, "
+            f"{env.get('blas_threads', '-')} thread(s))")
+
+
 def rank_map(places: list[tuple[str, int, int | None]]) -> str:
     """'host-a: ranks 0-3 | host-b: ranks 4-7' (GPU ids when there are any), one group per host."""
     hosts: dict[str, list[tuple[int, int | None]]] = {}
@@ -205,9 +215,8 @@ def banner(run: Run) -> list[str]:
     lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
     lines += wrap(f"all-reduce: {dp.describe()}")  # its plan and where that came from, whole
     if cfg.reproducible:
-        env = run.environment
-        lines.append(fit(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
-                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))"))
+        lines += wrap(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} | "
+                      + reproducible_scope(cfg.reproducible_level, run.environment))
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))

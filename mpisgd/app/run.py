@@ -22,7 +22,7 @@ from mpisgd.app import preflight, run_files
 from mpisgd.app.preflight import peak_rss_mib
 from mpisgd.app.resume import ResumePoint, resume_point
 from mpisgd.app.run_dir import RunDirectory
-from mpisgd.backend import arithmetic, set_threads
+from mpisgd.backend import arithmetic, bits_depend_on, set_threads
 from mpisgd.backend import environment as backend_environment
 from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
@@ -30,13 +30,15 @@ from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
+from mpisgd.kernels import kernels_for
 from mpisgd.model_file import FORMAT, VERSION, model_structure
-from mpisgd.nn import Model, Module, TokenCrossEntropy, build_model
+from mpisgd.nn import Model, Module, SoftmaxCrossEntropy, TokenCrossEntropy, build_model
 from mpisgd.nn.models import check_output
 from mpisgd.optim import SGD, Optimizer
 from mpisgd.optim.adam import LAMB, AdamW, matrices
 from mpisgd.optim.lars import LARS
 from mpisgd.parallel import DataParallel
+from mpisgd.portable.scalar import LIBM, PORTABLE
 from mpisgd.schedule import Schedule, accum_steps_for, effective_batch, total_steps
 from mpisgd.timeline import Timeline
 
@@ -151,9 +153,14 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None)
-    threads, threads_from = stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
+    level = cfg.reproducible_level if cfg.reproducible else ""
+    threads, threads_from = (1, "the pinned level") if level == "pinned" else \
+        stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
     if ctx.backend.device == "cpu":
         set_threads(threads)
+    environment = backend_environment(ctx.backend, threads, level)
+    if level == "pinned":  # every rank pinned, and alike (mpisgd.pinning)
+        stage("the pinned kernels", lambda: preflight.pinned(environment, world), collective=True)
     run_data = stage("loading the data", lambda: _load_data(cfg))
     stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
     stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
@@ -163,25 +170,25 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
-    environment = backend_environment(ctx.backend, threads)  # every rank's alike (the arithmetic stage below)
-    if resume is not None and cfg.reproducible:  # keys an older checkpoint lacks are not compared
-        differs = ", ".join(f"{k} {resume.environment[k]!r} -> {v!r}" for k, v in environment.items()
-                            if k in resume.environment and resume.environment[k] != v)
+    if resume is not None and resume.environment and cfg.reproducible:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
+                            for k in bits_depend_on(level) if resume.environment.get(k) != environment.get(k))
         if differs:
-            warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
-                            "--reproducible promises the same bits only on the same one")
+            warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
+                            f"--reproducible at the {level} level promises the same bits only with the same")
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
                                                      ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
     model = module.materialize(xp, cfg.dtype, cfg.seed)
+    model.ctx.kernels = kernels_for("portable" if level == "portable" else "fast")
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     optimizer = _optimizer(cfg, model)
     params = model.flat.params
-    # every rank rounds alike, or the replicas would drift apart silently (DataParallel checks it too)
-    stage("the arithmetic", lambda: same_arithmetic(world, arithmetic(params, _level1(optimizer)),
-                                                    UsageError), collective=True)
+    if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
+        stage("the arithmetic", lambda: same_arithmetic(world, arithmetic(params, _level1(optimizer)),
+                                                        UsageError), collective=True)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
     shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
@@ -189,7 +196,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
-                          loss=TokenCrossEntropy() if run_data.tokens else None,
+                          loss=TokenCrossEntropy() if run_data.tokens else SoftmaxCrossEntropy(model.ctx.kernels),
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
@@ -284,11 +291,12 @@ def _level1(optimizer: Optimizer) -> bool:
 
 def _optimizer(cfg: Config, model: Model) -> Optimizer:
     flat = model.flat
+    scalar_math = PORTABLE if cfg.reproducible else LIBM  # powers from basic IEEE operations where bits matter
     if cfg.optimizer == "adamw":  # ufuncs only: reproducible as it is
-        mask = matrices(model.flat) if cfg.weight_decay_on == "matrices" else None
-        return AdamW(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, decay_mask=mask)
+        mask = matrices(flat) if cfg.weight_decay_on == "matrices" else None
+        return AdamW(flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, decay_mask=mask, scalar_math=scalar_math)
     if cfg.optimizer == "lamb":
-        return LAMB(model.flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        return LAMB(flat, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, scalar_math=scalar_math)
     level1 = not cfg.reproducible  # the ufuncs round every element alike wherever a range starts (exact.py)
     if cfg.optimizer == "lars":
         return LARS(flat, cfg.momentum, cfg.nesterov, cfg.weight_decay, cfg.momentum_correction,

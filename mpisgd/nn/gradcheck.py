@@ -34,11 +34,14 @@ class GradientError:
 
 def check_gradients(module: Module, x: Any, *, seed: int = 0, samples: int = 12, h: float = 1e-6,
                     rtol: float = 1e-5, atol: float = 1e-8, training: bool = True,
-                    sample_ids: Any = None) -> list[GradientError]:
+                    sample_ids: Any = None, kernels: Any = None) -> list[GradientError]:
     """One :class:`GradientError` per checked quantity (the input, if floating point, then each parameter
     tensor), from ``samples`` coordinates of each. ``x``: a small input batch (cast to float64 when it
-    is floating point; integer inputs, such as token ids, are passed as they are and not checked)."""
+    is floating point; integer inputs, such as token ids, are passed as they are and not checked).
+    ``kernels``: what the model computes with (mpisgd.kernels; the fast ones when None)."""
     model = module.materialize(np, "float64", seed)
+    if kernels is not None:
+        model.ctx.kernels = kernels
     model.train(training)
     x = np.array(x, dtype=np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x)
     ids = np.arange(len(x), dtype=np.int64) if sample_ids is None else np.asarray(sample_ids)

@@ -8,11 +8,16 @@ adds to them when ``accumulate`` is set (gradient accumulation).
 
 Linear takes (..., in) arrays, ReLU and Flatten (N, ...); Conv2d and MaxPool2d take
 (C, H, W, N), batch last (see Conv2d for why), and Permute converts.
+
+Matrix products and sums along an axis go through the model's kernels (``self.ctx.kernels``,
+mpisgd.kernels): the array module's own (fast) or ones whose bits are a function of the inputs alone
+(portable). Everything else here is elementwise or a copy, which rounds alike everywhere.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +39,7 @@ class Linear(Module):
         self.n_in, self.n_out, self.init_std = n_in, n_out, init_std
         self.param_shapes = [("W", (n_in, n_out)), ("b", (n_out,))]
         self._x: Array = None  # the input as (rows, in)
+        self._w: Any = None  # W as the kernels prepared it in forward, for backward (mpisgd.kernels.weight)
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
         if self.init_std is None:
@@ -44,26 +50,26 @@ class Linear(Module):
         return {"W": W.astype(dtype), "b": np.zeros(self.n_out, dtype)}
 
     def forward(self, x: Array) -> Array:
-        xp = xp_of(x)
         self._x = x.reshape(-1, self.n_in)  # a view (x itself when 2-D): rows of one GEMM
+        self._w = self.ctx.kernels.weight(self.params["W"], self._w)
         y = self._buf("y", (*x.shape[:-1], self.n_out), x)
-        xp.matmul(self._x, self.params["W"], out=y.reshape(-1, self.n_out))
+        self.ctx.kernels.matmul(self._x, self._w, out=y.reshape(-1, self.n_out))
         y += self.params["b"]
         return y
 
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
-        xp = xp_of(dy)
+        ops = self.ctx.kernels
         dy2 = dy.reshape(-1, self.n_out)
         dW = self._grad_out("W", (self.n_in, self.n_out), dy)
-        xp.matmul(self._x.T, dy2, out=dW)
+        ops.matmul(self._x.T, dy2, out=dW)
         self._grad_done("W", dW)
         db = self._grad_out("b", (self.n_out,), dy)
-        xp.sum(dy2, axis=0, out=db)
+        ops.sum(dy2, axis=0, out=db)
         self._grad_done("b", db)
         if not need_dx:
             return None
         dx = self._buf("dx", (*dy.shape[:-1], self.n_in), dy)
-        xp.matmul(dy2, self.params["W"].T, out=dx.reshape(-1, self.n_in))
+        ops.matmul(dy2, self._w.T, out=dx.reshape(-1, self.n_in))
         return dx
 
     def __repr__(self) -> str:
@@ -184,9 +190,10 @@ class Conv2d(Module):
             a, (a.shape[0], self.k, self.k, ho, wo, a.shape[3]), (sc, sh, sw, sh * s, sw * s, sn))
 
     def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int) -> list[tuple[int, int]]:
-        """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns within CHUNK_BYTES."""
+        """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns within CHUNK_BYTES (or
+        what the kernels ask for: mpisgd.kernels)."""
         per_row = self.c_in * self.k * self.k * wo * n * itemsize
-        rows = max(1, min(ho, CHUNK_BYTES // per_row))
+        rows = max(1, min(ho, (self.ctx.kernels.columns_nbytes or CHUNK_BYTES) // per_row))
         return [(r0, min(ho, r0 + rows)) for r0 in range(0, ho, rows)]
 
     def _im2col(self, windows: Array, r0: int, r1: int) -> Array:
@@ -197,19 +204,18 @@ class Conv2d(Module):
         return cols
 
     def forward(self, x: Array) -> Array:
-        xp = xp_of(x)
         c, h, w, n = x.shape
         ho, wo = self._out_hw(h, w)
         self._xshape = x.shape
         self._xpad = self._padded(x)
         windows = self._windows(self._xpad, ho, wo)
-        W = self.params["W"].reshape(self.c_out, -1)
+        W = self.ctx.kernels.left(self.params["W"].reshape(self.c_out, -1))  # one W for every chunk
         y = self._buf("y", (self.c_out, ho, wo, n), x)
         for r0, r1 in self._row_chunks(ho, wo, n, x.itemsize):
             cols = self._im2col(windows, r0, r1)
             # per position: (c_out, ckk) @ (ckk, N), written straight into y's rows r0..r1
             y_rows = y[:, r0:r1].reshape(self.c_out, (r1 - r0) * wo, n)
-            xp.matmul(W, cols.transpose(1, 0, 2), out=y_rows.transpose(1, 0, 2))
+            self.ctx.kernels.matmul(W, cols.transpose(1, 0, 2), out=y_rows.transpose(1, 0, 2))
         y += self.params["b"][:, None, None, None]
         return y
 
@@ -220,7 +226,7 @@ class Conv2d(Module):
     def _weight_grads(self, dy: Array) -> None:
         """dW = sum over chunks of cols (ckk, M) @ dy^T (M, c_out), M = the chunk's positions x N (a long inner
         dimension: what BLAS likes for a reduction), with the columns made again; db = sum of dy."""
-        xp = xp_of(dy)
+        ops = self.ctx.kernels
         _, ho, wo, n = dy.shape
         c, ckk = self.c_in, self.c_in * self.k * self.k
         windows = self._windows(self._xpad, ho, wo)
@@ -228,19 +234,18 @@ class Conv2d(Module):
         dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
         for g, (r0, r1) in enumerate(chunks):
             cols = self._im2col(windows, r0, r1)
-            xp.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
+            ops.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
-        xp.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
+        ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
         db = self._grad_out("b", (self.c_out,), dy)
-        xp.sum(dy.reshape(self.c_out, -1), axis=1, out=db)
+        ops.sum(dy.reshape(self.c_out, -1), axis=1, out=db)
         self._grad_done("b", db)
 
     def _input_grad(self, dy: Array) -> Array:
         """dx: kernel offset by kernel offset, W[:, :, i, j]^T dy goes back onto the inputs that offset's
         windows read. This is col2im with its GEMM split by offset: each product is added while still
         in cache, and no (c_in*k*k, positions, N) buffer of column gradients is ever made."""
-        xp = xp_of(dy)
         c, h, w, n = self._xshape
         _, ho, wo, _ = dy.shape
         p = self.pad
@@ -249,11 +254,11 @@ class Conv2d(Module):
         targets = self._windows(dxpad, ho, wo)
         W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
         W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
-        dy_pos = dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2)  # (positions, c_out, N)
+        dy_pos = self.ctx.kernels.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
         back = self._buf("back", (c, ho, wo, n), dy)
         for i in range(self.k):
             for j in range(self.k):
-                xp.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
+                self.ctx.kernels.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
                 targets[:, i, j] += back
         return dxpad[:, p:p + h, p:p + w] if p else dxpad
 

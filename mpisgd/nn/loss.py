@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpisgd.kernels import FAST, Kernels
 from mpisgd.nn.layers import Array, xp_of
 
 
@@ -12,9 +13,13 @@ class SoftmaxCrossEntropy:
     ``scale``; the default scale 1/n gives the gradient of the mean. Data
     parallelism passes 1/(k*b*m) so that the all-reduce *sum* is already the
     mean over the whole effective batch (the pre-scaled form of "sum, then / k").
+
+    ``kernels`` computes its exp, log and sums (mpisgd.kernels; the model's, so that a portable model's
+    loss is portable too).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: Kernels = FAST) -> None:
+        self.kernels = kernels
         self._p: Array = None
         self._labels: Array = None
 
@@ -23,14 +28,14 @@ class SoftmaxCrossEntropy:
 
     def forward_array(self, logits: Array, labels: Array) -> Array:
         """The mean loss as a 0-d array (no device-to-host sync on GPU)."""
-        xp = xp_of(logits)
+        xp, ops = xp_of(logits), self.kernels
         n = logits.shape[0]
         p = logits - logits.max(axis=1, keepdims=True)  # stable: exp of <= 0
-        xp.exp(p, out=p)
-        p /= p.sum(axis=1, keepdims=True)
+        ops.exp(p, out=p)
+        p /= ops.sum(p, axis=1, keepdims=True)
         self._p, self._labels = p, labels
         picked = p[xp.arange(n), labels]
-        return -xp.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)).mean()
+        return -ops.mean(ops.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)))
 
     def count(self, labels: Array) -> int:
         """How many targets a micro-batch scores: one per label (data parallelism weighs each target

@@ -28,6 +28,7 @@ import numpy as np
 
 from mpisgd.backend import xp_of
 from mpisgd.flatbuf import FlatBuffer
+from mpisgd.kernels import FAST, Kernels
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -44,6 +45,7 @@ class Context:
     step: int = 0  # the optimizer step the current micro-batch belongs to
     sample_ids: Any = None  # int64 global index of each sample of the current micro-batch (None: unknown)
     stat_row: Any = None  # float64 row where modules write the current micro-batch's statistics (None: apply now)
+    kernels: Kernels = FAST  # what matmul, sums and exp/log compute with: fast or portable (mpisgd.kernels)
 
 
 class Module:

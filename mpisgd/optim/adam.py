@@ -36,6 +36,7 @@ from typing import Any
 from mpisgd.flatbuf import FlatBuffer
 from mpisgd.optim.base import Shards, StateBuffers, StateLayout, load_buffers
 from mpisgd.optim.norms import Norms, TensorNorms
+from mpisgd.portable.scalar import LIBM, ScalarMath
 
 
 class AdamW:
@@ -43,9 +44,12 @@ class AdamW:
     (``state_buffers``, ``state``, ``load_state``) as every update rule of mpisgd (mpisgd.optim.base.Optimizer)."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decay_mask: Sequence[bool] | None = None) -> None:
+                 weight_decay: float = 0.0, decay_mask: Sequence[bool] | None = None,
+                 scalar_math: ScalarMath = LIBM) -> None:
         """``decay_mask``: per parameter tensor (``flat.shapes`` order), whether weight decay shrinks it
-        (None: every one; a transformer decays its matrices only, :func:`matrices`)."""
+        (None: every one; a transformer decays its matrices only, :func:`matrices`). ``scalar_math``: the
+        powers beta^t of the bias corrections, the C library's or portable ones (mpisgd.portable.scalar:
+        the reproducible mode's)."""
         if flat is None:
             raise ValueError(f"materialize() the model before building its optimizer: {type(self).__name__}"
                              "(model.flat) needs the parameters")
@@ -65,6 +69,7 @@ class AdamW:
         # the moments m and v, and scratch so that the step allocates nothing: made when first used
         self.buffers = StateBuffers(flat, ["exp_avg", "exp_avg_sq"], ["tmp"])
         self.steps = 0  # t: the steps taken
+        self.scalar_math = scalar_math
 
     @property
     def exp_avg(self) -> Any:
@@ -108,7 +113,7 @@ class AdamW:
         """Update only the ranges ``[lo, hi)`` of ``shards`` from their gradient pieces; element by element
         the whole step's update (AdamW needs no norms)."""
         self.steps += 1
-        step_size = lr / (1.0 - self.beta1 ** self.steps)
+        step_size = lr / (1.0 - self.scalar_math.power(self.beta1, self.steps))
         for lo, hi, g in shards:
             at = self.layout.where(lo, hi)
             w, tmp = self.flat.params[lo:hi], self._tmp[at]
@@ -135,7 +140,7 @@ class AdamW:
         tmp *= 1.0 - b2
         v += tmp
         xp.sqrt(v, out=tmp)
-        tmp /= math.sqrt(1.0 - b2 ** self.steps)
+        tmp /= math.sqrt(1.0 - self.scalar_math.power(b2, self.steps))
         tmp += self.eps
 
 
@@ -165,8 +170,8 @@ class LAMB(AdamW):
     """Adam's direction plus decay, r, scaled per weight tensor (2-D and up) to step lr*||w||."""
 
     def __init__(self, flat: FlatBuffer, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(flat, betas, eps, weight_decay)
+                 weight_decay: float = 0.0, scalar_math: ScalarMath = LIBM) -> None:
+        super().__init__(flat, betas, eps, weight_decay, scalar_math=scalar_math)
         self.adapted = [len(shape) > 1 for shape in flat.shapes]  # per tensor, in flat.shapes order
 
     def step_shards(self, lr: float, shards: Shards, norms: Norms | None = None) -> None:
@@ -175,7 +180,7 @@ class LAMB(AdamW):
         tensors."""
         norms = norms or TensorNorms(self.flat.offsets, [(lo, hi) for lo, hi, _ in shards])
         self.steps += 1
-        bc1, w, xp = 1.0 - self.beta1 ** self.steps, self.flat.params, self.flat.xp
+        bc1, w, xp = 1.0 - self.scalar_math.power(self.beta1, self.steps), self.flat.params, self.flat.xp
         for lo, hi, g in shards:  # g becomes r
             at = self.layout.where(lo, hi)
             self._denominator(at, g)

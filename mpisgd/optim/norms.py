@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpisgd.backend import to_numpy, xp_of
+from mpisgd.portable.reduce import fold_
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 Pieces = Sequence[Array]  # one array per range of a Norms object, aligned with it
@@ -81,10 +82,11 @@ def native_block_sums(blocks: Array) -> Array:
 
 
 def float64_block_sums(blocks: Array) -> Array:
-    """Each row's sum of squares in float64 (pairwise): the reproducible mode's."""
+    """Each row's sum of squares in float64, added in one fixed order (mpisgd.portable.reduce: no library's
+    summation, which may be dispatched by CPU): the reproducible mode's, the same bits on any machine."""
     wide = blocks.astype(np.float64)
     wide *= wide
-    return wide.sum(axis=1)
+    return fold_(wide, 1)[:, 0]
 
 
 class BlockNorms:

@@ -129,7 +129,9 @@ class DataParallel:
         # the optimizer's buffers are first made: the whole ones never are)
         verify_same(self.comm, layout_digest(model_layout(self.replica, flat) + optimizer_layout(optimizer)),
                     "the model (layers, shapes, dtype or state) or the optimizer (its kind and state buffers)")
-        same_arithmetic(self.comm, arithmetic(flat.params, getattr(optimizer, "blas", None) is not None))
+        kernels = getattr(getattr(model, "ctx", None), "kernels", None)  # mpisgd.kernels: portable ones need no check
+        if getattr(kernels, "name", "fast") != "portable":  # ranks that round otherwise would drift apart
+            same_arithmetic(self.comm, arithmetic(flat.params, getattr(optimizer, "blas", None) is not None))
         # what the buckets reduce, in memory the reducer reads in place where it has any (one node: comm.shared)
         shared = self.reducer.shared_buffer(flat.size, reduced) if shared_grads and self.k > 1 and not device else None
         self.shared_grads = shared is not None

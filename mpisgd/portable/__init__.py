@@ -1,0 +1,16 @@
+"""Arithmetic whose result is a function of its inputs alone: the same bits on any BLAS, any CPU (any
+kernel NumPy or the BLAS dispatches to), any thread count and CuPy on a GPU. What ``--reproducible
+portable`` computes with (mpisgd.kernels chooses it; docs/reproducible.md says what it guarantees).
+
+- ``gemm``: matrix products from exact slice products (the Ozaki scheme): each operand is scaled per
+  row or column to integers whose products, and every partial sum of them, are exact in float64, so
+  that any dgemm — any blocking, FMA use, order or threads — returns the same float64 values; one
+  rounding to the output's dtype at the end.
+- ``reduce``: sums along an axis in one fixed pairwise order, done with elementwise adds (no library
+  reduction decides the order).
+- ``elementwise``: exp, log, expm1, tanh, erf from IEEE +, -, *, / and sqrt only (range reduction and
+  polynomials in float64), rounded once.
+- ``scalar``: the same idea for Python floats (the schedule's cosine, Adam's powers), stdlib only.
+
+The array modules import NumPy; ``scalar`` does not, so the configuration layer may use it.
+"""
