@@ -73,8 +73,9 @@ def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
     return AgreedError, ReplicaError, NonFiniteError
 
 
-def run(cfg: Config, world: Any, signals: Any = None) -> int:
-    """Set up, train, shut down (collective). The stall watchdog watches set-up and training alike."""
+def run(cfg: Config, world: Any, signals: Any = None, hooks: Any = None) -> int:
+    """Set up, train, shut down (collective). The stall watchdog watches set-up and training alike.
+    ``hooks`` (before each step) default to those the environment injects (mpisgd.app.inject)."""
     from mpisgd.app.inject import Injected  # noqa: PLC0415 - heavy imports after argument checks
     from mpisgd.app.run import build_run  # noqa: PLC0415
     from mpisgd.app.trainer import Trainer  # noqa: PLC0415
@@ -85,7 +86,7 @@ def run(cfg: Config, world: Any, signals: Any = None) -> int:
     except _errors_every_rank_raises():
         watchdog.close()  # every rank failed set-up together: a collective shutdown is safe
         raise
-    trainer = Trainer(setup, signals, hooks=Injected.from_environ())
+    trainer = Trainer(setup, signals, hooks=Injected.from_environ() if hooks is None else hooks)
     try:
         status = trainer.fit()
     except _errors_every_rank_raises():
