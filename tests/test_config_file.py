@@ -115,6 +115,7 @@ def test_print_config_from_the_command_line(tmp_path):
     assert r.returncode == 0 and "epochs = 3\n" in r.stdout and "all-reduce" not in r.stdout, r.stderr
 
 
+@serial_only  # one rank's run, in this process
 def test_the_effective_configuration_is_written_beside_the_metrics_and_the_checkpoints(tmp_path):
     cfg_in = toml(tmp_path, 'dataset = "synthetic"\nsynthetic-samples = 512\nhidden = [16]\nprogress = "off"\n'
                             "max-steps = 3\nbatch-size = 32\n")

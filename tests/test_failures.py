@@ -35,6 +35,7 @@ from conftest import (
     root_makes,
     run_mpi,
     script,
+    serial_only,
     small_tmpfs,
     train_here,
     world,
@@ -566,6 +567,7 @@ def _written(path: Path, text: str) -> Path:
     return path
 
 
+@serial_only  # one rank's run, in this process
 def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tmp_path: Path) -> None:
     """A real full file system: the checkpoint directory on a 256 KiB tmpfs, each checkpoint 400 KB. The
     writes fail with a warning naming the free space, training finishes, no temporary file is left."""
@@ -582,6 +584,7 @@ def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tmp_path: Pa
 
 
 # -- a checkpoint directory belongs to one run (rank 0's: one rank shows it) ------------------------
+@serial_only  # one rank's run, in this process
 def test_a_reused_checkpoint_dir_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
     run = (*TINY, "--batch-size", "256", "--checkpoint-dir", ck)  # 8 steps an epoch
@@ -598,6 +601,7 @@ def test_a_reused_checkpoint_dir_is_refused_unless_resumed_or_overwritten(tmp_pa
     assert "nan" not in done.out + done.err
 
 
+@serial_only  # one rank's run, in this process
 def test_two_runs_never_share_a_checkpoint_dir(tmp_path: Path) -> None:
     """Another run holds the directory's lock (here: this process, through another open file)."""
     from mpisgd.app.run_dir import RunDirectory
@@ -611,6 +615,7 @@ def test_two_runs_never_share_a_checkpoint_dir(tmp_path: Path) -> None:
     assert "is in use by another run (pid" in refused(other)
 
 
+@serial_only  # one rank's run, in this process
 def test_resume_checks_the_run_identity_and_names_every_difference(tmp_path: Path) -> None:
     run = (*TINY, "--batch-size", "256", "--checkpoint-dir", str(tmp_path / "ck"), "--epochs", "5")
     assert train_here([*run, "--max-steps", "10"]).status == 0
@@ -863,6 +868,7 @@ def test_a_lock_file_that_is_a_directory_is_one_line(shared_tmp: Path) -> None:
 
 
 # -- a full disk: the metrics stop with a warning, the model goes elsewhere and says where ----------------
+@serial_only  # one rank's run, in this process
 def test_a_full_disk_for_metrics_model_and_timeline_loses_nothing_silently(tmp_path: Path) -> None:
     small, ck = tmp_path / "small", tmp_path / "ck"
     with small_tmpfs(small, "8k"):
@@ -890,6 +896,7 @@ def _names(ck: Path) -> list[str]:
     return sorted(p.name for p in ck.glob("ckpt-*.npz"))
 
 
+@serial_only  # one rank's run, in this process
 def test_resuming_into_another_runs_directory_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for ck, seed in ((a, "0"), (b, "7")):
@@ -906,6 +913,7 @@ def test_resuming_into_another_runs_directory_is_refused_and_deletes_nothing(tmp
     assert "--optimizer sgd -> lars; --trust-coef 0.1 -> 0.02" in refused(r)
 
 
+@serial_only  # one rank's run, in this process
 def test_rolling_back_moves_the_abandoned_checkpoints_and_auto_continues_the_new_line(tmp_path: Path):
     ck = tmp_path / "ck"
     r = train_here([*EPOCH8, "--max-steps", "24", "--checkpoint-dir", str(ck)])
@@ -922,6 +930,7 @@ def test_rolling_back_moves_the_abandoned_checkpoints_and_auto_continues_the_new
     assert on.status == 0 and "at step 12" in on.out, on
 
 
+@serial_only  # one rank's run, in this process
 def test_resume_auto_with_no_readable_checkpoint_refuses_unless_told_to_overwrite(tmp_path: Path):
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -942,6 +951,7 @@ def f(input_shape, n_classes):
 """
 
 
+@serial_only  # one rank's run, in this process
 def test_resuming_an_edited_model_factory_is_refused_naming_the_layer(tmp_path: Path, own_module) -> None:
     """The parameter count is unchanged: before, the checkpoint's parameters were poured into the new layers."""
     run = (*EPOCH8, "--model", "net:f", "--checkpoint-dir", str(tmp_path / "ck"))
@@ -954,6 +964,7 @@ def test_resuming_an_edited_model_factory_is_refused_naming_the_layer(tmp_path: 
         in r.err, r.err
 
 
+@serial_only  # one rank's run, in this process
 def test_a_hand_edited_checkpoint_past_the_last_epoch_is_refused(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     r = train_here([*EPOCH8, "--max-steps", "10", "--epochs", "3", "--checkpoint-dir", str(ck)])

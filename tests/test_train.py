@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, root_makes, run_mpi, train_here, world
+from conftest import ROOT, root_makes, run_mpi, serial_only, train_here, world
 
 from mpisgd.app.inject import Injected
 from mpisgd.app.report import format_epoch, memory_line, rank_map
@@ -277,6 +277,7 @@ def test_your_data_and_model_train_k_invariantly(shared_tmp, model, monkeypatch)
     assert "samples 3x12x12 float32, 4 classes" in r.out, r.out
 
 
+@serial_only  # one rank's run, in this process
 @pytest.mark.parametrize("layout,dtype", [("npz", "uint8"), ("dir", "float32")])
 def test_your_data_learns_to_the_accuracy_it_allows(tmp_path, layout, dtype):
     data = image_set(tmp_path / ("set.npz" if layout == "npz" else "set"), layout=layout, dtype=dtype)

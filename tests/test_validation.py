@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import root_makes, train_here, world
+from conftest import root_makes, serial_only, train_here, world
 from test_train import image_set
 
 from mpisgd.data import BatchLoader, Dataset, hold_out, synthetic
@@ -67,6 +67,7 @@ def test_k_ranks_equal_one_rank_with_a_validation_split(shared_tmp):
     assert not np.allclose(plain, ref, rtol=1e-6, atol=1e-10)  # the split changes the batches
 
 
+@serial_only  # one rank's run, in this process
 def test_epochs_report_validation_and_the_test_set_is_scored_once(tmp_path):
     metrics, data = tmp_path / "m.jsonl", image_set(tmp_path / "set.npz")  # 2400 train, 600 test, learnable
     learn = ["--data", str(data), "--hidden", "64", "--progress", "off", "--lr", "0.05", "--batch-size", "64",
@@ -89,6 +90,7 @@ def test_epochs_report_validation_and_the_test_set_is_scored_once(tmp_path):
     assert all("val_acc" in x and "test_acc" in x for x in every.out.splitlines() if x.startswith("epoch "))
 
 
+@serial_only  # one rank's run, in this process
 def test_a_resume_keeps_the_split_or_is_refused(tmp_path):
     common = [*SYNTH, "--batch-size", "16", "--epochs", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
     r = train_here([*common, "--val-split", "0.2"])
