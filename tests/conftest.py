@@ -187,6 +187,14 @@ def _made_once(target: str):
         yield
 
 
+def mpi_first(cases: list) -> list:
+    """Cases for ``pytest.mark.parametrize`` of a refusal whose message does not depend on k: the first runs
+    in the MPI passes (every rank's exit code at k = 2 and 3, under both libraries), the others in the
+    serial pass, in this process at k = 1 (the test must be written collectively: shared_tmp, root_makes)."""
+    args = [c if isinstance(c, tuple) else (c,) for c in cases]
+    return [pytest.param(*a, marks=pytest.mark.mpi) if i == 0 else pytest.param(*a) for i, a in enumerate(args)]
+
+
 def root_makes(make: Callable[[], T]) -> T:
     """``make()`` on rank 0 only (inputs written into ``shared_tmp``), its result on every rank (collective:
     the others wait until it is made; an exception on rank 0 is raised on every rank)."""

@@ -147,11 +147,11 @@ def test_a_failed_write_leaves_no_temporary_and_stale_ones_are_removed(tmp_path,
 
 
 # -- interrupted runs, resumed in process on this job's k ranks (k = 2 and 3 under MPICH and Open MPI) -------
-# B = 48: 21 steps an epoch. A run that stops at step 35 (every rank, before the step: what its last
+# B = 48: 21 steps an epoch, 2 epochs. A run that stops at step 35 (every rank, before the step: what its last
 # checkpoint holds is what a job killed there leaves) and is resumed ends bitwise where the uninterrupted
 # run ends. End to end, with the launcher and a real signal, tests/test_failures.py resumes a SIGTERM's
 # checkpoint.
-ARGS = ("--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32,16", "--epochs", "3",
+ARGS = ("--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32,16", "--epochs", "2",
         "--progress", "off", "--nesterov", "--warmup-epochs", "1")
 
 
@@ -180,7 +180,7 @@ def test_interrupted_and_resumed_run_is_bitwise_equal(shared_tmp):
     resumed, r = final(shared_tmp, "resumed", *batch(), *every, "--resume", "auto")
     assert "resumed from" in r.out and "at step 30" in r.out, r.out
     np.testing.assert_array_equal(resumed, full)
-    assert not np.array_equal(resumed, final(shared_tmp, "other", *batch(), "--seed", "1")[0])  # the check can fail
+    assert not np.array_equal(resumed, load_checkpoint(Path(ck) / "ckpt-000000030.npz").params)  # it trained on
 
 
 @pytest.mark.mpi
@@ -217,11 +217,12 @@ ADAM_ARGS = tuple(a for a in ARGS if a != "--nesterov")  # Nesterov is SGD's
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("optimizer,shard", [("adamw", False), ("adamw", True), ("lamb", True), ("lamb", False)])
+@pytest.mark.parametrize("optimizer,shard", [("adamw", False), ("lamb", True)])
 def test_adam_runs_resume_bitwise(shared_tmp, optimizer, shard):
     """AdamW and LAMB keep two moments and a step count (and clipping no state): a run interrupted and
     resumed ends bitwise where an uninterrupted one does; sharded, the checkpoint holds the moments
-    gathered whole."""
+    gathered whole (the two moments are the same buffers for both rules; LAMB's ratios need the chunks'
+    norms added across ranks, tests/test_train.py's k-equivalence runs every rule both ways)."""
     opts = ("--optimizer", optimizer, "--lr", "0.01", "--weight-decay", "0.01", "--clip-grad-norm", "0.5", *batch(),
             *(("--shard-optimizer", "--bucket-mb", "0.002") if shard else ("--no-shard-optimizer",)))
     full, _ = final(shared_tmp, "full", *opts, base=ADAM_ARGS)

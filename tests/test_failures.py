@@ -30,6 +30,7 @@ from conftest import (
     TINY,
     Outcome,
     launches,
+    mpi_first,
     mpiexec_cmd,
     open_mpi_launcher,
     root_makes,
@@ -545,15 +546,14 @@ def test_a_stopped_and_continued_rank_is_not_blamed_on_rank_0(tag: str, tmp_path
 
 
 # -- outputs checked before any work ------------------------------------------------------------
-@pytest.mark.mpi
-@pytest.mark.parametrize("option,path,says", [
+@pytest.mark.parametrize("option,path,says", mpi_first([
     ("--checkpoint-dir", "{file}", "exists and is not a directory"),
     ("--checkpoint-dir", "/proc/mpisgd-nope", "cannot create the directory"),
     ("--save-model", "/proc/mpisgd-nope/model.npz", "cannot"),
     ("--save-model", "/dev/null", "exists and is not a regular file"),
     ("--metrics-file", "{file}/m.jsonl", "cannot"),
     ("--timeline", "/proc/mpisgd-nope/trace", "cannot"),
-])
+]))
 def test_an_output_that_cannot_be_written_fails_before_training(option: str, path: str, says: str,
                                                                 shared_tmp: Path) -> None:
     file = root_makes(lambda: _written(shared_tmp / "a-file", "x"))
@@ -705,17 +705,15 @@ def test_ranks_with_another_test_set_are_refused(shared_tmp: Path, monkeypatch: 
     assert "data" in line and "fingerprint" in line and "give every rank the same data set" in line, line
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("labels,n_test,says", [([*range(10)] * 1, 50, "fewer than one global batch B = {B}"),
-                                                ([*range(10)] * 20, 0, "the test set is empty")])
+@pytest.mark.parametrize("labels,n_test,says", mpi_first([([*range(10)] * 1, 50, "fewer than one global batch B = {B}"),
+                                                ([*range(10)] * 20, 0, "the test set is empty")]))
 def test_data_the_models_cannot_learn_from_is_refused_at_load(labels, n_test, says, shared_tmp: Path):
     d = root_makes(lambda: _idx_dir(shared_tmp / "d", labels, n_test=n_test))
     r = train_here(["--data-dir", str(d), "--hidden", "16", "--progress", "off", "--batch-size", "8"])
     assert says.format(B=8 * world().Get_size()) in refused(r)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("kind", ["npy", "edited"])
+@pytest.mark.parametrize("kind", mpi_first(["npy", "edited"]))
 def test_resume_from_something_that_is_not_a_checkpoint_is_one_line(kind: str, shared_tmp: Path) -> None:
     def make() -> Path:
         bad = shared_tmp / ("x.npy" if kind == "npy" else "x.npz")
@@ -795,15 +793,14 @@ def _not_a_data_set(case: str, tmp: Path) -> Path:
     return path
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("case,says", [
+@pytest.mark.parametrize("case,says", mpi_first([
     ("fifo", "is not a regular file or a directory (a FIFO or a device is never opened)"),
     ("npy", "is a single .npy array; mpisgd reads an .npz holding x_train"),
     ("csv", "is not an .npz (a zip of .npy arrays); mpisgd reads"),
     ("idx without test files", "it lacks t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]"),
     ("float64 overflows float32", "training inputs hold 1e+39 (sample 300), which overflows float32"),
     ("label 10**9", "training label 1000000000 (sample 7) makes 1,000,000,001 classes"),
-])
+]))
 def test_data_that_is_not_a_data_set_is_one_line_and_exit_2(case: str, says: str, shared_tmp: Path) -> None:
     path = root_makes(lambda: _not_a_data_set(case, shared_tmp))
     line = refused(train_here([*DATA_RUN, "--data", str(path)]))
@@ -821,8 +818,7 @@ def test_one_stray_label_trains_with_a_warning_naming_it(shared_tmp: Path) -> No
 
 
 # -- a model module of one's own that fails: one line, exit 2 ---------------------------------------------
-@pytest.mark.mpi
-@pytest.mark.parametrize("source,says", [
+@pytest.mark.parametrize("source,says", mpi_first([
     ("def f(input_shape, n_classes)\n    pass\n", "mymodel.py, line 1: SyntaxError: expected ':'"),
     ("raise KeyError('CUDA_HOME')\n", "importing mymodel raised KeyError: 'CUDA_HOME' (at "),
     ("import sys\nsys.exit(0)\n", "importing mymodel called sys.exit(0)"),
@@ -833,7 +829,7 @@ def test_one_stray_label_trains_with_a_warning_naming_it(shared_tmp: Path) -> No
      "def f(input_shape, n_classes):\n"
      "    return Sequential(Flatten(), Odd(6, n_classes))\n",
      "the model's backward fails (NotImplementedError: backward of Odd)"),
-])
+]))
 def test_a_model_module_that_fails_is_one_line_and_exit_2(source: str, says: str, shared_tmp: Path,
                                                           own_module) -> None:
     own_module("mymodel", source)
@@ -842,13 +838,12 @@ def test_a_model_module_that_fails_is_one_line_and_exit_2(source: str, says: str
 
 
 # -- outputs never replace inputs or each other -------------------------------------------------------
-@pytest.mark.mpi
-@pytest.mark.parametrize("outs,says", [
+@pytest.mark.parametrize("outs,says", mpi_first([
     (("--save-model", "{data}"), "--save-model {data} is the file --data reads"),
     (("--metrics-file", "{data}"), "--metrics-file {data} is the file --data reads"),
     (("--metrics-file", "{out}", "--save-model", "{out}"), "--save-model and --metrics-file name the same file"),
     (("--checkpoint-dir", "{ck}", "--save-model", "{ck}/ckpt-000000003.npz"), "lies in --checkpoint-dir"),
-])
+]))
 def test_an_output_colliding_with_an_input_or_another_output_is_refused(outs, says, shared_tmp: Path) -> None:
     data = root_makes(lambda: _npz(shared_tmp / "d.npz"))
     out = root_makes(lambda: _written(shared_tmp / "out", "earlier metrics\n"))
@@ -989,15 +984,14 @@ def test_allreduce_benchmark_bad_input_is_one_line_and_exit_2_on_every_rank() ->
     assert "--backends: unknown nope; choose from" in errors[0] and "time_us" not in r.stdout, errors
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("args,says", [
+@pytest.mark.parametrize("args,says", mpi_first([
     (("--iters", "-1"), "--iters and --warmup must be >= 0, got -1"),
     (("--backends", "mpi,nope"), "--backends: unknown nope; choose from"),
     (("--max-bytes", "100000G"), "needs "),
     (("--json", "/proc/mpisgd-nope/bw.json"), "--json /proc/mpisgd-nope: cannot create the directory"),
     (("--dtype", "complex128"), "--dtype must be a number type"),
     (("--step-factor", "x"), "invalid int value"),
-])
+]))
 def test_allreduce_benchmark_refuses_bad_input_on_every_rank(args: tuple[str, ...], says: str, capsys) -> None:
     status = script("benchmarks", "allreduce_bw").main(["--max-bytes", "64", *args])
     out, err = capsys.readouterr()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, root_makes, run_mpi, serial_only, train_here, world
+from conftest import ROOT, mpi_first, root_makes, run_mpi, serial_only, train_here, world
 
 from mpisgd.app.inject import Injected
 from mpisgd.app.report import format_epoch, memory_line, rank_map
@@ -42,7 +42,11 @@ def trained(tmp: Path, b: int, *extra: str, steps: int = 10, comm=None, base=SYN
     assert r.statuses == (0,) * len(r.statuses), r
     warned = "warning: --allreduce ring has no reduce-scatter" in r.out
     assert warned == ("step sharded" in r.out and "ring" in extra), r.out  # sharded: the user is told
+    LAST["out"] = r.out
     return np.load(out, allow_pickle=False)["flat"]
+
+
+LAST: dict[str, str] = {}  # what the last ``trained`` run printed (rank 0's), for the banner's checks
 
 
 def one_rank(tmp: Path, b: int, *extra: str, **kw) -> np.ndarray:
@@ -130,9 +134,8 @@ def test_lars_k_ranks_sharded_or_not_equal_one_rank(shared_tmp):
     ref = one_rank(shared_tmp, k() * 16, *lars)
     np.testing.assert_allclose(trained(shared_tmp, 16, *lars, "--no-shard-optimizer"), ref, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(trained(shared_tmp, 16, *lars, "--shard-optimizer"), ref, rtol=1e-9, atol=1e-12)
+    assert "optimizer: LARS, trust coefficient 0.02, momentum 0.9, weight decay 0.0001" in LAST["out"], LAST
     assert not np.allclose(one_rank(shared_tmp, k() * 16), ref, rtol=1e-5)  # LARS is not SGD here
-    r = train_here([*SYNTH, *lars, "--max-steps", "1"])
-    assert "optimizer: LARS, trust coefficient 0.02, momentum 0.9, weight decay 0.0001" in r.out, r.out
 
 
 @pytest.mark.mpi
@@ -145,11 +148,10 @@ def test_adam_family_with_clipping_k_ranks_sharded_or_not_equal_one_rank(shared_
     np.testing.assert_allclose(trained(shared_tmp, 16, *opts), ref, rtol=1e-9, atol=1e-12)
     sharded = trained(shared_tmp, 16, *opts, "--shard-optimizer", "--bucket-mb", "0.002")
     np.testing.assert_allclose(sharded, ref, rtol=1e-9, atol=1e-12)
-    assert not np.allclose(trained(shared_tmp, 16, *opts[:-2]), ref, rtol=1e-5)  # unclipped
-    r = train_here([*SYNTH, *opts, "--max-steps", "1"])
     name, decay = ("AdamW", " (decoupled)") if optimizer == "adamw" else ("LAMB", "")
     assert f"optimizer: {name}, betas 0.9, 0.999, eps 1e-08, weight decay 0.0001{decay}, gradient clipped to norm " \
-           "0.05 | " in r.out, r.out
+           "0.05 | " in LAST["out"], LAST
+    assert not np.allclose(trained(shared_tmp, 16, *opts[:-2]), ref, rtol=1e-5)  # unclipped
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
@@ -191,16 +193,15 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
     assert len(steps) == epochs[-1]["step"] == 2 * (4096 // 128)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("argv,needle", [
+@pytest.mark.parametrize("argv,needle", mpi_first([
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--model", "vgg"], "--model must be mlp, cnn or package.module:function"),
     (["--device", "gpu"], "--device gpu but"),
     (["--data-dir", "/nonexistent/fmnist"], "Fashion-MNIST not found; searched /nonexistent/fmnist"),
-    (["--dataset", "synthetic", "--synthetic-samples", "8", "--batch-size", "8"], "fewer than one global batch"),
+    (["--dataset", "synthetic", "--synthetic-samples", "8", "--batch-size", "16"], "fewer than one global batch"),
     (["--epochs", "1", "--warmup-epochs", "3", "--dataset", "synthetic"], "longer than the run"),
-])
+]))
 def test_bad_input_one_line_exit_2_everywhere(argv, needle):
     r = train_here(argv)
     assert r.statuses == (2,) * k() and needle in r.error, r
@@ -271,10 +272,9 @@ def test_your_data_and_model_train_k_invariantly(shared_tmp, model, monkeypatch)
     data = root_makes(lambda: image_set(shared_tmp / "set.npz"))
     run = [*DATA, "--data", str(data), "--model", model, "--hidden", "32"]
     ours = trained(shared_tmp, 48 // k(), steps=8, base=run)
+    assert "samples 3x12x12 float32, 4 classes" in LAST["out"], LAST
     ref = one_rank(shared_tmp, 48, steps=8, base=run)
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-10)
-    r = train_here([*run, "--max-steps", "1"])
-    assert "samples 3x12x12 float32, 4 classes" in r.out, r.out
 
 
 @serial_only  # one rank's run, in this process
@@ -311,16 +311,15 @@ def bad_set(tmp_path: Path, case: str) -> Path:
     return path
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("case,says", [
+@pytest.mark.parametrize("case,says", mpi_first([
     ("missing", "missing y_test"), ("shapes", "they must have one shape"), ("float labels", "must be integers"),
     ("negative", "labels must be >= 0"), ("nan", "hold NaN (sample 10, the first)"), ("empty", "the test set is empty"),
     ("int inputs", "must be uint8 or floating point"), ("small", "fewer than one global batch"),
-])
+]))
 def test_bad_data_is_one_line_and_exit_2(shared_tmp, case, says):
     data = root_makes(lambda: bad_set(shared_tmp, "ok" if case == "small" else case))
     r = train_here(["--data", str(data), "--hidden", "8", "--progress", "off", "--batch-size",
-                    "64" if case == "small" else "8"])
+                    "128" if case == "small" else "8"])  # 64 samples: not one batch at any k
     assert r.statuses == (2,) * k() and says in r.error and "epoch" not in r.out, r
 
 
@@ -335,14 +334,13 @@ def not_a_model(input_shape, n_classes):
 """
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("model,says", [
+@pytest.mark.parametrize("model,says", mpi_first([
     ("nosuchmodule:f", "cannot import nosuchmodule"), ("badmodels:nope", "badmodels has no nope"),
     ("badmodels:raises", "raised RuntimeError: this model is broken"),
     ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
     ("badmodels:not_a_model", "must return an mpisgd.nn.Sequential, got int"),
     ("cnn", "--model cnn takes C x H x W samples"), ("vgg", "--model must be mlp, cnn or package.module:function"),
-])
+]))
 def test_bad_models_are_one_line_and_exit_2(shared_tmp, own_module, model, says):
     own_module("badmodels", BAD_MODELS)
     data = root_makes(lambda: bad_set(shared_tmp, "ok"))
