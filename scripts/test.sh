@@ -20,10 +20,10 @@ run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME
   echo "=== $name: exit $rc"
   if [ "$rc" -ne 0 ]; then status=1; fi
 }
-run serial "$PY" -m pytest tests -q -p no:cacheprovider --junitxml=results/tmp/serial.xml
+run serial "$PY" -m pytest tests -q -p no:cacheprovider --durations=25 --junitxml=results/tmp/serial.xml
 for n in 2 3; do
   run "mpi$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
-      -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
+      --durations=25 -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
 done
 run openmpi bash scripts/test_openmpi.sh  # the MPI tests again under Debian's Open MPI, in an environment of its own
 run lint ruff check mpisgd tests benchmarks experiments scripts examples

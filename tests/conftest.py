@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
+import io
 import os
 import shutil
 import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -21,7 +26,16 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 # under mpiexec (pytest-mpi), the job's size; a test that starts its own processes runs once, serially
 RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 serial_only = pytest.mark.skipif(RANKS > 1, reason="starts its own processes: run in the serial pass")
+LAUNCHER_MARK = ("a serial test whose job the MPI launcher is part of (an abort, a signal, the watchdog, an MPMD "
+                 "launch, the exit code mpiexec returns): scripts/test_openmpi.sh runs it again under Open MPI's")
+
+
+def launches(test: Callable) -> Callable:
+    """Mark a test that starts its own mpiexec job and checks what the launcher does with it: serial only,
+    and run again under Open MPI's launcher (the ``launcher`` marker)."""
+    return pytest.mark.launcher(serial_only(test))
 _SESSION_START = time.time()
+T = TypeVar("T")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -118,6 +132,127 @@ def run_mpi(n: int, *args: str, timeout: float = 300, env: dict | None = None,
 
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How an in-process run of the training CLI ended (:func:`train_here`), the same on every rank."""
+
+    status: int  # what ``python -m mpisgd.train`` would have exited with (0, 1, 2, 75)
+    out: str  # rank 0's stdout
+    err: str  # rank 0's stderr
+    statuses: tuple[int, ...]  # every rank's status, in rank order
+    outs: tuple[str, ...] = ()  # every rank's stdout, in rank order (only rank 0 should print)
+
+    @property
+    def error(self) -> str:
+        """The one error line (asserting there is exactly one and no traceback, and that every rank
+        returned the same status)."""
+        lines = [x for x in (self.out + self.err).splitlines() if "mpisgd: error" in x]
+        assert len(lines) == 1 and "Traceback" not in self.out + self.err, (self.statuses, self.out, self.err)
+        assert len(set(self.statuses)) == 1, self.statuses
+        return lines[0]
+
+
+class Crash:
+    """Hooks for :func:`train_here`: every rank stops at global step ``step`` (before its compute), as a
+    job killed there would; the run's state is what a checkpoint before that step holds."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step: int, rank: int) -> None:
+        if step == self.step:
+            from mpisgd.agreement import AgreedError
+
+            raise AgreedError(f"crashed on purpose at step {step}", exit_code=1)
+
+
+@functools.cache
+def _synthetic(*args, **kwargs):
+    """mpisgd.data.synthetic's set, made once per arguments in this process, read-only (a run that wrote into
+    it would fail, not spoil the next run's data)."""
+    from mpisgd.data import synthetic
+
+    made = synthetic(*args, **kwargs)
+    made.images.setflags(write=False)
+    made.labels.setflags(write=False)
+    return made
+
+
+@contextlib.contextmanager
+def _made_once(target: str):
+    """In-process runs share their synthetic data sets (drawing them is a third of a short run's time)."""
+    from unittest import mock
+
+    with mock.patch(target, _synthetic):
+        yield
+
+
+def mpi_first(cases: list) -> list:
+    """Cases for ``pytest.mark.parametrize`` of a refusal whose message does not depend on k: the first runs
+    in the MPI passes (every rank's exit code at k = 2 and 3, under both libraries), the others in the
+    serial pass, in this process at k = 1 (the test must be written collectively: shared_tmp, root_makes)."""
+    args = [c if isinstance(c, tuple) else (c,) for c in cases]
+    return [pytest.param(*a, marks=pytest.mark.mpi) if i == 0 else pytest.param(*a) for i, a in enumerate(args)]
+
+
+def root_makes(make: Callable[[], T]) -> T:
+    """``make()`` on rank 0 only (inputs written into ``shared_tmp``), its result on every rank (collective:
+    the others wait until it is made; an exception on rank 0 is raised on every rank)."""
+    comm = world()
+    result, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            result = make()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    result, error = comm.bcast((result, error), root=0)
+    if error is not None:
+        raise error
+    return result
+
+
+def train_here(argv: list[str] | tuple[str, ...], comm=None, hooks=None) -> Outcome:
+    """``python -m mpisgd.train ARGV`` in this process, on ``comm`` (default: this job's ranks; one in the
+    serial pass), through the CLI's own code: the options parsed and agreed, ``mpisgd.app.train.run``
+    (set-up, the loop, the shutdown), an error every rank raises reported as the CLI reports it (rank 0's
+    one line, the exit code). Collective. ``hooks`` replace the environment's injected failures
+    (e.g. :class:`Crash`). An error on one rank alone propagates (the CLI would MPI_Abort)."""
+    from mpisgd.agreement import agree
+    from mpisgd.app import train as cli
+    from mpisgd.app.options import parse_config
+    from mpisgd.errors import UsageError
+
+    comm = comm if comm is not None else world()
+    rank = comm.Get_rank()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _made_once("mpisgd.app.run.synthetic"):
+        cfg, error, status = None, None, None
+        try:
+            cfg = parse_config(list(argv), quiet=rank != 0)
+        except UsageError as exc:
+            error = exc
+        except SystemExit as exc:  # --help: printed by rank 0, every rank leaves
+            status = int(exc.code or 0)
+        if status is None:
+            try:
+                agree(comm, error)
+                status = cli.run(cfg, comm, None, hooks=hooks)
+            except cli._errors_every_rank_raises() as exc:
+                status = cli._report(exc, comm)
+    if status != 0:
+        # the CLI's process would end here; in this one, what a failed set-up left (the checkpoint
+        # directory's lock, held by an object no longer reachable) is let go now, not at some later collection
+        gc.collect()
+    statuses = tuple(comm.allgather(status))
+    outs = tuple(comm.allgather(out.getvalue()))
+    err_0 = comm.bcast(err.getvalue(), root=0)
+    return Outcome(status, outs[0], err_0, statuses, outs)
+
+
+# python -m mpisgd.train's options for a small, quick run on synthetic data (add --max-steps or --epochs)
+TINY = ("--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32", "--progress", "off")
+
+
 def clean_env() -> dict[str, str]:
     """This environment without the MPI launcher's variables: when pytest itself runs under mpiexec,
     a child that imports mpisgd (hence mpi4py.MPI) would otherwise try the parent's PMI connection."""
@@ -127,6 +262,31 @@ def clean_env() -> dict[str, str]:
 
 def is_png(path: Path) -> bool:
     return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def shared_tmp(tmp_path: Path) -> Path:
+    """A directory every rank of the job names alike (rank 0's tmp_path): the options of a run must be the
+    same on every rank, paths included. Only rank 0 should write into it before a run (then ``barrier``)."""
+    return Path(world().bcast(str(tmp_path), root=0)) if RANKS > 1 else tmp_path
+
+
+@pytest.fixture
+def own_module(shared_tmp: Path, monkeypatch: pytest.MonkeyPatch):
+    """Write a module of one's own into shared_tmp (rank 0), importable as the CLI's working directory
+    would make it; forgotten afterwards, so that the next test's module of that name is imported anew."""
+
+    def write(name: str, source: str) -> None:
+        root_makes(lambda: (shared_tmp / f"{name}.py").write_text(source))
+        monkeypatch.syspath_prepend(str(shared_tmp))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.invalidate_caches()
+        names.append(name)
+
+    names: list[str] = []
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture
@@ -141,6 +301,7 @@ def pytest_configure(config: pytest.Config) -> None:
     Rank 0's console stays readable; a failure on another rank still fails that
     rank's pytest, hence mpiexec's exit code, and scripts/junit_summary.py shows its log.
     """
+    config.addinivalue_line("markers", f"launcher: {LAUNCHER_MARK}")
     if not config.getoption("--with-mpi", default=False):
         return
     from mpi4py import MPI
@@ -161,6 +322,15 @@ def pytest_configure(config: pytest.Config) -> None:
         from _pytest.terminal import TerminalWriter
 
         reporter._tw = TerminalWriter(open(log, "w"))  # noqa: SIM115 - lives as long as the session
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The check that the tests' own jobs run the expected MPI library (tests/test_mpi_library.py's serial
+    test) is a launcher test too: the Open MPI pass selects it with the others (``-m launcher``)."""
+    for item in items:
+        if item.nodeid.startswith("tests/test_mpi_library.py::") and item.get_closest_marker("mpi") is None:
+            item.add_marker(pytest.mark.launcher)
 
 
 def _junit_key():

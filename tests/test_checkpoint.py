@@ -1,12 +1,14 @@
-"""Checkpoint files, and interrupted-then-resumed runs that end bitwise where uninterrupted ones do."""
+"""Checkpoint files, resume planning, and interrupted-then-resumed runs that end bitwise where uninterrupted
+ones do."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import Crash, root_makes, train_here, world
 
 from mpisgd.checkpoint import (
     CheckpointError,
@@ -144,151 +146,186 @@ def test_a_failed_write_leaves_no_temporary_and_stale_ones_are_removed(tmp_path,
     assert [p.name for p in removed] == ["ckpt-000000005.npz.tmp.999999999"] and not list(tmp_path.iterdir())
 
 
-ARGS = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32,16",
-        "--epochs", "3", "--batch-size", "16", "--progress", "off", "--nesterov", "--warmup-epochs", "1"]
+# -- interrupted runs, resumed in process on this job's k ranks (k = 2 and 3 under MPICH and Open MPI) -------
+# B = 48: 21 steps an epoch, 2 epochs. A run that stops at step 35 (every rank, before the step: what its last
+# checkpoint holds is what a job killed there leaves) and is resumed ends bitwise where the uninterrupted
+# run ends. End to end, with the launcher and a real signal, tests/test_failures.py resumes a SIGTERM's
+# checkpoint.
+ARGS = ("--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32,16", "--epochs", "2",
+        "--progress", "off", "--nesterov", "--warmup-epochs", "1")
 
 
-def final(tmp_path, name: str, k: int, *extra: str, expect: int = 0, fail_at: str = "", base=ARGS):
-    out = tmp_path / f"{name}.npz"
-    r = run_mpi(k, *base, "--save-model", str(out), *extra, timeout=180, env={"MPISGD_FAIL_AT_STEP": fail_at})
-    assert r.returncode == expect, r.stderr[-3000:]
+def final(tmp: Path, name: str, *extra: str, expect: int = 0, crash_at: int | None = None, base=ARGS, comm=None):
+    """Train in process (conftest.train_here) with --save-model; (the final parameters, the outcome)."""
+    out = tmp / f"{name}.npz"
+    r = train_here([*base, "--save-model", str(out), *extra], comm=comm,
+                   hooks=Crash(crash_at) if crash_at is not None else None)
+    assert r.statuses == (expect,) * len(r.statuses), r
     return (np.load(out)["flat"] if expect == 0 else None), r
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, k):
-    b = 48 // k
-    full, _ = final(tmp_path, "full", k, "--batch-size", str(b))
-    ck = str(tmp_path / "ck")
-    # dies mid-epoch 2 (a step not on a checkpoint boundary): the last checkpoint is at step 60
-    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
-          expect=1, fail_at=f"70:{k - 1}")
-    assert [p.name for p in list_checkpoints(ck)][0] == "ckpt-000000060.npz"
-    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck,
-                       "--checkpoint-every", "30", "--resume", "auto")
-    assert "resumed from" in r.stdout and "at step 60" in r.stdout
+def batch(k: int | None = None) -> tuple[str, str]:
+    """--batch-size for B = 48 at this job's k (2 or 3)."""
+    return "--batch-size", str(48 // (k or world().Get_size()))
+
+
+@pytest.mark.mpi
+def test_interrupted_and_resumed_run_is_bitwise_equal(shared_tmp):
+    full, _ = final(shared_tmp, "full", *batch())
+    ck = str(shared_tmp / "ck")
+    # stops mid-epoch 2 (a step not on a checkpoint boundary): the last checkpoint is at step 30
+    every = ("--checkpoint-dir", ck, "--checkpoint-every", "15")
+    final(shared_tmp, "crash", *batch(), *every, expect=1, crash_at=35)
+    assert [p.name for p in list_checkpoints(ck)][0] == "ckpt-000000030.npz"
+    resumed, r = final(shared_tmp, "resumed", *batch(), *every, "--resume", "auto")
+    assert "resumed from" in r.out and "at step 30" in r.out, r.out
     np.testing.assert_array_equal(resumed, full)
+    assert not np.array_equal(resumed, load_checkpoint(Path(ck) / "ckpt-000000030.npz").params)  # it trained on
 
 
-def test_sharded_run_checkpoints_whole_momentum_and_resumes_bitwise(tmp_path):
+@pytest.mark.mpi
+def test_sharded_run_checkpoints_whole_momentum_and_resumes_bitwise(shared_tmp):
     """With --shard-optimizer each rank updates only its chunks of the momentum; the checkpoint must hold
     all of it (gathered first), or the resumed run would continue from stale momentum and drift."""
-    k, b, sharded = 3, 16, ("--shard-optimizer", "--bucket-mb", "0.002")
-    full, _ = final(tmp_path, "full", k, "--batch-size", str(b), *sharded)
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
-          *sharded, expect=1, fail_at="70:1")
-    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--resume", "auto",
-                       *sharded)
-    assert "at step 60" in r.stdout
+    sharded = ("--shard-optimizer", "--bucket-mb", "0.002")
+    full, _ = final(shared_tmp, "full", *batch(), *sharded)
+    ck = str(shared_tmp / "ck")
+    final(shared_tmp, "crash", *batch(), "--checkpoint-dir", ck, "--checkpoint-every", "15", *sharded, expect=1,
+          crash_at=35)
+    velocity = load_checkpoint(list_checkpoints(ck)[0]).buffers["velocity"]
+    assert np.count_nonzero(velocity) > 0.9 * velocity.size  # every rank's chunks, gathered
+    resumed, r = final(shared_tmp, "resumed", *batch(), "--checkpoint-dir", ck, "--resume", "auto", *sharded)
+    assert "at step 30" in r.out
     np.testing.assert_array_equal(resumed, full)
 
 
-def test_lars_run_resumes_bitwise(tmp_path):
+@pytest.mark.mpi
+def test_lars_run_resumes_bitwise(shared_tmp):
     """LARS keeps SGD's state (momentum, previous rate): a sharded LARS run resumes where it stopped."""
-    k, b, lars = 2, 24, ("--optimizer", "lars", "--trust-coef", "0.02", "--lr", "2", "--shard-optimizer",
-                         "--bucket-mb", "0.002", "--momentum-correction")
-    full, _ = final(tmp_path, "full", k, "--batch-size", str(b), *lars)
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "crash", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--checkpoint-every", "30",
-          *lars, expect=1, fail_at="50:1")
-    resumed, r = final(tmp_path, "resumed", k, "--batch-size", str(b), "--checkpoint-dir", ck, "--resume", "auto",
-                       *lars)
-    assert "at step 30" in r.stdout and "LARS, trust coefficient 0.02" in r.stdout
+    lars = ("--optimizer", "lars", "--trust-coef", "0.02", "--lr", "2", "--shard-optimizer", "--bucket-mb", "0.002",
+            "--momentum-correction")
+    full, _ = final(shared_tmp, "full", *batch(), *lars)
+    ck = str(shared_tmp / "ck")
+    final(shared_tmp, "crash", *batch(), "--checkpoint-dir", ck, "--checkpoint-every", "10", *lars, expect=1,
+          crash_at=25)
+    resumed, r = final(shared_tmp, "resumed", *batch(), "--checkpoint-dir", ck, "--resume", "auto", *lars)
+    assert "at step 20" in r.out and "LARS, trust coefficient 0.02" in r.out
     np.testing.assert_array_equal(resumed, full)
 
 
-ADAM_ARGS = [a for a in ARGS if a != "--nesterov"]  # Nesterov is SGD's
+ADAM_ARGS = tuple(a for a in ARGS if a != "--nesterov")  # Nesterov is SGD's
 
 
-@pytest.mark.parametrize("k,optimizer,shard", [(2, "adamw", False), (3, "adamw", True), (2, "lamb", True),
-                                               (3, "lamb", False)])
-def test_adam_runs_resume_bitwise(tmp_path, k, optimizer, shard):
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer,shard", [("adamw", False), ("lamb", True)])
+def test_adam_runs_resume_bitwise(shared_tmp, optimizer, shard):
     """AdamW and LAMB keep two moments and a step count (and clipping no state): a run interrupted and
     resumed ends bitwise where an uninterrupted one does; sharded, the checkpoint holds the moments
-    gathered whole."""
-    opts = ("--optimizer", optimizer, "--lr", "0.01", "--weight-decay", "0.01", "--clip-grad-norm", "0.5",
-            "--batch-size", str(48 // k), *(("--shard-optimizer", "--bucket-mb", "0.002") if shard else ()))
-    full, _ = final(tmp_path, "full", k, *opts, base=ADAM_ARGS)
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "crash", k, "--checkpoint-dir", ck, "--checkpoint-every", "30", *opts, expect=1, fail_at="50:1",
+    gathered whole (the two moments are the same buffers for both rules; LAMB's ratios need the chunks'
+    norms added across ranks, tests/test_train.py's k-equivalence runs every rule both ways)."""
+    opts = ("--optimizer", optimizer, "--lr", "0.01", "--weight-decay", "0.01", "--clip-grad-norm", "0.5", *batch(),
+            *(("--shard-optimizer", "--bucket-mb", "0.002") if shard else ("--no-shard-optimizer",)))
+    full, _ = final(shared_tmp, "full", *opts, base=ADAM_ARGS)
+    ck = str(shared_tmp / "ck")
+    final(shared_tmp, "crash", "--checkpoint-dir", ck, "--checkpoint-every", "10", *opts, expect=1, crash_at=25,
           base=ADAM_ARGS)
     saved = load_checkpoint(list_checkpoints(ck)[0])
-    assert saved.global_step == 30 and saved.optimizer_state == {"step": 30}
+    assert saved.global_step == 20 and saved.optimizer_state == {"step": 20}
     assert sorted(saved.buffers) == ["exp_avg", "exp_avg_sq"] and saved.buffers["exp_avg_sq"].min() >= 0
     assert np.count_nonzero(saved.buffers["exp_avg"]) > 0.9 * saved.params.size  # every rank's chunks, gathered
-    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", ck, "--resume", "auto", *opts, base=ADAM_ARGS)
-    assert "at step 30" in r.stdout and f"optimizer: {'AdamW' if optimizer == 'adamw' else 'LAMB'}, " in r.stdout
+    resumed, r = final(shared_tmp, "resumed", "--checkpoint-dir", ck, "--resume", "auto", *opts, base=ADAM_ARGS)
+    assert "at step 20" in r.out and f"optimizer: {'AdamW' if optimizer == 'adamw' else 'LAMB'}, " in r.out
     np.testing.assert_array_equal(resumed, full)
 
 
-def test_a_checkpoint_of_format_1_resumes_bitwise(tmp_path):
+@pytest.mark.mpi
+def test_a_checkpoint_of_format_1_resumes_bitwise(shared_tmp):
     """A checkpoint as mpisgd wrote them before AdamW (velocity, prev_lr; none of the new options in its
     configuration) continues exactly as this version's own would."""
-    k, extra = 2, ("--batch-size", "24", "--momentum-correction")
-    full, _ = final(tmp_path, "full", k, *extra)
-    ck = tmp_path / "ck"
-    final(tmp_path, "crash", k, "--checkpoint-dir", str(ck), "--checkpoint-every", "30", *extra, expect=1,
-          fail_at="50:1")
-    path = list_checkpoints(ck)[0]
-    st = load_checkpoint(path)
-    for name in ("beta1", "beta2", "eps", "clip_grad_norm"):
-        del st.config[name]
-    legacy(path, st)
+    extra = (*batch(), "--momentum-correction")
+    full, _ = final(shared_tmp, "full", *extra)
+    ck = shared_tmp / "ck"
+    final(shared_tmp, "crash", "--checkpoint-dir", str(ck), "--checkpoint-every", "20", *extra, expect=1,
+          crash_at=25)  # one checkpoint, step 20: it becomes an older mpisgd's, which names no run
+
+    def rewrite() -> Path:
+        path = list_checkpoints(ck)[0]
+        st = load_checkpoint(path)
+        for name in ("beta1", "beta2", "eps", "clip_grad_norm"):
+            del st.config[name]
+        legacy(path, st)
+        return path
+
+    path = root_makes(rewrite)
     assert int(np.load(path)["format"]) == 1 and "velocity" in np.load(path).files
-    resumed, r = final(tmp_path, "resumed", k, "--checkpoint-dir", str(ck), "--resume", "auto", *extra)
-    assert "at step 30" in r.stdout
+    resumed, r = final(shared_tmp, "resumed", "--checkpoint-dir", str(ck), "--resume", "auto", *extra)
+    assert "at step 20" in r.out
     np.testing.assert_array_equal(resumed, full)
 
 
-def test_resume_with_another_optimizer_is_refused_unread_options_may_change(tmp_path):
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--epochs", "1", base=ADAM_ARGS)
-    _, r = final(tmp_path, "b", 2, "--checkpoint-dir", ck, "--epochs", "1", "--resume", "auto", "--optimizer",
-                 "adamw", expect=2, base=ADAM_ARGS)
-    assert r.stderr.count("mpisgd: error") == 1 and "--optimizer sgd -> adamw" in r.stderr, r.stderr
-    assert "--resume-allow optimizer" in r.stderr
-    ck2 = str(tmp_path / "ck2")
-    adamw = ("--optimizer", "adamw", "--lr", "0.01", "--epochs", "1")
-    final(tmp_path, "c", 2, "--checkpoint-dir", ck2, *adamw, base=ADAM_ARGS)
-    _, r = final(tmp_path, "d", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--momentum", "0.5",
+@pytest.mark.mpi
+def test_resume_with_another_optimizer_is_refused_unread_options_may_change(shared_tmp):
+    ck = str(shared_tmp / "ck")
+    one = ("--epochs", "1", *batch())
+    final(shared_tmp, "a", "--checkpoint-dir", ck, *one, base=ADAM_ARGS)
+    _, r = final(shared_tmp, "b", "--checkpoint-dir", ck, *one, "--resume", "auto", "--optimizer", "adamw", expect=2,
+                 base=ADAM_ARGS)
+    assert "--optimizer sgd -> adamw" in r.error and "--resume-allow optimizer" in r.error, r
+    ck2 = str(shared_tmp / "ck2")
+    adamw = ("--optimizer", "adamw", "--lr", "0.01", *one)
+    final(shared_tmp, "c", "--checkpoint-dir", ck2, *adamw, base=ADAM_ARGS)
+    _, r = final(shared_tmp, "d", "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--momentum", "0.5",
                  "--trust-coef", "1", base=ADAM_ARGS)  # neither is AdamW's: nothing changes
-    assert "the run is finished" in r.stdout and "changed" not in r.stdout, r.stdout
-    _, r = final(tmp_path, "e", 2, "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--beta2", "0.99",
+    assert "the run is finished" in r.out and "changed" not in r.out, r.out
+    _, r = final(shared_tmp, "e", "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--beta2", "0.99",
                  expect=2, base=ADAM_ARGS)
-    assert "--beta2 0.999 -> 0.99" in r.stderr, r.stderr
+    assert "--beta2 0.999 -> 0.99" in r.error, r
 
 
-def test_resume_with_other_k_and_same_effective_batch(tmp_path):
-    ck = str(tmp_path / "ck")
-    full, _ = final(tmp_path, "full", 1, "--batch-size", "32")
-    final(tmp_path, "part", 2, "--batch-size", "16", "--checkpoint-dir", ck, "--checkpoint-every", "40",
-          expect=1, fail_at="50")
-    resumed, r = final(tmp_path, "resumed", 1, "--batch-size", "32", "--checkpoint-dir", ck, "--resume", "auto")
-    assert "written by k=2 ranks, now k=1" in r.stdout
+@pytest.mark.mpi
+def test_resume_with_one_rank_and_the_same_effective_batch(shared_tmp):
+    """k ranks stop, rank 0 alone (B = 48 as one batch) continues: the same trajectory as one rank's
+    uninterrupted run, up to the summation order (float32)."""
+    from mpi4py import MPI
+
+    k, ck = world().Get_size(), str(shared_tmp / "ck")
+    final(shared_tmp, "part", *batch(), "--checkpoint-dir", ck, "--checkpoint-every", "20", expect=1, crash_at=25)
+
+    def alone() -> tuple:
+        full, _ = final(shared_tmp, "full", *batch(1), comm=MPI.COMM_SELF)
+        return full, *final(shared_tmp, "resumed", *batch(1), "--checkpoint-dir", ck, "--resume", "auto",
+                            comm=MPI.COMM_SELF)
+
+    full, resumed, r = root_makes(alone)
+    assert f"written by k={k} ranks, now k=1" in r.out, r.out
     np.testing.assert_allclose(resumed, full, rtol=1e-5, atol=1e-6)  # float32: summation order differs
 
 
-def test_resume_with_other_effective_batch_is_refused(tmp_path):
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1")
-    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--accum-steps", "1", "--checkpoint-dir", ck,
+@pytest.mark.mpi
+def test_resume_with_other_effective_batch_is_refused(shared_tmp):
+    ck = str(shared_tmp / "ck")
+    final(shared_tmp, "a", *batch(), "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1")
+    _, r = final(shared_tmp, "b", "--batch-size", "8", "--accum-steps", "1", "--checkpoint-dir", ck,
                  "--resume", "auto", "--epochs", "1", expect=2)
-    assert r.stderr.count("mpisgd: error") == 1 and "effective batch B=32" in r.stderr and "Traceback" not in r.stderr
+    assert "effective batch B=48" in r.error, r
 
 
-def test_resume_with_another_batch_size_alone_keeps_the_effective_batch(tmp_path):
+@pytest.mark.mpi
+def test_resume_with_another_batch_size_alone_keeps_the_effective_batch(shared_tmp):
     """--batch-size without --accum-steps: m follows from the checkpoint's B and this run's k."""
-    ck = str(tmp_path / "ck")
-    final(tmp_path, "a", 2, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--epochs", "1", expect=1,
-          fail_at="30")
-    _, r = final(tmp_path, "b", 2, "--batch-size", "8", "--checkpoint-dir", ck, "--resume", "auto", "--epochs", "1")
-    assert "m=2 derived to keep B=32" in r.stdout and "B=32 |" in r.stdout, r.stdout
+    k, ck = world().Get_size(), str(shared_tmp / "ck")
+    final(shared_tmp, "a", *batch(), "--checkpoint-dir", ck, "--checkpoint-every", "10", "--epochs", "1", expect=1,
+          crash_at=15)
+    _, r = final(shared_tmp, "b", "--batch-size", str(24 // k), "--checkpoint-dir", ck, "--resume", "auto",
+                 "--epochs", "1")
+    assert "m=2 derived to keep B=48" in r.out and "B=48 |" in r.out, r.out
 
 
-def test_resume_auto_with_empty_dir_starts_fresh(tmp_path):
-    _, r = final(tmp_path, "a", 2, "--checkpoint-dir", str(tmp_path / "none"), "--resume", "auto", "--epochs", "1")
-    assert "no usable checkpoint" in r.stdout
+@pytest.mark.mpi
+def test_resume_auto_with_empty_dir_starts_fresh(shared_tmp):
+    _, r = final(shared_tmp, "a", *batch(), "--checkpoint-dir", str(shared_tmp / "none"), "--resume", "auto",
+                 "--epochs", "1")
+    assert "no usable checkpoint" in r.out
 
 
 # -- a run's identity: pruning, another run's directory, rolling back -----------------------------------
@@ -471,6 +508,21 @@ def test_a_position_past_the_end_with_steps_to_do_is_refused():
         _plan(_resumable(step_in_epoch=12))
     finished = _resumable(global_step=30, epoch=3, step_in_epoch=0)  # a finished run says so and exits 0
     assert _plan(finished).global_step == 30
+
+
+def test_resuming_on_another_k_derives_b_and_m_or_says_which_k_work():
+    """The checkpoint's B = 64 (k = 2, b = 32): at k = 4, b = 16 is derived; at k = 3 no b fits and the k that
+    divide B are listed; a --batch-size that contradicts B is refused, saying what would fit."""
+    four = _plan(_resumable(), k=4)
+    assert (four.world_size, four.batch_size, four.accum_steps) == (2, 16, 1)
+    assert four.derived == "b=16, m=1 derived to keep B=64 (the checkpoint's run: k=2, b=32, m=1)"
+    with pytest.raises(CheckpointError, match=r"B=64 cannot be split over k=3 ranks: k must divide B "
+                                              r"\(1, 2, 4, 8, 16, 32, 64\)"):
+        _plan(_resumable(), k=3)
+    with pytest.raises(CheckpointError, match=r"pass --batch-size and --accum-steps with 4 x b x m = 64"):
+        _plan(_resumable(), k=4, given={"batch_size"})  # b = 32 given: 4 x 32 > 64
+    alone = _plan(_resumable(), k=4, config={**CONFIG, "batch_size": 8}, given={"batch_size"})
+    assert (alone.batch_size, alone.accum_steps) == (8, 2) and alone.derived.startswith("m=2 derived to keep B=64")
 
 
 def test_a_huge_odd_effective_batch_is_refused_at_once_listing_a_few_divisors():

@@ -54,6 +54,20 @@ def test_flags_map_to_fields():
     (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number"),
     (["--optimizer", "adamw", "--nesterov"], "--nesterov is for --optimizer sgd or lars, not adamw"),
     (["--optimizer", "lamb", "--momentum-correction"], "--momentum-correction is for --optimizer sgd or lars"),
+    # every bad number is refused before MPI does anything (the CLI's one line and exit 2 on every rank:
+    # tests/test_failures.py, end to end and in process)
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--warmup-epochs", "nan"], "--warmup-epochs must be a finite number"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number"),
+    (["--bucket-mb", "nan"], "--bucket-cap-mb must be a finite number"),  # the earlier spelling
+    (["--stall-timeout-s", "nan"], "--stall-timeout-s must be a finite number"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--resume-allow", "model"], "not an option a resumed run can change"),
+    (["--epochs", "x"], "invalid int value: 'x'"),
+    (["--model", "foo"], r"--model must be mlp, cnn or package.module:function, got 'foo'"),
 ])
 def test_bad_values_raise_usage_error(argv, match):
     with pytest.raises(UsageError, match=match):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env, run_mpi, serial_only
+from conftest import ROOT, clean_env, root_makes, serial_only, train_here
 from test_config import changed
 
 from mpisgd.app.options import parse_config, read_config, to_toml, values
@@ -116,37 +116,37 @@ def test_print_config_from_the_command_line(tmp_path):
     assert r.returncode == 0 and "epochs = 3\n" in r.stdout and "all-reduce" not in r.stdout, r.stderr
 
 
-@serial_only
+@serial_only  # one rank's run, in this process
 def test_the_effective_configuration_is_written_beside_the_metrics_and_the_checkpoints(tmp_path):
     cfg_in = toml(tmp_path, 'dataset = "synthetic"\nsynthetic-samples = 512\nhidden = [16]\nprogress = "off"\n'
                             "max-steps = 3\nbatch-size = 32\n")
     metrics, ckpt = tmp_path / "out" / "m.jsonl", tmp_path / "ckpt"
-    r = run_mpi(2, "-m", "mpisgd.train", "--config", cfg_in, "--lr", "0.05", "--metrics-file", str(metrics),
-                "--checkpoint-dir", str(ckpt), timeout=180)
-    assert r.returncode == 0, r.stderr + r.stdout
+    r = train_here(["--config", cfg_in, "--lr", "0.05", "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt)])
+    assert r.status == 0, r
     written = [Path(f"{metrics}.config.toml"), ckpt / "config.toml"]
     assert written[0].read_text() == written[1].read_text()
     text = written[0].read_text()
     assert "hidden = [16]" in text and "lr = 0.05" in text and f'checkpoint-dir = "{ckpt}"' in text
-    assert "k=2 rank(s)" in text
+    assert "k=1 rank(s)" in text
     assert not list(tmp_path.rglob("*.tmp.*"))  # all or nothing: no temporary left
     # the copy runs the same configuration again (here: resuming the finished run)
-    again = run_mpi(2, "-m", "mpisgd.train", "--config", str(written[0]), "--resume", "auto", timeout=180)
-    assert again.returncode == 0 and "the run is finished" in again.stdout, again.stderr + again.stdout
+    again = train_here(["--config", str(written[0]), "--resume", "auto"])
+    assert again.status == 0 and "the run is finished" in again.out, again
     # a run whose --config is the checkpoint directory's copy leaves that file alone
     before = written[1].read_text()
-    r = run_mpi(2, "-m", "mpisgd.train", "--config", str(written[1]), "--resume", "auto", "--max-steps", "4",
-                "--resume-allow", "max_steps", timeout=180)
-    assert r.returncode == 0, r.stderr + r.stdout
-    assert f"warning: {written[1]} is this run's --config: not replaced" in r.stdout
+    r = train_here(["--config", str(written[1]), "--resume", "auto", "--max-steps", "4", "--resume-allow",
+                    "max_steps"])
+    assert r.status == 0, r
+    assert f"warning: {written[1]} is this run's --config: not replaced" in r.out
     assert written[1].read_text() == before and "max-steps = 4" in written[0].read_text()
 
 
-@serial_only
-def test_bad_config_is_one_line_exit_2_on_every_rank(tmp_path):
-    r = run_mpi(2, "-m", "mpisgd.train", "--config", toml(tmp_path, "hiden = [4]\n"), timeout=120)
-    assert r.returncode == 2 and r.stderr.count("mpisgd: error") == 1, r.stderr
-    assert "'hiden' is not an option; did you mean 'hidden'?" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.mpi
+def test_bad_config_is_one_line_exit_2_on_every_rank(shared_tmp):
+    path = root_makes(lambda: toml(shared_tmp, "hiden = [4]\n"))
+    r = train_here(["--config", path])
+    assert r.statuses == (2,) * len(r.statuses), r
+    assert "'hiden' is not an option; did you mean 'hidden'?" in r.error
 
 
 def _returns_promptly(fn, timeout_s: float = 20):

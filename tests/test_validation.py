@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import root_makes, serial_only, train_here, world
 from test_train import image_set
 
 from mpisgd.data import BatchLoader, Dataset, hold_out, synthetic
 
-SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1536", "--dtype", "float64",
+SYNTH = ["--dataset", "synthetic", "--synthetic-samples", "1536", "--dtype", "float64",
          "--hidden", "32,16", "--progress", "off", "--lr", "0.05", "--base-batch", "48"]
 
 
@@ -49,52 +49,57 @@ def test_a_split_that_leaves_nothing_is_refused():
         hold_out(synthetic(3), 0.9, 0)
 
 
-def params(tmp_path: Path, k: int, b: int, *extra: str) -> np.ndarray:
-    out = tmp_path / f"k{k}.npz"
-    r = run_mpi(k, *SYNTH, "--batch-size", str(b), "--max-steps", "10", "--save-model", str(out), *extra)
-    assert r.returncode == 0, r.stderr + r.stdout
+def params(tmp: Path, b: int, *extra: str, comm=None) -> np.ndarray:
+    out = tmp / f"{'one' if comm is not None else 'k'}_{b}_{len(extra)}.npz"
+    r = train_here([*SYNTH, "--batch-size", str(b), "--max-steps", "10", "--save-model", str(out), *extra], comm=comm)
+    assert r.statuses == (0,) * len(r.statuses), r
     return np.load(out)["flat"]
 
 
-def test_k_ranks_equal_one_rank_with_a_validation_split(tmp_path):
-    ref = params(tmp_path, 1, 48, "--val-split", "0.2")
-    np.testing.assert_allclose(params(tmp_path, 2, 24, "--val-split", "0.2"), ref, rtol=1e-6, atol=1e-10)
-    np.testing.assert_allclose(params(tmp_path, 3, 16, "--val-split", "0.2"), ref, rtol=1e-6, atol=1e-10)
-    assert not np.allclose(params(tmp_path, 1, 48), ref, rtol=1e-6, atol=1e-10)  # the split changes the batches
+@pytest.mark.mpi
+def test_k_ranks_equal_one_rank_with_a_validation_split(shared_tmp):
+    from mpi4py import MPI
+
+    k = world().Get_size()
+    ref = root_makes(lambda: params(shared_tmp, 48, "--val-split", "0.2", comm=MPI.COMM_SELF))
+    np.testing.assert_allclose(params(shared_tmp, 48 // k, "--val-split", "0.2"), ref, rtol=1e-6, atol=1e-10)
+    plain = root_makes(lambda: params(shared_tmp, 48, comm=MPI.COMM_SELF))
+    assert not np.allclose(plain, ref, rtol=1e-6, atol=1e-10)  # the split changes the batches
 
 
+@serial_only  # one rank's run, in this process
 def test_epochs_report_validation_and_the_test_set_is_scored_once(tmp_path):
     metrics, data = tmp_path / "m.jsonl", image_set(tmp_path / "set.npz")  # 2400 train, 600 test, learnable
-    learn = ["-m", "mpisgd.train", "--data", str(data), "--hidden", "64", "--progress", "off", "--lr", "0.05",
-             "--batch-size", "32", "--epochs", "2", "--val-split", "0.25"]
-    r = run_mpi(2, *learn, "--metrics-file", str(metrics))
-    assert r.returncode == 0, r.stderr + r.stdout
-    assert "1,800 train, 600 validation (--val-split 0.25), 600 test" in r.stdout, r.stdout
-    lines = [x for x in r.stdout.splitlines() if x.startswith("epoch ")]
+    learn = ["--data", str(data), "--hidden", "64", "--progress", "off", "--lr", "0.05", "--batch-size", "64",
+             "--epochs", "2", "--val-split", "0.25"]
+    r = train_here([*learn, "--metrics-file", str(metrics)])
+    assert r.status == 0, r
+    assert "1,800 train, 600 validation (--val-split 0.25), 600 test" in r.out, r.out
+    lines = [x for x in r.out.splitlines() if x.startswith("epoch ")]
     assert len(lines) == 2 and all("val_loss" in x and "val_acc" in x and "test_acc" not in x for x in lines), lines
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     epochs = [e for e in records if e["kind"] == "epoch"]
     tests = [e for e in records if e["kind"] == "test"]
     assert all("val_acc" in e and "val_loss" in e and "test_acc" not in e for e in epochs)
     assert len(tests) == 1 and tests[0]["step"] == epochs[-1]["step"] and 0 < tests[0]["test_loss"]
-    assert f"final test accuracy {tests[0]['test_acc']:.4f} after" in r.stdout
-    assert f"validation accuracy {epochs[-1]['val_acc']:.4f}" in r.stdout
+    assert f"final test accuracy {tests[0]['test_acc']:.4f} after" in r.out
+    assert f"validation accuracy {epochs[-1]['val_acc']:.4f}" in r.out
     assert epochs[-1]["val_acc"] > 0.9 and tests[0]["test_acc"] > 0.9  # samples of one learnable problem
-    every = run_mpi(2, *learn, "--test-every-epoch")
-    assert every.returncode == 0, every.stderr
-    assert all("val_acc" in x and "test_acc" in x for x in every.stdout.splitlines() if x.startswith("epoch "))
+    every = train_here([*learn, "--test-every-epoch"])
+    assert every.status == 0, every
+    assert all("val_acc" in x and "test_acc" in x for x in every.out.splitlines() if x.startswith("epoch "))
 
 
+@serial_only  # one rank's run, in this process
 def test_a_resume_keeps_the_split_or_is_refused(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    common = [*SYNTH, "--batch-size", "16", "--epochs", "2", "--checkpoint-dir", str(ckpt)]
-    r = run_mpi(2, *common, "--val-split", "0.2")
-    assert r.returncode == 0, r.stderr
-    other = run_mpi(2, *common, "--val-split", "0.3", "--resume", "auto", timeout=120)
-    assert other.returncode == 2 and "this run differs from the checkpoint's: --data" in other.stderr, other.stderr
-    assert "--resume-allow data" in other.stderr
-    same = run_mpi(2, *common, "--val-split", "0.2", "--resume", "auto")
-    assert same.returncode == 0 and "the run is finished" in same.stdout, same.stderr
+    common = [*SYNTH, "--batch-size", "16", "--epochs", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    r = train_here([*common, "--val-split", "0.2"])
+    assert r.status == 0, r
+    other = train_here([*common, "--val-split", "0.3", "--resume", "auto"])
+    assert other.status == 2 and "this run differs from the checkpoint's: --data" in other.error, other
+    assert "--resume-allow data" in other.error
+    same = train_here([*common, "--val-split", "0.2", "--resume", "auto"])
+    assert same.status == 0 and "the run is finished" in same.out, same
 
 
 @pytest.mark.mpi

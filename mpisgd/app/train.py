@@ -87,8 +87,10 @@ def _errors_every_rank_raises() -> tuple[type[Exception], ...]:
 
 def run(cfg: Config, world: Any, signals: Any = None, watchdog: Any = None, hooks: Any = None) -> int:
     """Set up, train, shut down (collective). The stall watchdog (one with ``cfg``'s bounds unless given)
-    watches set-up and training alike; ``hooks`` are the test suite's injected failures (mpisgd.app.inject)."""
-    from mpisgd.app.run import build_run  # noqa: PLC0415 - heavy imports after argument checks
+    watches set-up and training alike; ``hooks`` (before each step) default to those the environment
+    injects (the test suite's failures and delays, mpisgd.app.inject)."""
+    from mpisgd.app.inject import Injected  # noqa: PLC0415 - heavy imports after argument checks
+    from mpisgd.app.run import build_run  # noqa: PLC0415
     from mpisgd.app.trainer import Trainer  # noqa: PLC0415
 
     if watchdog is None:
@@ -99,7 +101,7 @@ def run(cfg: Config, world: Any, signals: Any = None, watchdog: Any = None, hook
     except _errors_every_rank_raises():
         watchdog.close()  # every rank failed set-up together: a collective shutdown is safe
         raise
-    trainer = Trainer(setup, signals, hooks=hooks)
+    trainer = Trainer(setup, signals, hooks=Injected.from_environ() if hooks is None else hooks)
     try:
         status = trainer.fit()
     except _errors_every_rank_raises():
