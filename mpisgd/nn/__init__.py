@@ -8,10 +8,15 @@ from mpisgd.nn import scoring
 from mpisgd.nn.containers import Residual, Sequential
 from mpisgd.nn.dropout import Dropout
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
+from mpisgd.nn.layout import SpatialModule
 from mpisgd.nn.loss import SoftmaxCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
+from mpisgd.nn.normalization import BatchNorm1d, BatchNorm2d, SyncBatchNorm
+from mpisgd.nn.pooling import AvgPool2d, GlobalAvgPool2d
+from mpisgd.nn.resnet import basic_block, resnet
 
-__all__ = ["Context", "Conv2d", "Dropout", "Flatten", "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute",
-           "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy", "accuracy_count", "build_model", "cnn", "mlp",
-           "scoring"]
+__all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Context", "Conv2d", "Dropout", "Flatten", "GlobalAvgPool2d",
+           "Layer", "Linear", "MaxPool2d", "Model", "Module", "Permute", "ReLU", "Residual", "Sequential",
+           "SoftmaxCrossEntropy", "SpatialModule", "SyncBatchNorm", "accuracy_count", "basic_block", "build_model",
+           "cnn", "mlp", "resnet", "scoring"]
