@@ -1,7 +1,7 @@
 """The obvious alternatives to mpisgd, on the reference workloads, for side-by-side comparison.
 
     python benchmarks/baselines.py numpy --threads 1|2      # a plain one-process NumPy training loop (MLP)
-    python benchmarks/baselines.py torch [--model cnn]      # PyTorch, one process, CPU (needs torch)
+    python benchmarks/baselines.py torch [--model cnn|resnet]   # PyTorch, one process, CPU (needs torch)
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp [--model cnn]   # PyTorch DDP, gloo, CPU
     python benchmarks/baselines.py numpy --device gpu       # the same loop on CuPy arrays
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp --device gpu   # DDP on CUDA
@@ -9,8 +9,10 @@
 Workloads: Fashion-MNIST, float32, softmax cross-entropy, SGD momentum 0.9,
 batch 128 per process; --model mlp (default): MLP 784-H-H-10, ReLU; --model
 cnn: LeNet-5 as mpisgd's (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool
-2, 120, 84, 10, ReLU), NCHW, PyTorch's own CPU kernels (oneDNN). The NumPy
-loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
+2, 120, 84, 10, ReLU); --model resnet: ResNet-20 as mpisgd's (conv 3x3 to 16,
+three stages of three basic blocks with BatchNorm at 16, 32, 64 channels,
+1x1 projection shortcuts, global average pooling, 10); NCHW, PyTorch's own CPU
+kernels (oneDNN), train mode. The NumPy loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
 after a warm-up of --warmup-steps steps. On a GPU, DDP uses NCCL when every
 rank has a GPU of its own and gloo when ranks share one (NCCL refuses two ranks
 on one device).
@@ -37,12 +39,40 @@ def load(limit: int | None, model: str = "mlp") -> tuple[np.ndarray, np.ndarray]
     train, _, _ = load_fashion_mnist(None)
     n = limit or len(train)
     x = ((train.images[:n].reshape(n, -1).astype(np.float32) / 255) - PIXEL_MEAN) / PIXEL_STD
-    return (x.reshape(n, 1, 28, 28) if model == "cnn" else x), train.labels[:n]
+    return (x.reshape(n, 1, 28, 28) if model in ("cnn", "resnet") else x), train.labels[:n]
+
+
+def torch_resnet(torch: object, in_channels: int = 1, n_classes: int = 10, blocks: int = 3,
+                 widths: tuple[int, ...] = (16, 32, 64)) -> object:
+    """ResNet-20 (blocks = 3) as PyTorch users write it: mpisgd.nn.resnet's network, its parameters in the same
+    order (tests/test_resnet.py checks they compute alike)."""
+    nn = torch.nn  # type: ignore[attr-defined]
+
+    class Block(nn.Module):  # type: ignore[name-defined,misc]
+        def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
+            self.c2, self.b2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
+            self.sc = nn.Sequential() if stride == 1 and c_in == c_out else \
+                nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+        def forward(self, x: object) -> object:
+            return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + self.sc(x))  # type: ignore
+
+    layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
+    c = widths[0]
+    for i, w in enumerate(widths):
+        for j in range(blocks):
+            layers.append(Block(c, w, 2 if i > 0 and j == 0 else 1))
+            c = w
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, n_classes))
 
 
 def torch_model(torch: object, args: argparse.Namespace) -> object:
-    """The workload's model in PyTorch: the MLP, or LeNet-5 (conv-ReLU-pool, as usually written)."""
+    """The workload's model in PyTorch: the MLP, LeNet-5 (conv-ReLU-pool, as usually written) or ResNet-20."""
     nn = torch.nn  # type: ignore[attr-defined]
+    if args.model == "resnet":
+        return torch_resnet(torch)
     if args.model == "cnn":
         return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -214,7 +244,7 @@ def torch_missing() -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp"])
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=int, default=128)
