@@ -4,6 +4,7 @@
     python benchmarks/baselines.py torch [--model cnn|resnet]   # PyTorch, one process, CPU (needs torch)
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp [--model cnn]   # PyTorch DDP, gloo, CPU
     python benchmarks/baselines.py numpy --device gpu       # the same loop on CuPy arrays
+    python benchmarks/baselines.py side-by-side --model resnet [--steps 40]   # mpisgd and PyTorch, alternating
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp --device gpu   # DDP on CUDA
 
 Workloads: Fashion-MNIST, float32, softmax cross-entropy, SGD momentum 0.9,
@@ -16,6 +17,17 @@ kernels (oneDNN), train mode. The NumPy loop is the MLP only. Prints one JSON li
 after a warm-up of --warmup-steps steps. On a GPU, DDP uses NCCL when every
 rank has a GPU of its own and gloo when ranks share one (NCCL refuses two ranks
 on one device).
+
+`side-by-side` times mpisgd's training step (its model, SoftmaxCrossEntropy and
+SGD on the flat buffers: what one rank computes) and PyTorch's (zero_grad,
+forward, loss, backward, SGD) in one process on one thread each, alternately,
+step after step, on the same batches: each pair runs a second apart, so a
+machine shared with others slows both alike. Every step is timed with the wall
+clock and with the thread's CPU clock (time.thread_time, which leaves out the
+time the process waits for a core; it counts this thread only, so it is the
+step's whole cost at --threads 1); the JSON line gives both sides' median
+step, samples/s and the ratio mpisgd/PyTorch of samples/s per pair (median, its
+95 % bootstrap interval, min and max).
 """
 
 from __future__ import annotations
@@ -232,6 +244,73 @@ def torch_ddp(args: argparse.Namespace) -> dict:
             "step_ms": 1e3 * dt / steps, "rank": rank}
 
 
+def side_by_side(args: argparse.Namespace) -> dict:
+    """mpisgd's and PyTorch's training steps alternately, one thread each, on the same batches."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from mpisgd.nn import SoftmaxCrossEntropy, build_model
+    from mpisgd.optim import SGD
+
+    threadpool_limits(args.threads)
+    torch.set_num_threads(args.threads)
+    x, y = load(args.limit, args.model)
+    b = args.batch_size
+    model = build_model(args.model, tuple(x.shape[1:]), 10, args.hidden).materialize(np, "float32", seed=0)
+    opt, loss = SGD(model.flat, momentum=0.9), SoftmaxCrossEntropy()
+    torch.manual_seed(0)
+    net = torch_model(torch, args)
+    t_opt, t_loss = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), torch.nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    perm = np.random.default_rng(1).permutation(len(x))
+    steps = len(x) // b
+
+    def ours(s: int) -> None:
+        idx = np.sort(perm[(s % steps) * b:(s % steps + 1) * b])
+        loss.forward_array(model.forward(x[idx]), y[idx])
+        model.backward(loss.backward(1.0 / b))
+        opt.step(0.05)
+
+    def theirs(s: int) -> None:
+        idx = torch.from_numpy(np.sort(perm[(s % steps) * b:(s % steps + 1) * b]))
+        t_opt.zero_grad(set_to_none=False)
+        t_loss(net(xt[idx]), yt[idx]).backward()
+        t_opt.step()
+
+    for s in range(args.warmup_steps):
+        ours(s)
+        theirs(s)
+    wall: dict[str, list[float]] = {"mpisgd": [], "torch": []}
+    cpu: dict[str, list[float]] = {"mpisgd": [], "torch": []}
+    for s in range(args.steps):
+        for name, step in (("mpisgd", ours), ("torch", theirs))[::1 if s % 2 == 0 else -1]:  # who goes first alternates
+            w0, c0 = time.perf_counter(), time.thread_time()
+            step(s)
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.thread_time() - c0)
+    out: dict = {"impl": "side-by-side", "model": args.model, "batch": b, "threads": args.threads, "steps": args.steps,
+                 "load_1min": os.getloadavg()[0]}
+    for clock, times in (("cpu", cpu), ("wall", wall)):
+        ratios = [t / m for m, t in zip(times["mpisgd"], times["torch"])]  # samples/s ratio of each pair
+        lo, hi = median_ci(ratios)
+        out[clock] = {"mpisgd_step_ms": 1e3 * float(np.median(times["mpisgd"])),
+                      "torch_step_ms": 1e3 * float(np.median(times["torch"])),
+                      "mpisgd_samples_per_s": b / float(np.median(times["mpisgd"])),
+                      "torch_samples_per_s": b / float(np.median(times["torch"])),
+                      "ratio_median": float(np.median(ratios)), "ratio_ci95": [lo, hi],
+                      "ratio_min": float(min(ratios)), "ratio_max": float(max(ratios))}
+    return out
+
+
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median."""
+    rng = np.random.default_rng(0)
+    meds = np.sort(np.median(rng.choice(values, (resamples, len(values))), axis=1))
+    tail = (1 - level) / 2
+    return float(meds[int(tail * (resamples - 1))]), float(meds[int((1 - tail) * (resamples - 1) + 0.5)])
+
+
 def torch_missing() -> str | None:
     """Why torch cannot be used here, or None when it imports."""
     try:
@@ -243,7 +322,7 @@ def torch_missing() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp"])
+    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp", "side-by-side"])
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
@@ -251,6 +330,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--steps", type=int, default=40, help="side-by-side: the timed pairs of steps")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()
@@ -261,13 +341,13 @@ def main() -> None:
             print(f"baselines.py numpy: the hand-written loop is the MLP only, not --model {args.model}",
                   file=sys.stderr)
         sys.exit(2)
-    if args.impl.startswith("torch"):
+    if args.impl.startswith("torch") or args.impl == "side-by-side":
         why = torch_missing()
         if why:
             if first:
                 print(f"baselines.py {args.impl} {TORCH_HINT} ({why})", file=sys.stderr)
             sys.exit(2)
-    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp}[args.impl]
+    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp, "side-by-side": side_by_side}[args.impl]
     result = run(args)
     from mpisgd.app.preflight import peak_rss_mib  # noqa: PLC0415
 
