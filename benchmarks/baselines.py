@@ -1,19 +1,33 @@
 """The obvious alternatives to mpisgd, on the reference workloads, for side-by-side comparison.
 
     python benchmarks/baselines.py numpy --threads 1|2      # a plain one-process NumPy training loop (MLP)
-    python benchmarks/baselines.py torch [--model cnn]      # PyTorch, one process, CPU (needs torch)
+    python benchmarks/baselines.py torch [--model cnn|resnet]   # PyTorch, one process, CPU (needs torch)
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp [--model cnn]   # PyTorch DDP, gloo, CPU
     python benchmarks/baselines.py numpy --device gpu       # the same loop on CuPy arrays
+    python benchmarks/baselines.py side-by-side --model resnet [--steps 40]   # mpisgd and PyTorch, alternating
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp --device gpu   # DDP on CUDA
 
 Workloads: Fashion-MNIST, float32, softmax cross-entropy, SGD momentum 0.9,
 batch 128 per process; --model mlp (default): MLP 784-H-H-10, ReLU; --model
 cnn: LeNet-5 as mpisgd's (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool
-2, 120, 84, 10, ReLU), NCHW, PyTorch's own CPU kernels (oneDNN). The NumPy
-loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
+2, 120, 84, 10, ReLU); --model resnet: ResNet-20 as mpisgd's (conv 3x3 to 16,
+three stages of three basic blocks with BatchNorm at 16, 32, 64 channels,
+1x1 projection shortcuts, global average pooling, 10); NCHW, PyTorch's own CPU
+kernels (oneDNN), train mode. The NumPy loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
 after a warm-up of --warmup-steps steps. On a GPU, DDP uses NCCL when every
 rank has a GPU of its own and gloo when ranks share one (NCCL refuses two ranks
 on one device).
+
+`side-by-side` times mpisgd's training step (its model, SoftmaxCrossEntropy and
+SGD on the flat buffers: what one rank computes) and PyTorch's (zero_grad,
+forward, loss, backward, SGD) in one process on one thread each, alternately,
+step after step, on the same batches: each pair runs a second apart, so a
+machine shared with others slows both alike. Every step is timed with the wall
+clock and with the thread's CPU clock (time.thread_time, which leaves out the
+time the process waits for a core; it counts this thread only, so it is the
+step's whole cost at --threads 1); the JSON line gives both sides' median
+step, samples/s and the ratio mpisgd/PyTorch of samples/s per pair (median, its
+95 % bootstrap interval, min and max).
 """
 
 from __future__ import annotations
@@ -37,12 +51,40 @@ def load(limit: int | None, model: str = "mlp") -> tuple[np.ndarray, np.ndarray]
     train, _, _ = load_fashion_mnist(None)
     n = limit or len(train)
     x = ((train.images[:n].reshape(n, -1).astype(np.float32) / 255) - PIXEL_MEAN) / PIXEL_STD
-    return (x.reshape(n, 1, 28, 28) if model == "cnn" else x), train.labels[:n]
+    return (x.reshape(n, 1, 28, 28) if model in ("cnn", "resnet") else x), train.labels[:n]
+
+
+def torch_resnet(torch: object, in_channels: int = 1, n_classes: int = 10, blocks: int = 3,
+                 widths: tuple[int, ...] = (16, 32, 64)) -> object:
+    """ResNet-20 (blocks = 3) as PyTorch users write it: mpisgd.nn.resnet's network, its parameters in the same
+    order (tests/test_resnet.py checks they compute alike)."""
+    nn = torch.nn  # type: ignore[attr-defined]
+
+    class Block(nn.Module):  # type: ignore[name-defined,misc]
+        def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
+            self.c2, self.b2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
+            self.sc = nn.Sequential() if stride == 1 and c_in == c_out else \
+                nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+        def forward(self, x: object) -> object:
+            return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + self.sc(x))  # type: ignore
+
+    layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
+    c = widths[0]
+    for i, w in enumerate(widths):
+        for j in range(blocks):
+            layers.append(Block(c, w, 2 if i > 0 and j == 0 else 1))
+            c = w
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, n_classes))
 
 
 def torch_model(torch: object, args: argparse.Namespace) -> object:
-    """The workload's model in PyTorch: the MLP, or LeNet-5 (conv-ReLU-pool, as usually written)."""
+    """The workload's model in PyTorch: the MLP, LeNet-5 (conv-ReLU-pool, as usually written) or ResNet-20."""
     nn = torch.nn  # type: ignore[attr-defined]
+    if args.model == "resnet":
+        return torch_resnet(torch)
     if args.model == "cnn":
         return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -202,6 +244,73 @@ def torch_ddp(args: argparse.Namespace) -> dict:
             "step_ms": 1e3 * dt / steps, "rank": rank}
 
 
+def side_by_side(args: argparse.Namespace) -> dict:
+    """mpisgd's and PyTorch's training steps alternately, one thread each, on the same batches."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from mpisgd.nn import SoftmaxCrossEntropy, build_model
+    from mpisgd.optim import SGD
+
+    threadpool_limits(args.threads)
+    torch.set_num_threads(args.threads)
+    x, y = load(args.limit, args.model)
+    b = args.batch_size
+    model = build_model(args.model, tuple(x.shape[1:]), 10, args.hidden).materialize(np, "float32", seed=0)
+    opt, loss = SGD(model.flat, momentum=0.9), SoftmaxCrossEntropy()
+    torch.manual_seed(0)
+    net = torch_model(torch, args)
+    t_opt, t_loss = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), torch.nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    perm = np.random.default_rng(1).permutation(len(x))
+    steps = len(x) // b
+
+    def ours(s: int) -> None:
+        idx = np.sort(perm[(s % steps) * b:(s % steps + 1) * b])
+        loss.forward_array(model.forward(x[idx]), y[idx])
+        model.backward(loss.backward(1.0 / b))
+        opt.step(0.05)
+
+    def theirs(s: int) -> None:
+        idx = torch.from_numpy(np.sort(perm[(s % steps) * b:(s % steps + 1) * b]))
+        t_opt.zero_grad(set_to_none=False)
+        t_loss(net(xt[idx]), yt[idx]).backward()
+        t_opt.step()
+
+    for s in range(args.warmup_steps):
+        ours(s)
+        theirs(s)
+    wall: dict[str, list[float]] = {"mpisgd": [], "torch": []}
+    cpu: dict[str, list[float]] = {"mpisgd": [], "torch": []}
+    for s in range(args.steps):
+        for name, step in (("mpisgd", ours), ("torch", theirs))[::1 if s % 2 == 0 else -1]:  # who goes first alternates
+            w0, c0 = time.perf_counter(), time.thread_time()
+            step(s)
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.thread_time() - c0)
+    out: dict = {"impl": "side-by-side", "model": args.model, "batch": b, "threads": args.threads, "steps": args.steps,
+                 "load_1min": os.getloadavg()[0]}
+    for clock, times in (("cpu", cpu), ("wall", wall)):
+        ratios = [t / m for m, t in zip(times["mpisgd"], times["torch"])]  # samples/s ratio of each pair
+        lo, hi = median_ci(ratios)
+        out[clock] = {"mpisgd_step_ms": 1e3 * float(np.median(times["mpisgd"])),
+                      "torch_step_ms": 1e3 * float(np.median(times["torch"])),
+                      "mpisgd_samples_per_s": b / float(np.median(times["mpisgd"])),
+                      "torch_samples_per_s": b / float(np.median(times["torch"])),
+                      "ratio_median": float(np.median(ratios)), "ratio_ci95": [lo, hi],
+                      "ratio_min": float(min(ratios)), "ratio_max": float(max(ratios))}
+    return out
+
+
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median."""
+    rng = np.random.default_rng(0)
+    meds = np.sort(np.median(rng.choice(values, (resamples, len(values))), axis=1))
+    tail = (1 - level) / 2
+    return float(meds[int(tail * (resamples - 1))]), float(meds[int((1 - tail) * (resamples - 1) + 0.5)])
+
+
 def torch_missing() -> str | None:
     """Why torch cannot be used here, or None when it imports."""
     try:
@@ -213,14 +322,15 @@ def torch_missing() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp"])
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp", "side-by-side"])
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--steps", type=int, default=40, help="side-by-side: the timed pairs of steps")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()
@@ -231,13 +341,13 @@ def main() -> None:
             print(f"baselines.py numpy: the hand-written loop is the MLP only, not --model {args.model}",
                   file=sys.stderr)
         sys.exit(2)
-    if args.impl.startswith("torch"):
+    if args.impl.startswith("torch") or args.impl == "side-by-side":
         why = torch_missing()
         if why:
             if first:
                 print(f"baselines.py {args.impl} {TORCH_HINT} ({why})", file=sys.stderr)
             sys.exit(2)
-    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp}[args.impl]
+    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp, "side-by-side": side_by_side}[args.impl]
     result = run(args)
     from mpisgd.app.preflight import peak_rss_mib  # noqa: PLC0415
 

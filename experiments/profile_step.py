@@ -6,6 +6,7 @@ results/throughput/profile-*.txt and results/cnn/profile-*.txt.
     OMP_NUM_THREADS=1 python experiments/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
     OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15]
     OMP_NUM_THREADS=1 python experiments/profile_step.py --model gpt [--data kjv.txt --batch-size 32 --context 64]
+    OMP_NUM_THREADS=1 python experiments/profile_step.py --model resnet --steps 40
 
 Prints the median time of each phase of mpisgd's step (data, forward, backward,
 finite check, optimizer) and peak memory (ru_maxrss) against the bytes the step
@@ -18,7 +19,11 @@ the spread (sd) of each from pass to pass.
 `--model cnn` (LeNet-5) replaces the GEMM comparison by a per-layer table:
 the median milliseconds of each layer's forward and backward (im2col and the
 input gradient dx, where a layer has them, also shown on their own), the loss
-and the optimizer. `--lines N` (either model) adds the N costliest lines of
+and the optimizer. `--model resnet` (ResNet-20) shows the same per kind of
+layer (its 60 layers summed by kind: 3x3 and 1x1 convolutions per stage,
+BatchNorm, ReLU, pooling), and "containers" for the rest of forward and
+backward: the residual additions and the transposes into and out of the
+batch-last run. `--lines N` (either model) adds the N costliest lines of
 mpisgd/nn/layers.py, timed with sys.settrace (whose own cost, about a
 microsecond per line, inflates lines that are cheap anyway).
 
@@ -46,6 +51,7 @@ from mpisgd.nn import SoftmaxCrossEntropy, build_model
 from mpisgd.optim import SGD
 
 WARMUP_STEPS = 20  # untimed steps before the medians
+clock = time.perf_counter  # --cpu-time: time.thread_time
 
 
 def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]:
@@ -68,7 +74,7 @@ def gemm_set(hidden: list[int], b: int) -> tuple[list[tuple[np.ndarray, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "cnn", "gpt"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet", "gpt"], default="mlp")
     parser.add_argument("--data", default="/usr/local/share/mpisgd/kjv.txt", help="--model gpt: the text")
     parser.add_argument("--context", type=int, default=64, help="--model gpt: tokens per window")
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
@@ -76,7 +82,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this thread's CPU clock: on a machine shared with others, the time the "
+                             "process waits for a core is left out")
     args = parser.parse_args()
+    global clock
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the warm-up steps, not timed), got {args.steps}")
     threadpool_limits(args.threads)
@@ -96,21 +107,21 @@ def main() -> None:
 
     def timed_step(step: int) -> list[float]:
         """One training step; the milliseconds of each phase in ``names``."""
-        t = [time.perf_counter()]
+        t = [clock()]
         x, y = loader.batch(batches.indices(perm, step % batches.steps_per_epoch, 0))
-        t.append(time.perf_counter())
+        t.append(clock())
         loss.forward_array(model.forward(x), y)
-        t.append(time.perf_counter())
+        t.append(clock())
         model.backward(loss.backward(1.0 / b))
-        t.append(time.perf_counter())
+        t.append(clock())
         finite_sq_norm(model.flat.grads)
-        t.append(time.perf_counter())
+        t.append(clock())
         opt.step(0.05)
-        t.append(time.perf_counter())
+        t.append(clock())
         return [1e3 * (t1 - t0) for t0, t1 in zip(t, t[1:])]
 
     # per-layer timers for the CNN's table only: the MLP's figures stay comparable with earlier runs
-    layer_ms = LayerTimes(model, loss, opt) if args.model == "cnn" else None
+    layer_ms = LayerTimes(model, loss, opt, by_kind=args.model == "resnet") if args.model != "mlp" else None
     phases: dict[str, list[float]] = {k: [] for k in names}
     for step in range(args.steps):
         ms = timed_step(step)
@@ -121,13 +132,15 @@ def main() -> None:
                 phases[name].append(v)
     med = {k: statistics.median(v) for k, v in phases.items()}
     total = sum(med.values())
-    workload = "LeNet-5" if args.model == "cnn" else f"MLP 784-{'-'.join(map(str, args.hidden))}-10"
-    print(f"{workload}, b={b}, float32, {args.threads} BLAS thread(s): median step {total:.2f} ms")
+    mlp = f"MLP 784-{'-'.join(map(str, args.hidden))}-10"
+    workload = {"cnn": "LeNet-5", "resnet": "ResNet-20"}.get(args.model, mlp)
+    print(f"{workload}, b={b}, float32, {args.threads} BLAS thread(s): median step {total:.2f} ms"
+          + (" (CPU time of this thread)" if args.cpu_time else ""))
     for k, v in med.items():
         print(f"  {k:<13}{v:8.2f} ms  {100 * v / total:5.1f} %")
 
     if layer_ms:
-        layer_ms.report(total)
+        layer_ms.report(total, med["forward"] + med["backward"])
         layer_ms.remove()
     if args.lines:
         line_profile(timed_step, args.lines)
@@ -162,17 +175,21 @@ def main() -> None:
 
 class LayerTimes:
     """Timers around each layer's forward and backward (and the methods in PARTS, where a layer has them),
-    the loss and the optimizer step: the milliseconds of each, summed per step."""
+    the loss and the optimizer step: the milliseconds of each, summed per step. ``by_kind``: layers of one
+    kind (class and shape of the work) share one row."""
 
     PARTS = ("_im2col", "_input_grad")  # Conv2d's own steps, shown apart too
 
-    def __init__(self, model: object, loss: object, opt: object) -> None:
+    def __init__(self, model: object, loss: object, opt: object, by_kind: bool = False) -> None:
         self.names: dict[int, str] = {}
         self.step_s: dict[tuple[int, str], float] = {}  # this step's seconds so far (im2col runs per chunk)
         self.ms: dict[tuple[int, str], list[float]] = {}
         self._wrapped: list[tuple[object, str]] = []
-        for i, layer in enumerate(m for m in model.modules() if not m.children()):  # type: ignore[attr-defined]
-            self.names[i] = repr(layer)
+        kinds: dict[str, int] = {}
+        for layer in (m for m in model.modules() if not m.children()):  # type: ignore[attr-defined]
+            name = kind_of(layer) if by_kind else f"{len(self.names)} {layer!r}"
+            i = kinds.setdefault(name, len(kinds))
+            self.names[i] = name
             for method in ("forward", "backward", *self.PARTS):
                 if hasattr(layer, method):
                     self._wrap(layer, method, (i, method))
@@ -183,12 +200,13 @@ class LayerTimes:
 
     def _wrap(self, obj: object, method: str, key: tuple[int, str]) -> None:
         inner = getattr(obj, method)
-        self.step_s[key], self.ms[key] = 0.0, []
+        self.step_s.setdefault(key, 0.0)
+        self.ms.setdefault(key, [])
 
         def timed(*a: object, **kw: object) -> object:
-            t0 = time.perf_counter()
+            t0 = clock()
             out = inner(*a, **kw)
-            self.step_s[key] += time.perf_counter() - t0
+            self.step_s[key] += clock() - t0
             return out
 
         setattr(obj, method, timed)  # an instance attribute, in front of the class's method
@@ -204,15 +222,31 @@ class LayerTimes:
         for obj, method in self._wrapped:
             delattr(obj, method)
 
-    def report(self, step_ms: float) -> None:
+    def report(self, step_ms: float, fwd_bwd_ms: float) -> None:
         med = {key: statistics.median(v) for key, v in self.ms.items() if v}
         print("\nper layer, median ms per step (im2col, forward and backward, and dx, the input gradient, are part "
               "of their layer's forward/backward):")
         print(f"  {'layer':<46}{'forward':>9}{'backward':>10}{'im2col':>8}{'dx':>8}{'share':>8}")
+        layers_ms = 0.0
         for i in [*sorted(k for k in self.names if k >= 0), -2, -1]:
             fwd, bwd = med.get((i, "forward"), 0.0), med.get((i, "backward"), 0.0)
+            layers_ms += fwd + bwd if i >= 0 else 0.0
             parts = "".join(f"{med[(i, p)]:>8.2f}" if (i, p) in med else f"{'':>8}" for p in self.PARTS)
             print(f"  {self.names[i]:<46}{fwd:>9.2f}{bwd:>10.2f}{parts}{100 * (fwd + bwd) / step_ms:>7.1f}%")
+        rest = fwd_bwd_ms - layers_ms
+        label = "containers (residual adds, layout transposes)"
+        print(f"  {label:<46}{rest:>19.2f}{'':>16}{100 * rest / step_ms:>7.1f}%")
+
+
+def kind_of(layer: object) -> str:
+    """A row of the by-kind table: the class, and for convolutions their kernel, stride and channels."""
+    from mpisgd.nn import Conv2d  # noqa: PLC0415
+
+    if isinstance(layer, Conv2d):
+        return f"Conv2d {layer.k}x{layer.k} stride {layer.stride}, {layer.c_in}->{layer.c_out} ch"
+    if hasattr(layer, "C"):
+        return f"{type(layer).__name__} {layer.C} ch"  # type: ignore[attr-defined]
+    return type(layer).__name__
 
 
 class KindTimes:

@@ -6,7 +6,8 @@ parameter-sized buffers as ``state.NAME``: SGD's ``velocity``, Adam's
 ``exp_avg`` and ``exp_avg_sq``; its scalars as JSON: the previous rate, Adam's
 step count), the position (global step, epoch, step within the epoch: the data
 order is a pure function of the seed and these), the configuration as JSON and
-the data set's identity. Format 1 (before AdamW) kept the momentum as
+the data set's identity, and the model's own state where it has one (``model_state``: BatchNorm's
+running statistics, ``model.state``; checkpoints without it still load). Format 1 (before AdamW) kept the momentum as
 ``velocity`` and the rate as ``prev_lr``; it still loads.
 Rank 0 writes it all or nothing (mpisgd.files.atomic_write) and keeps the newest
 few. A checkpoint directory belongs to one run: :class:`RunDirectory` locks it
@@ -80,6 +81,7 @@ class TrainState:
     structure: dict[str, Any] = field(default_factory=dict)  # model_structure(); {} in older checkpoints
     run_id: str = ""  # the run's identity (RunDirectory sets it); "" in older checkpoints
     model: dict[str, Any] = field(default_factory=dict)  # what model it is (mpisgd.app.run.model_record)
+    model_state: np.ndarray | None = None  # the model's buffers (model.state: running statistics); None: it has none
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -133,6 +135,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
         arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
     if state.environment:
         arrays["environment"] = np.array(json.dumps(state.environment))
+    if state.model_state is not None:
+        arrays["model_state"] = state.model_state
     atomic_write(path, lambda f: write_npz(f, arrays))
     ours = lineage if lineage is not None else {state.run_id}
     mine = [p for p in list_checkpoints(directory) if step_of(p) <= state.global_step and run_id_of(p) in ours]
@@ -173,7 +177,8 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
                 environment=json.loads(str(z["environment"])) if "environment" in z.files else {},
                 structure=json.loads(str(z["structure"])) if "structure" in z.files else {},
                 run_id=str(z["run"]) if "run" in z.files else "",
-                model=json.loads(str(z["model"])) if "model" in z.files else {})
+                model=json.loads(str(z["model"])) if "model" in z.files else {},
+                model_state=z["model_state"] if "model_state" in z.files else None)
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:
@@ -185,6 +190,10 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
         if not np.isfinite(a).all():
             raise CheckpointError(f"{path}: {name} hold {np.count_nonzero(~np.isfinite(a)):,} non-finite values "
                                   "(NaN or inf): not a state to continue from")
+    ms = state.model_state
+    if ms is not None and (ms.ndim != 1 or ms.dtype.kind != "f" or not np.isfinite(ms).all()):
+        raise CheckpointError(f"{path}: model_state (the model's running statistics) must be a 1-D array of finite "
+                              f"floats, got {ms.dtype} {ms.shape}")
     _check_scalars(path, state)
     return state
 

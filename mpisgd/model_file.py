@@ -4,9 +4,11 @@ Two kinds of file hold a model (both ``.npz``, read with ``allow_pickle=False``;
 layout):
 
 * ``--save-model PATH``: ``flat`` (every parameter, in model order), one array per parameter
-  (``"1.Linear.W"``: layer index, layer class, name) and ``meta``, JSON saying what model it is
-  (:func:`mpisgd.app.run.model_record`);
-* a checkpoint (``ckpt-<step>.npz``): ``params`` and, from this version on, ``model``, the same JSON.
+  (``"1.Linear.W"``: layer index, layer class, name), ``meta``, JSON saying what model it is
+  (:func:`mpisgd.app.run.model_record`), and ``state``, the model's buffers in model order (BatchNorm's
+  running statistics: ``model.state``), for a model that has them;
+* a checkpoint (``ckpt-<step>.npz``): ``params`` and, from this version on, ``model``, the same JSON
+  (and ``model_state``, the buffers).
 
 Files written before the model was recorded still load where the model can be told from what they
 hold: a ``--save-model`` file of the stock ``mlp`` or ``cnn`` from its parameters' names and shapes, a
@@ -40,11 +42,11 @@ from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_chec
 from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, free_bytes, write_npz
 from mpisgd.nn import Model, Module, build_model
+from mpisgd.nn.models import STOCK  # the models mpisgd builds itself; anything else is the user's
 from mpisgd.nn.module import parameter_shapes
 
 FORMAT = "mpisgd-model"
 VERSION = 1
-STOCK = ("mlp", "cnn", "gpt")  # the models mpisgd builds itself; anything else is a factory of the user's
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
 _LARGE = 1 << 31  # no dimension, width or class count of a real model is this large
 Factory = Callable[[tuple[int, ...], int], Module]
@@ -64,14 +66,14 @@ class SavedModel:
 def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None,
                factory: str | Factory | None = None) -> Model:
     """The model that ``path`` (a --save-model file, a checkpoint, or a checkpoint directory:
-    its newest good checkpoint) holds, with its parameters, on ``xp`` (NumPy by default). ``in_shape``
-    (one sample's) is needed only for older files that do not record it. ModelFileError says what is
-    wrong.
+    its newest good checkpoint) holds, with its parameters and buffers, on ``xp`` (NumPy by default), in
+    eval mode (``model.train()`` to train it further). ``in_shape`` (one sample's) is needed only for older
+    files that do not record it. ModelFileError says what is wrong.
 
-    A file of the stock ``mlp`` or ``cnn`` is built by mpisgd's own builders. A file of a model of your
-    own names its factory, which is never imported from the file: pass ``factory``, a function of
-    ``(input_shape, n_classes)`` returning the module, or its ``"package.module:function"`` (then
-    imported and called; name only code you trust)."""
+    A file of a stock model (``mlp``, ``cnn``, ``resnet``, ``gpt``) is built by mpisgd's own builders. A file
+    of a model of your own names its factory, which is never imported from the file: pass ``factory``, a
+    function of ``(input_shape, n_classes)`` returning the module, or its ``"package.module:function"``
+    (then imported and called; name only code you trust)."""
     return read_model(path, in_shape, xp, factory).model
 
 
@@ -96,11 +98,12 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
             files = set(z.files)
             named = {k: z[k] for k in files if k[:1].isdigit()}
             if "params" in files and "config" in files:
-                flat, meta = _from_checkpoint(p, in_shape)
+                flat, meta, buffers = _from_checkpoint(p, in_shape)
             elif "flat" in files:
                 flat = z["flat"]
                 _check_params(flat, p)
                 meta = json.loads(str(z["meta"])) if "meta" in files else _infer(named, flat, in_shape, p)
+                buffers = z["state"] if "state" in files else None
             else:
                 raise ModelFileError(f"{p} holds neither a --save-model file's 'flat' nor a checkpoint's 'params' "
                                      f"(it holds {', '.join(sorted(files)) or 'nothing'})")
@@ -115,6 +118,8 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
             raise ModelFileError(f"{p} does not record its input shape (written by an older mpisgd): pass in_shape")
         meta["in_shape"] = list(in_shape)
     model = _build(meta, flat, named, p, xp, factory)
+    _load_state(model, buffers, p)
+    model.eval()  # a trained model, for scoring: running statistics, no dropout
     return SavedModel(model, meta, str(p))
 
 
@@ -183,14 +188,28 @@ def check_meta(meta: Any, p: Path | str) -> None:
         raise bad("data", "a JSON object (the training set's identity)")
 
 
-def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndarray, dict[str, Any]]:
+def _load_state(model: Model, state: np.ndarray | None, p: Path) -> None:
+    """The file's buffers (running statistics) into the model, which must have as many."""
+    if model.state is None and state is None:
+        return
+    if model.state is None or state is None or state.ndim != 1 or state.size != model.state.size:
+        have = "none" if state is None else f"{state.size}"
+        need = 0 if model.state is None else model.state.size
+        raise ModelFileError(f"{p} holds {have} values of model state (running statistics); its model has {need}")
+    if state.dtype.kind != "f" or not np.isfinite(state).all():
+        raise ModelFileError(f"{p}: its model state (running statistics) must be finite floats, got {state.dtype}")
+    model.state[...] = model.flat.xp.asarray(state)
+
+
+def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None
+                     ) -> tuple[np.ndarray, dict[str, Any], np.ndarray | None]:
     try:
         state = load_checkpoint(p)
     except CheckpointError as exc:
         raise ModelFileError(str(exc)) from None
     if state.model:
         check_meta(state.model, p)
-        return state.params, {**state.model, "step": state.global_step}
+        return state.params, {**state.model, "step": state.global_step}, state.model_state
     cfg = state.config  # an older checkpoint: what its configuration says
     meta = {"model": cfg.get("model", "mlp"), "hidden": cfg.get("hidden", [1024, 1024]),
             "dtype": cfg.get("dtype", str(state.params.dtype)), "classes": state.data.get("classes", 10),
@@ -203,7 +222,7 @@ def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndar
         n_in, odd = divmod(state.params.size - rest, widths[0])
         if n_in >= 1 and not odd:
             meta["in_shape"] = [n_in]
-    return state.params, meta
+    return state.params, meta, state.model_state
 
 
 def _infer(named: dict[str, np.ndarray], flat: np.ndarray, in_shape: tuple[int, ...] | None,
@@ -277,6 +296,8 @@ def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike
     named = {name: to_numpy(p) for name, p in model.named_parameters()}
     flat = to_numpy(model.flat.params)
     extra = {"meta": np.array(json.dumps(meta))} if meta else {}
+    if getattr(model, "state", None) is not None:
+        extra["state"] = to_numpy(model.state)
     tried = []
     for target in [Path(path), *(free_name(Path(d), Path(path).name) for d in fallback_dirs)]:
         try:

@@ -35,7 +35,8 @@ def test_flags_map_to_fields():
     (["--epochs", "-1"], "epochs must be >= 1"),
     (["--lr", "-0.1"], "lr must be > 0"),
     (["--momentum", "1.5"], "momentum"),
-    (["--model", "resnet"], "--model must be mlp, cnn or package.module:function"),
+    (["--model", "vgg"], r"--model must be mlp, cnn or package.module:function, got 'vgg' \(the stock models: mlp, "
+                         r"cnn for LeNet-5, resnet for ResNet-20\)"),
     (["--device", "tpu"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),

@@ -381,11 +381,11 @@ USER_MODULES = {
         "        raise ArithmeticError('my backward is wrong')\n"
         "def f(input_shape, n_classes):\n"
         "    return Sequential(Flatten(), Linear(12, 4), Broken(4, n_classes))\n"),
-    "no_permute": (
-        "from mpisgd.nn import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential\n"
+    "permute_not_back": (  # written for the batch-last layers of before, with the Permute back forgotten
+        "from mpisgd.nn import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU, Sequential\n"
         "def f(input_shape, n_classes):\n"
         "    c, h, w = input_shape\n"
-        "    return Sequential(Conv2d(c, 4, 3, padding=1), ReLU(), MaxPool2d(2), Flatten(),\n"
+        "    return Sequential(Permute((1, 2, 3, 0)), Conv2d(c, 4, 3, padding=1), ReLU(), MaxPool2d(2), Flatten(),\n"
         "                      Linear(4 * (h // 2) * (w // 2), n_classes))\n"),
 }
 
@@ -408,10 +408,11 @@ def test_a_user_module_that_fails_to_import_or_exits_is_one_line(tmp_path, monke
 
 @pytest.mark.parametrize("module,says", [
     ("backward_raises", r"the model's backward fails \(ArithmeticError: my backward is wrong\)$"),
-    ("no_permute", r"the model cannot take samples of shape \(3, 8, 8\) .*; Conv2d and MaxPool2d take batch-last "
-                   r"\(C, H, W, N\) arrays .* Permute\(\(1, 2, 3, 0\)\) before the first"),
+    ("permute_not_back", r"the model cannot take samples of shape \(3, 8, 8\) .*; image layers .* take \(N, C, H, "
+                         r"W\) batches as they come: no Permute is needed; .* Permute\(\(3, 0, 1, 2\)\) back before "
+                         r"Flatten"),
 ])
-def test_the_start_up_check_runs_backward_and_hints_at_the_batch_last_layout(tmp_path, monkeypatch, module, says):
+def test_the_start_up_check_runs_backward_and_hints_at_the_layout(tmp_path, monkeypatch, module, says):
     from mpisgd.nn import build_model
     from mpisgd.nn.models import check_output
 

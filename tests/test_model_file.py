@@ -210,8 +210,8 @@ def test_a_factory_the_caller_names_builds_the_model(tmp_path):
 
 
 @pytest.mark.parametrize("change,says", [
-    ({"model": 7}, "model must be mlp, cnn, gpt or package.module:function, got 7"),
-    ({"model": "os.system"}, "model must be mlp, cnn, gpt or package.module:function"),
+    ({"model": 7}, "model must be mlp, cnn, resnet, gpt or package.module:function, got 7"),
+    ({"model": "os.system"}, "model must be mlp, cnn, resnet, gpt or package.module:function"),
     ({"in_shape": "28x28"}, "in_shape must be a list of 1 to 8 positive integers"),
     ({"in_shape": [1, 0, 4]}, "in_shape must be"), ({"in_shape": [1, 4.0, 4]}, "in_shape must be"),
     ({"classes": "3"}, "classes must be a positive integer"), ({"classes": True}, "classes must be"),

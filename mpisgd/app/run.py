@@ -32,8 +32,9 @@ from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, syntheti
 from mpisgd.errors import UsageError
 from mpisgd.kernels import kernels_for
 from mpisgd.model_file import FORMAT, VERSION, model_structure
-from mpisgd.nn import Model, Module, SoftmaxCrossEntropy, TokenCrossEntropy, build_model
-from mpisgd.nn.models import check_output
+from mpisgd.nn import Model, Module, SoftmaxCrossEntropy, SyncBatchNorm, TokenCrossEntropy, build_model
+from mpisgd.nn.models import STOCK, check_output
+from mpisgd.nn.usercheck import check_user_modules
 from mpisgd.optim import SGD, Optimizer
 from mpisgd.optim.adam import LAMB, AdamW, matrices
 from mpisgd.optim.lars import LARS
@@ -184,6 +185,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     model = module.materialize(xp, cfg.dtype, cfg.seed)
     model.ctx.kernels = kernels_for("portable" if level == "portable" else "fast")
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
+    warnings += stage("the backward of your own modules", lambda: _check_user_modules(cfg, module, run_data))
     optimizer = _optimizer(cfg, model)
     params = model.flat.params
     if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
@@ -271,10 +273,34 @@ def gpt_arch(cfg: Config) -> dict[str, Any]:
 
 def _build_model(cfg: Config, run_data: RunData) -> Module:
     try:
-        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden,
-                           arch=gpt_arch(cfg) if cfg.model == "gpt" else None)
+        module = build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden,
+                             arch=gpt_arch(cfg) if cfg.model == "gpt" else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    sync = next((path for path, m in module.named_modules() if isinstance(m, SyncBatchNorm)), None)
+    if cfg.reproducible and sync is not None:
+        raise UsageError(f"--reproducible: the model's SyncBatchNorm ({sync}) normalises by statistics of all k ranks' "
+                         "micro-batches, which change with k; use BatchNorm2d (statistics per micro-batch, the same "
+                         "at any k)")
+    return module
+
+
+def _check_user_modules(cfg: Config, module: Module, run_data: RunData) -> list[str]:
+    """Every rank checks the backward of the modules a --model factory brings of its own (float64 finite
+    differences, mpisgd.nn.usercheck: the same verdict everywhere, at the same time); a wrong one is refused.
+    The stock models, and factories made only of mpisgd's layers, are not checked."""
+    if cfg.model in STOCK:
+        return []
+    try:
+        error, notes = check_user_modules(
+            lambda: build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden), run_data.in_shape,
+            cfg.seed, skip=module)
+    except (Exception, SystemExit) as exc:  # the user's code, run in float64: say so and train as asked
+        return [f"warning: --model {cfg.model}: the backward of its own modules was not checked (in float64, "
+                f"{type(exc).__name__}: {exc})"]
+    if error is not None:
+        raise UsageError(f"--model {cfg.model}: {error.describe()}")
+    return [f"warning: --model {cfg.model}: {note}" for note in notes]
 
 
 def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -> None:
@@ -393,12 +419,30 @@ def _restore(run: Run, state: TrainState | None) -> None:
                 "resuming would restart it at zero; a checkpoint damaged or edited by hand? (when the optimizer or "
                 "its momentum changed on purpose, --resume-allow optimizer or momentum starts it at zero)")
         else:
+            error = _model_state_error(plan.path, state.model_state, run.model.state)
+        if error is None:
             flat.params[...] = run.ctx.xp.asarray(state.params)
+            if run.model.state is not None:
+                run.model.state[...] = run.ctx.xp.asarray(state.model_state)
     agree(run.ctx.comm, error)
     # every rank's scalars (the plan's), rank 0's whole state buffers to every rank (sharded: its chunks)
     run.dp.load_optimizer_state(plan.optimizer_state, state.buffers if state is not None else None)
-    run.dp.broadcast_parameters()  # every rank continues from rank 0's parameters
+    run.dp.broadcast_parameters()  # every rank continues from rank 0's parameters and running statistics
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)
+
+
+def _model_state_error(path: str, saved: Any, state: Any) -> CheckpointError | None:
+    """Why the checkpoint's model state cannot be the model's (None: it can, or neither has one)."""
+    if state is None:
+        return None if saved is None else CheckpointError(f"{path} holds model state (running statistics) the model "
+                                                          "does not have")
+    if saved is None:
+        return CheckpointError(f"{path} holds no model state, and the model has {state.size} values of it (BatchNorm's "
+                               "running statistics): it was written for another model")
+    if saved.size != state.size:
+        return CheckpointError(f"{path} holds {saved.size} values of model state (running statistics), the model has "
+                               f"{state.size}")
+    return None
 
 
 def model_record(run: Run, step: int | None = None) -> dict[str, Any]:

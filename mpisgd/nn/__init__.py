@@ -13,11 +13,16 @@ from mpisgd.nn.gelu import GELU
 from mpisgd.nn.gpt import GPTShape, gpt
 from mpisgd.nn.layernorm import LayerNorm
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
+from mpisgd.nn.layout import SpatialModule
 from mpisgd.nn.loss import SoftmaxCrossEntropy, TokenCrossEntropy, accuracy_count
 from mpisgd.nn.models import build_model, cnn, mlp
 from mpisgd.nn.module import Context, Layer, Model, Module
+from mpisgd.nn.normalization import BatchNorm1d, BatchNorm2d, SyncBatchNorm
+from mpisgd.nn.pooling import AvgPool2d, GlobalAvgPool2d
+from mpisgd.nn.resnet import basic_block, resnet
 
-__all__ = ["GELU", "CausalSelfAttention", "Context", "Conv2d", "Dropout", "Embedding", "Flatten", "GPTShape", "Layer",
-           "LayerNorm", "Linear", "MaxPool2d", "Model", "Module", "Permute", "PositionEmbedding", "ReLU", "Residual",
-           "Sequential", "SoftmaxCrossEntropy", "TokenCrossEntropy", "accuracy_count", "build_model", "cnn", "gpt",
-           "mlp", "scoring"]
+__all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "CausalSelfAttention", "Context", "Conv2d", "Dropout",
+           "Embedding", "Flatten", "GELU", "GPTShape", "GlobalAvgPool2d", "Layer", "LayerNorm", "Linear", "MaxPool2d",
+           "Model", "Module", "Permute", "PositionEmbedding", "ReLU", "Residual", "Sequential", "SoftmaxCrossEntropy",
+           "SpatialModule", "SyncBatchNorm", "TokenCrossEntropy", "accuracy_count", "basic_block", "build_model",
+           "cnn", "gpt", "mlp", "resnet", "scoring"]

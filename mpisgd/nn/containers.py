@@ -17,24 +17,41 @@ def owns_parameters(module: Module) -> bool:
 
 
 class Sequential(Module):
-    """Children applied in order; they are named "0", "1", ... (the names parameters carry)."""
+    """Children applied in order; they are named "0", "1", ... (the names parameters carry).
+
+    What runs is the children and, where the model's layout plan put them (mpisgd.nn.layout), the
+    transposes into and out of a run of batch-last image layers: hidden steps, not children."""
 
     def __init__(self, *layers: Module) -> None:
         super().__init__()
         for i, layer in enumerate(layers):
             self.add(str(i), layer)
+        self._steps: list[Module] | None = None
 
     @property
     def layers(self) -> list[Module]:
         return [m for _, m in self.children()]
 
+    def set_steps(self, steps: list[Module]) -> None:
+        """What forward runs, in order: the children, with the layout plan's transposes among them."""
+        assert [m for m in steps if any(m is c for c in self.layers)] == self.layers, "steps must keep the children"
+        self._steps = steps
+
+    @property
+    def steps(self) -> list[Module]:
+        return self.layers if self._steps is None else self._steps
+
     def forward(self, x: Array) -> Array:
-        for layer in self.layers:
+        for layer in self.steps:
             x = layer.forward(x)
         return x
 
+    def scratch_nbytes(self) -> int:
+        children = {id(m) for m in self.layers}
+        return super().scratch_nbytes() + sum(m.scratch_nbytes() for m in self.steps if id(m) not in children)
+
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
-        layers = self.layers
+        layers = self.steps
         # where no gradient is wanted back, the layers before the first that owns parameters are skipped
         # (for the MLP, Flatten comes first: this saves a whole GEMM per step)
         first = 0 if need_dx else next((i for i, m in enumerate(layers) if owns_parameters(m)), len(layers))

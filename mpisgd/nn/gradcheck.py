@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.nn.module import Model, Module
+from mpisgd.nn.module import Module, parameter_shapes
 
 
 @dataclass(frozen=True)
@@ -43,31 +43,42 @@ def check_gradients(module: Module, x: Any, *, seed: int = 0, samples: int = 12,
     if kernels is not None:
         model.ctx.kernels = kernels
     model.train(training)
-    x = np.array(x, dtype=np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x)
     ids = np.arange(len(x), dtype=np.int64) if sample_ids is None else np.asarray(sample_ids)
     model.begin_batch(step=0, sample_ids=ids, stat_row=None if not model.stat_size else np.zeros(model.stat_size))
+    return check_in_place(module, x, seed=seed, samples=samples, h=h, rtol=rtol, atol=atol)
+
+
+def check_in_place(module: Module, x: Any, *, seed: int = 0, samples: int = 12, h: float = 1e-6,
+                   rtol: float = 1e-5, atol: float = 1e-8) -> list[GradientError]:
+    """The same check on a module that is already part of a float64 model, as it is bound there (its
+    context, mode and layout as the model gave them): how the start-up check tests a module of yours
+    inside the model it came in (mpisgd.nn.usercheck). Its parameters' gradients are overwritten."""
+    x = np.array(x, dtype=np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x)
     rng = np.random.default_rng(seed + 7919)
-    w = rng.standard_normal(np.shape(_forward(model, x)))
+    w = rng.standard_normal(np.shape(_forward(module, x)))
 
     def loss(inp: Any) -> float:
-        return float(np.sum(w * _forward(model, inp)))
+        return float(np.sum(w * _forward(module, inp)))
 
-    _forward(model, x)
-    model.set_accumulate(False)
-    dx = module.backward(w.copy(), need_dx=np.issubdtype(x.dtype, np.floating))
+    _forward(module, x)
+    accumulate, module.ctx.accumulate = module.ctx.accumulate, False
+    try:
+        dx = module.backward(w.copy(), need_dx=np.issubdtype(x.dtype, np.floating))
+    finally:
+        module.ctx.accumulate = accumulate
     analytic_x = None if dx is None else np.array(dx, dtype=np.float64)
-    analytic_p = np.array(model.flat.grads, dtype=np.float64)
+    owned = [(m, name) for _, m in module.named_modules() for name, _ in m.param_shapes]
+    analytic_p = [np.array(m.grads[name], dtype=np.float64) for m, name in owned]
     out = []
     if analytic_x is not None:  # x is perturbed in place
         out.append(_compare("input", x, analytic_x, lambda: loss(x), rng, samples, h, rtol, atol))
-    params = model.flat.params
-    for (name, _), a, b in zip(model.parameter_shapes(), model.flat.offsets, model.flat.offsets[1:], strict=False):
-        out.append(_compare(name, params[a:b], analytic_p[a:b], lambda: loss(x), rng, samples, h, rtol, atol))
+    for (qualified, _), (m, name), analytic in zip(parameter_shapes(module), owned, analytic_p, strict=True):
+        out.append(_compare(qualified, m.params[name], analytic, lambda: loss(x), rng, samples, h, rtol, atol))
     return out
 
 
-def _forward(model: Model, x: Any) -> np.ndarray:
-    return np.array(model.forward(x.copy()), dtype=np.float64)  # outputs are reused buffers: copy
+def _forward(module: Module, x: Any) -> np.ndarray:
+    return np.array(module.forward(x.copy()), dtype=np.float64)  # outputs are reused buffers: copy
 
 
 def _compare(name: str, values: np.ndarray, analytic: np.ndarray, loss: Any, rng: np.random.Generator,

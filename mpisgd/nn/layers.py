@@ -6,8 +6,9 @@ shape and reused, so the hot path allocates nothing; a returned array is valid
 until the layer's next call. Backward writes gradients in place (``out=``), or
 adds to them when ``accumulate`` is set (gradient accumulation).
 
-Linear takes (..., in) arrays, ReLU and Flatten (N, ...); Conv2d and MaxPool2d take
-(C, H, W, N), batch last (see Conv2d for why), and Permute converts.
+Linear takes (..., in) arrays, ReLU and Flatten (N, ...). Conv2d and MaxPool2d take (N, C, H, W)
+batches and run batch last inside, on (C, H, W, N) arrays (see Conv2d for why): along a run of image
+layers the model transposes once at each end of the run (mpisgd.nn.layout).
 
 Matrix products and sums along an axis go through the model's kernels (``self.ctx.kernels``,
 mpisgd.kernels): the array module's own (fast) or ones whose bits are a function of the inputs alone
@@ -22,9 +23,19 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
+from mpisgd.nn.layout import SpatialModule
 from mpisgd.nn.module import Array, Module
 
 CHUNK_BYTES = 512 * 1024  # im2col columns per chunk: within a core's L2, so the GEMM reads them from cache
+
+
+def window_view(a: Array, k: int, stride: int, ho: int, wo: int) -> Array:
+    """View (C, k, k, Ho, Wo, N) of a (padded) (C, Hp, Wp, N) array: [c, i, j] is the grid of elements at
+    kernel offset (i, j) of every k x k window, windows ``stride`` apart. No copy: im2col copies out of
+    it, col2im adds into it (each [c, i, j] grid holds no element twice, so ``+=`` on it is safe)."""
+    sc, sh, sw, sn = a.strides
+    return xp_of(a).lib.stride_tricks.as_strided(
+        a, (a.shape[0], k, k, ho, wo, a.shape[3]), (sc, sh, sw, sh * stride, sw * stride, sn))
 
 
 class Linear(Module):
@@ -78,6 +89,8 @@ class Linear(Module):
 
 class ReLU(Module):
     """max(x, 0); ``inplace`` overwrites the input (safe after a layer that owns its output)."""
+
+    layout_free = True  # elementwise: runs in any layout (inside a batch-last run of image layers too)
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
@@ -137,8 +150,8 @@ class Permute(Module):
         return f"Permute({self.axes})"
 
 
-class Conv2d(Module):
-    """2-D convolution (cross-correlation), square kernel, on (C, H, W, N) arrays: batch last (CHWN).
+class Conv2d(SpatialModule):
+    """2-D convolution (cross-correlation), square kernel: (N, C, H, W) batches, batch last inside.
 
     im2col copies the k x k windows, through a strided view of the zero-padded input, into columns
     (c_in*k*k, Ho*Wo, N); then, at every output position, ``y[:, pos] = W cols[:, pos]`` with W as
@@ -146,8 +159,9 @@ class Conv2d(Module):
 
     Why batch last: im2col, col2im, pooling, bias and ReLU then move runs of N contiguous elements or
     more (in NCHW they move rows of Wo, as short as 5, and numpy pays per run), and each layer's output
-    is already in the next one's layout. :func:`mpisgd.nn.models.cnn` permutes the loader's NCHW batch
-    once at the start and back before Flatten. W keeps PyTorch's (c_out, c_in, k, k) layout.
+    is already in the next one's layout: the model transposes the batch once at the start of a run of
+    image layers and once at its end (mpisgd.nn.layout). W keeps PyTorch's (c_out, c_in, k, k) layout;
+    ``bias=False`` leaves out b (before a BatchNorm, which has its own shift).
 
     Why in chunks of output rows: the columns of the whole batch are k*k*c_in times the input (10 MiB
     for LeNet's first layer at N=128); made a few rows at a time (CHUNK_BYTES) they are still in cache
@@ -156,70 +170,82 @@ class Conv2d(Module):
     than an activation, which matters most when ranks share a cache.
     """
 
-    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, padding: int = 0) -> None:
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, padding: int = 0,
+                 bias: bool = True) -> None:
         super().__init__()
-        self.c_in, self.c_out, self.k, self.stride, self.pad = c_in, c_out, kernel, stride, padding
-        self.param_shapes = [("W", (c_out, c_in, kernel, kernel)), ("b", (c_out,))]
+        if min(c_in, c_out, kernel, stride) < 1 or padding < 0:
+            raise ValueError(f"Conv2d({c_in}, {c_out}, kernel={kernel}, stride={stride}, padding={padding}): "
+                             "channels, kernel and stride must be >= 1, padding >= 0")
+        self.c_in, self.c_out, self.k, self.stride, self.pad, self.bias = c_in, c_out, kernel, stride, padding, bias
+        self.param_shapes = [("W", (c_out, c_in, kernel, kernel))] + ([("b", (c_out,))] if bias else [])
         self._xpad: Array = None  # the padded input, kept for backward
         self._xshape: tuple[int, ...] = ()
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
         fan_in = self.c_in * self.k * self.k
         bound = math.sqrt(6.0 / fan_in)
-        return {"W": rng.uniform(-bound, bound, (self.c_out, self.c_in, self.k, self.k)).astype(dtype),
-                "b": np.zeros(self.c_out, dtype)}
+        values = {"W": rng.uniform(-bound, bound, (self.c_out, self.c_in, self.k, self.k)).astype(dtype)}
+        return {**values, "b": np.zeros(self.c_out, dtype)} if self.bias else values
 
     def _out_hw(self, h: int, w: int) -> tuple[int, int]:
         return (h + 2 * self.pad - self.k) // self.stride + 1, (w + 2 * self.pad - self.k) // self.stride + 1
 
-    def _padded(self, x: Array) -> Array:
+    def _padded(self, x: Array, name: str = "xpad") -> Array:
         if not self.pad:
             return x
         c, h, w, n = x.shape
         p = self.pad
-        xpad = self._buf("xpad", (c, h + 2 * p, w + 2 * p, n), x, zeroed=True)  # the border stays zero
+        xpad = self._buf(name, (c, h + 2 * p, w + 2 * p, n), x, zeroed=True)  # the border stays zero
         xpad[:, p:p + h, p:p + w] = x
         return xpad
 
     def _windows(self, a: Array, ho: int, wo: int) -> Array:
-        """View (C, k, k, Ho, Wo, N) of a padded (C, Hp, Wp, N) array: [c, i, j] is the grid of elements at
-        kernel offset (i, j) of every window. No copy: im2col copies out of it, col2im adds into it."""
-        sc, sh, sw, sn = a.strides
-        s = self.stride
-        return xp_of(a).lib.stride_tricks.as_strided(
-            a, (a.shape[0], self.k, self.k, ho, wo, a.shape[3]), (sc, sh, sw, sh * s, sw * s, sn))
+        return window_view(a, self.k, self.stride, ho, wo)
 
-    def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int) -> list[tuple[int, int]]:
-        """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns within CHUNK_BYTES (or
-        what the kernels ask for: mpisgd.kernels)."""
-        per_row = self.c_in * self.k * self.k * wo * n * itemsize
+    def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int, c: int | None = None) -> list[tuple[int, int]]:
+        """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns (of ``c`` input
+        channels, c_in by default) within CHUNK_BYTES (or what the kernels ask for: mpisgd.kernels)."""
+        per_row = (self.c_in if c is None else c) * self.k * self.k * wo * n * itemsize
         rows = max(1, min(ho, (self.ctx.kernels.columns_nbytes or CHUNK_BYTES) // per_row))
         return [(r0, min(ho, r0 + rows)) for r0 in range(0, ho, rows)]
 
     def _im2col(self, windows: Array, r0: int, r1: int) -> Array:
-        """Columns (c_in*k*k, (r1-r0)*Wo, N) of output rows [r0, r1): one copy out of the window view."""
+        """Columns (c*k*k, (r1-r0)*Wo, N) of output rows [r0, r1): one copy out of the window view."""
         c, k, _, _, wo, n = windows.shape
         cols = self._buf("cols", (c * k * k, (r1 - r0) * wo, n), windows)
         cols.reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
         return cols
 
-    def forward(self, x: Array) -> Array:
+    def _correlate(self, padded: Array, W: Array, out: Array) -> None:
+        """out (c', Ho, Wo, N) = the correlation of ``padded`` (c, Hp, Wp, N) with the kernels ``W`` (c', c*k*k),
+        chunk by chunk of output rows, through the model's kernels."""
+        kernels = self.ctx.kernels
+        c_out, ho, wo, n = out.shape
+        windows = self._windows(padded, ho, wo)
+        W = kernels.left(W)  # one W for every chunk
+        for r0, r1 in self._row_chunks(ho, wo, n, padded.itemsize, padded.shape[0]):
+            cols = self._im2col(windows, r0, r1)
+            # per position: (c', ckk) @ (ckk, N), written straight into out's rows r0..r1
+            out_rows = out[:, r0:r1].reshape(c_out, (r1 - r0) * wo, n)
+            kernels.matmul(W, cols.transpose(1, 0, 2), out=out_rows.transpose(1, 0, 2))
+
+    def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
+        if c != self.c_in:
+            raise ValueError(f"{self!r} takes {self.c_in} channels, got {c} (input shape {tuple(x.shape)}, batch "
+                             f"{'last' if self.batch_last else 'first'})")
         ho, wo = self._out_hw(h, w)
+        if ho < 1 or wo < 1:
+            raise ValueError(f"{self!r}: the {h} x {w} input is smaller than the kernel")
         self._xshape = x.shape
         self._xpad = self._padded(x)
-        windows = self._windows(self._xpad, ho, wo)
-        W = self.ctx.kernels.left(self.params["W"].reshape(self.c_out, -1))  # one W for every chunk
         y = self._buf("y", (self.c_out, ho, wo, n), x)
-        for r0, r1 in self._row_chunks(ho, wo, n, x.itemsize):
-            cols = self._im2col(windows, r0, r1)
-            # per position: (c_out, ckk) @ (ckk, N), written straight into y's rows r0..r1
-            y_rows = y[:, r0:r1].reshape(self.c_out, (r1 - r0) * wo, n)
-            self.ctx.kernels.matmul(W, cols.transpose(1, 0, 2), out=y_rows.transpose(1, 0, 2))
-        y += self.params["b"][:, None, None, None]
+        self._correlate(self._xpad, self.params["W"].reshape(self.c_out, -1), y)
+        if self.bias:
+            y += self.params["b"][:, None, None, None]
         return y
 
-    def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
+    def backward_bl(self, dy: Array, need_dx: bool = True) -> Array | None:
         self._weight_grads(dy)
         return self._input_grad(dy) if need_dx else None
 
@@ -238,12 +264,32 @@ class Conv2d(Module):
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
         ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
-        db = self._grad_out("b", (self.c_out,), dy)
-        ops.sum(dy.reshape(self.c_out, -1), axis=1, out=db)
-        self._grad_done("b", db)
+        if self.bias:
+            db = self._grad_out("b", (self.c_out,), dy)
+            ops.sum(dy.reshape(self.c_out, -1), axis=1, out=db)
+            self._grad_done("b", db)
 
     def _input_grad(self, dy: Array) -> Array:
-        """dx: kernel offset by kernel offset, W[:, :, i, j]^T dy goes back onto the inputs that offset's
+        """dx, by the cheaper of two routes for this convolution's shape (fixed by it): a "same" convolution
+        (stride 1, padding (k-1)/2: ResNet's 3 x 3) has as its transpose a "same" convolution of dy with the
+        kernels flipped and c_in, c_out swapped, which runs through forward's path (im2col in cache, one
+        product per position); any other goes kernel offset by kernel offset."""
+        return self._input_grad_same(dy) if self._same else self._input_grad_by_offset(dy)
+
+    @property
+    def _same(self) -> bool:
+        return self.stride == 1 and 2 * self.pad == self.k - 1
+
+    def _input_grad_same(self, dy: Array) -> Array:
+        c, h, w, n = self._xshape
+        W_flip = self._buf("W_flip", (c, self.c_out, self.k, self.k), dy)
+        W_flip[...] = self.params["W"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+        dx = self._buf("dx", (c, h, w, n), dy)
+        self._correlate(self._padded(dy, "dypad"), W_flip.reshape(c, -1), dx)
+        return dx
+
+    def _input_grad_by_offset(self, dy: Array) -> Array:
+        """Kernel offset by kernel offset, W[:, :, i, j]^T dy goes back onto the inputs that offset's
         windows read. This is col2im with its GEMM split by offset: each product is added while still
         in cache, and no (c_in*k*k, positions, N) buffer of column gradients is ever made."""
         c, h, w, n = self._xshape
@@ -263,11 +309,13 @@ class Conv2d(Module):
         return dxpad[:, p:p + h, p:p + w] if p else dxpad
 
     def __repr__(self) -> str:
-        return f"Conv2d({self.c_in}, {self.c_out}, kernel={self.k}, stride={self.stride}, padding={self.pad})"
+        return (f"Conv2d({self.c_in}, {self.c_out}, kernel={self.k}, stride={self.stride}, padding={self.pad}"
+                + (")" if self.bias else ", bias=False)"))
 
 
-class MaxPool2d(Module):
-    """Non-overlapping max pooling (kernel = stride) on (C, H, W, N) arrays, as Conv2d; odd edges are dropped.
+class MaxPool2d(SpatialModule):
+    """Non-overlapping max pooling (kernel = stride), (N, C, H, W) batches, batch last inside as Conv2d;
+    odd edges are dropped.
 
     Separable: the max over each k x k window is the max along W of k neighbours, then along H of k
     of those. Each pass keeps, per output, the index (0..k-1) of the first maximum (uint8), so backward
@@ -313,16 +361,18 @@ class MaxPool2d(Module):
             xp.equal(arg, q, out=is_q)
             xp.multiply(dout, is_q, out=self._group(dx, axis, q))
 
-    def forward(self, x: Array) -> Array:
+    def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
         k = self.k
+        if h < k or w < k:
+            raise ValueError(f"{self!r}: the {h} x {w} input is smaller than the window")
         self._xshape = x.shape
         # along W first, then H: the first maximum of the window in row-major order wins
         maxes, self._arg_w = self._max_along(x[:, :h // k * k, :w // k * k], 2, "row_max")  # (C, H', Wo, N)
         y, self._arg_h = self._max_along(maxes, 1, "y")  # (C, Ho, Wo, N)
         return y
 
-    def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
+    def backward_bl(self, dy: Array, need_dx: bool = True) -> Array | None:
         if not need_dx:
             return None
         c, h, w, n = self._xshape

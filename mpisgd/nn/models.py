@@ -18,6 +18,9 @@ from mpisgd.nn.containers import Sequential
 from mpisgd.nn.gpt import GPTShape, gpt
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
 from mpisgd.nn.module import Model, Module
+from mpisgd.nn.resnet import resnet
+
+STOCK = ("mlp", "cnn", "resnet", "gpt")  # the models --model names; anything else is package.module:function
 
 
 def mlp(hidden: tuple[int, ...] = (1024, 1024), n_in: int = 784, n_classes: int = 10) -> Sequential:
@@ -38,6 +41,8 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
 
     The convolutional part runs batch last (CHWN, see Conv2d): one permutation of the NCHW input at the
     start, one back before Flatten, so the features reach the first Linear in NCHW's (c, h, w) order.
+    (The layout plan, mpisgd.nn.layout, would place the same two transposes by itself; the explicit
+    Permute layers keep the parameters' names, and so the model files, of earlier versions.)
     Each max-pool comes before its ReLU: the two commute (both are monotone), so this is the same
     function and gradient as conv-ReLU-pool, with the ReLU on a quarter of the elements.
     """
@@ -68,8 +73,8 @@ def _gpt(in_shape: tuple[int, ...], n_classes: int, arch: dict[str, Any] | None)
 
 
 def factory(name: str) -> Callable[..., Module]:
-    """``mlp``, ``cnn``, ``gpt`` or ``package.module:function`` (importable from the working directory or
-    PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
+    """``mlp``, ``cnn``, ``resnet``, ``gpt`` or ``package.module:function`` (importable from the working
+    directory or PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
     does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
     if name == "mlp":
         return lambda in_shape, n_classes, hidden=(1024, 1024): mlp(hidden, math.prod(in_shape), n_classes)
@@ -77,9 +82,11 @@ def factory(name: str) -> Callable[..., Module]:
         return lambda in_shape, n_classes, hidden=(): cnn(n_classes, in_shape)
     if name == "gpt":
         return lambda in_shape, n_classes, hidden=(), arch=None: _gpt(tuple(in_shape), n_classes, arch)
+    if name == "resnet":
+        return lambda in_shape, n_classes, hidden=(): resnet(tuple(in_shape), n_classes)
     module, _, fn = name.partition(":")
     if not module or not fn:
-        raise ValueError(f"--model {name}: use mlp, cnn, or package.module:function for a model of your own")
+        raise ValueError(f"--model {name}: use mlp, cnn, resnet, or package.module:function for a model of your own")
     try:
         found = getattr(importlib.import_module(module), fn)
     except SyntaxError as exc:  # before ImportError's handler: the user's typo, where it is
@@ -111,7 +118,7 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: i
     make = factory(name)
     if name == "gpt":
         model = make(in_shape, n_classes, arch=arch)
-    elif name in ("mlp", "cnn"):
+    elif name in STOCK:
         model = make(in_shape, n_classes, hidden)
     else:
         try:
@@ -124,27 +131,36 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: i
     return model
 
 
-BATCH_LAST_HINT = ("Conv2d and MaxPool2d take batch-last (C, H, W, N) arrays while batches arrive as (N, C, H, W): "
-                   "put Permute((1, 2, 3, 0)) before the first of them and Permute((3, 0, 1, 2)) before Flatten "
-                   "(see examples/model_factory.py)")
+LAYOUT_HINT = ("image layers (Conv2d, MaxPool2d, BatchNorm2d, ...) take (N, C, H, W) batches as they come: no "
+               "Permute is needed; a model that keeps Permute((1, 2, 3, 0)) must put Permute((3, 0, 1, 2)) back "
+               "before Flatten (see examples/model_factory.py)")
 
 
 def _layout_hint(model: Model) -> str:
-    """The hint for a model whose Conv2d or MaxPool2d has no Permute before it ("" otherwise)."""
-    for layer in model.modules():
-        if isinstance(layer, Permute):
-            return ""
-        if isinstance(layer, Conv2d | MaxPool2d):
-            return f"; {BATCH_LAST_HINT}"
+    """The hint for a model with a Permute to batch last (a model written for the layers of before), or ""."""
+    if any(isinstance(m, Permute) and m.axes == (1, 2, 3, 0) for m in model.modules()):
+        return f"; {LAYOUT_HINT}"
     return ""
 
 
 def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
                  tokens: bool = False) -> None:
-    """Two samples through the materialised model, forward then backward (a loss gradient of ones): it must
-    give one score per class (``tokens``: at every position of a window of token ids), and both passes must
-    run. ValueError names the failing pass and the user's exception, with a hint when a convolution lacks its
-    layout change. The gradients this leaves are overwritten by the first step."""
+    """Two samples through the materialised model, forward then backward (a loss gradient of ones), in the
+    mode it is in: it must give one score per class (``tokens``: at every position of a window of token
+    ids), and both passes must run. ValueError names the failing pass and the user's exception, with a hint
+    about the layout where it may help. The gradients this leaves are overwritten by the first step; the
+    buffers (BatchNorm's running statistics, which a train-mode pass updates) are put back as they were."""
+    state = model.state
+    kept = None if state is None else state.copy()
+    try:
+        _check_output(model, xp, in_shape, n_classes, dtype, tokens)
+    finally:
+        if state is not None:
+            state[...] = kept
+
+
+def _check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
+                  tokens: bool) -> None:
     x = xp.zeros((2, *in_shape), dtype="int64" if tokens else dtype)  # type: ignore[attr-defined]
     try:
         out = model.forward(x)

@@ -46,6 +46,7 @@ class Context:
     sample_ids: Any = None  # int64 global index of each sample of the current micro-batch (None: unknown)
     stat_row: Any = None  # float64 row where modules write the current micro-batch's statistics (None: apply now)
     kernels: Kernels = FAST  # what matmul, sums and exp/log compute with: fast or portable (mpisgd.kernels)
+    comm: Any = None  # the ranks' communicator, for modules that reduce across them (SyncBatchNorm); None: one process
 
 
 class Module:
@@ -196,6 +197,9 @@ class Model:
         self._modules = [m for _, m in self._named]
         if len({id(m) for m in self._modules}) != len(self._modules):
             raise ValueError("a module appears twice in the model: shared modules (weight tying) are not supported")
+        from mpisgd.nn.layout import plan_layouts  # noqa: PLC0415 - the planner knows the containers and layers
+
+        plan_layouts(root)  # where the batch axis is between modules: image layers run batch last inside
         stat_offset = 0
         for i, m in enumerate(self._modules):
             m.ctx, m.index, m.stat_offset = self.ctx, i, stat_offset

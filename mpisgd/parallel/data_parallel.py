@@ -104,6 +104,9 @@ class DataParallel:
         self.model, self.replica, self.optimizer, self.flat = model, as_replica(model), optimizer, flat
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        self._model_ctx = getattr(model, "ctx", None)  # mpisgd.nn's: modules that reduce across ranks use its comm
+        if self._model_ctx is not None and hasattr(self._model_ctx, "comm"):
+            self._model_ctx.comm = self.comm  # (SyncBatchNorm): every rank reaches those collectives alike
         self.overlap, self.on_nan, self.check_in, self.noise_every = overlap, on_nan, check_in, noise_every
         self.clip_grad_norm = clip_grad_norm or None  # the averaged gradient's largest global L2 norm
         self.measure_grad_norm = measure_grad_norm  # compute last_grad_norm even without clipping
@@ -327,6 +330,8 @@ class DataParallel:
         if self._closed:
             return
         self._closed = True
+        if self._model_ctx is not None and hasattr(self._model_ctx, "comm"):
+            self._model_ctx.comm = None  # freed below
         self.watchdog.close()
         self.gradients.close()  # the node-shared window goes with the reducer: the model's gradients come home
         self.shared_grads = False
