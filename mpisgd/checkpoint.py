@@ -1,7 +1,8 @@
 """Files: final parameters, and checkpoints to resume from.
 
 A checkpoint is one ``.npz`` (loaded with ``allow_pickle=False``: it never
-executes data) holding the flat parameters, the optimizer's state (each of its
+executes data) holding the flat parameters, the model's flat state (running
+statistics, ``model_state``, when the model has any), the optimizer's state (each of its
 parameter-sized buffers as ``state.NAME``: SGD's ``velocity``, Adam's
 ``exp_avg`` and ``exp_avg_sq``; its scalars as JSON: the previous rate, Adam's
 step count), the position (global step, epoch, step within the epoch: the data
@@ -78,6 +79,7 @@ class TrainState:
     structure: dict[str, Any] = field(default_factory=dict)  # model_structure(); {} in older checkpoints
     run_id: str = ""  # the run's identity (RunDirectory sets it); "" in older checkpoints
     model: dict[str, Any] = field(default_factory=dict)  # what model it is (mpisgd.app.run.model_record)
+    model_state: np.ndarray | None = None  # the model's flat state (running statistics), if it has any
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -127,6 +129,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
     }
     if state.model:
         arrays["model"] = np.array(json.dumps(state.model))
+    if state.model_state is not None:
+        arrays["model_state"] = state.model_state
     if state.grad_exponents is not None:
         arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
     if state.environment:
@@ -171,7 +175,8 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
                 environment=json.loads(str(z["environment"])) if "environment" in z.files else {},
                 structure=json.loads(str(z["structure"])) if "structure" in z.files else {},
                 run_id=str(z["run"]) if "run" in z.files else "",
-                model=json.loads(str(z["model"])) if "model" in z.files else {})
+                model=json.loads(str(z["model"])) if "model" in z.files else {},
+                model_state=z["model_state"] if "model_state" in z.files else None)
     except CheckpointError:
         raise
     except (OSError, EOFError, KeyError, ValueError, IndexError, TypeError, zipfile.BadZipFile) as exc:
@@ -183,6 +188,9 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
         if not np.isfinite(a).all():
             raise CheckpointError(f"{path}: {name} hold {np.count_nonzero(~np.isfinite(a)):,} non-finite values "
                                   "(NaN or inf): not a state to continue from")
+    ms = state.model_state
+    if ms is not None and (ms.ndim != 1 or ms.dtype.kind != "f" or not np.isfinite(ms).all()):
+        raise CheckpointError(f"{path}: model_state must be a 1-D array of finite floats, got {ms.dtype} {ms.shape}")
     _check_scalars(path, state)
     return state
 

@@ -12,6 +12,10 @@ Files written before the model was recorded still load where the model can be to
 hold: a ``--save-model`` file of the stock ``mlp`` or ``cnn`` from its parameters' names and shapes, a
 checkpoint from its configuration (an ``mlp``'s input size from the parameter count; anything else
 needs ``in_shape``).
+
+A PyTorch model (``framework: torch`` in its description) is rebuilt only from a factory the caller
+names (``factory=``; ``python -m mpisgd.evaluate --model-factory``): reading a file never imports the
+code it names. Its state (running statistics) is saved as ``state`` beside ``flat``.
 """
 
 from __future__ import annotations
@@ -50,15 +54,18 @@ class SavedModel:
     path: str  # the file read (a directory's newest good checkpoint)
 
 
-def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> Model:
+def load_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None,
+               factory: str | None = None) -> Model:
     """The model that ``path`` (a --save-model file, a checkpoint, or a checkpoint directory:
     its newest good checkpoint) holds, with its parameters, on ``xp`` (NumPy by default). ``in_shape``
-    (one sample's) is needed only for older files that do not record it. ModelFileError says what is
-    wrong."""
-    return read_model(path, in_shape, xp).model
+    (one sample's) is needed only for older files that do not record it. A PyTorch model's file names
+    its factory but is built only from the ``factory`` (``"package.module:function"``) the caller
+    passes: name only code you trust. ModelFileError says what is wrong."""
+    return read_model(path, in_shape, xp, factory).model
 
 
-def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None) -> SavedModel:
+def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = None,
+               factory: str | None = None) -> SavedModel:
     """load_model, with the file's description of the model."""
     p = Path(path)
     if p.is_dir():
@@ -77,10 +84,12 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
         with np.load(p, allow_pickle=False) as z:
             files = set(z.files)
             named = {k: z[k] for k in files if k[:1].isdigit()}
+            held: np.ndarray | None = None  # the model's state (running statistics)
             if "params" in files and "config" in files:
-                flat, meta = _from_checkpoint(p, in_shape)
+                flat, meta, held = _from_checkpoint(p, in_shape)
             elif "flat" in files:
                 flat = z["flat"]
+                held = z["state"] if "state" in files else None
                 meta = json.loads(str(z["meta"])) if "meta" in files else _infer(named, flat, in_shape, p)
             else:
                 raise ModelFileError(f"{p} holds neither a --save-model file's 'flat' nor a checkpoint's 'params' "
@@ -93,17 +102,21 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
         if in_shape is None:
             raise ModelFileError(f"{p} does not record its input shape (written by an older mpisgd): pass in_shape")
         meta["in_shape"] = list(in_shape)
-    model = _build(meta, flat, named, p, xp)
+    if meta.get("framework") == "torch":
+        model = _build_torch(meta, flat, held, p, xp, factory)
+    else:
+        model = _build(meta, flat, named, p, xp)
     return SavedModel(model, meta, str(p))
 
 
-def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndarray, dict[str, Any]]:
+def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None
+                     ) -> tuple[np.ndarray, dict[str, Any], np.ndarray | None]:
     try:
         state = load_checkpoint(p)
     except CheckpointError as exc:
         raise ModelFileError(str(exc)) from None
     if state.model:
-        return state.params, {**state.model, "step": state.global_step}
+        return state.params, {**state.model, "step": state.global_step}, state.model_state
     cfg = state.config  # an older checkpoint: what its configuration says
     meta = {"model": cfg.get("model", "mlp"), "hidden": cfg.get("hidden", [1024, 1024]),
             "dtype": cfg.get("dtype", str(state.params.dtype)), "classes": state.data.get("classes", 10),
@@ -115,7 +128,7 @@ def _from_checkpoint(p: Path, in_shape: tuple[int, ...] | None) -> tuple[np.ndar
         n_in, odd = divmod(state.params.size - rest, widths[0])
         if n_in >= 1 and not odd:
             meta["in_shape"] = [n_in]
-    return state.params, meta
+    return state.params, meta, state.model_state
 
 
 def _infer(named: dict[str, np.ndarray], flat: np.ndarray, in_shape: tuple[int, ...] | None,
@@ -164,6 +177,33 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
     return model
 
 
+def _build_torch(meta: dict[str, Any], flat: np.ndarray, state: np.ndarray | None, p: Path, xp: Any,
+                 factory: str | None) -> Model:
+    """A PyTorch model from the factory the caller names (never the file's), with the file's parameters
+    and state."""
+    if not factory:
+        raise ModelFileError(f"{p} holds a PyTorch model made by {meta.get('model')!r}; mpisgd does not run code a "
+                             "file names: pass the factory you trust (load_model(..., factory=...), or "
+                             "python -m mpisgd.evaluate --model-factory package.module:function)")
+    try:
+        module = build_model(factory, tuple(meta["in_shape"]), int(meta["classes"]), seed=int(meta.get("seed", 0)))
+    except (KeyError, TypeError) as exc:
+        raise ModelFileError(f"{p}: its model description lacks {exc}") from None
+    except ValueError as exc:
+        raise ModelFileError(f"{p}: cannot build its model with {factory} ({exc})") from None
+    model = module.materialize(np if xp is None else xp, meta.get("dtype") or str(flat.dtype), seed=0)
+    if flat.ndim != 1 or flat.size != model.flat.size:
+        raise ModelFileError(f"{p} holds {flat.size} parameters; {factory} builds a model of {model.flat.size}")
+    have = 0 if model.state is None else model.state.size
+    if (0 if state is None else state.size) != have:
+        raise ModelFileError(f"{p} holds {0 if state is None else state.size} values of model state (running "
+                             f"statistics); {factory} builds a model of {have}")
+    model.flat.params[...] = model.flat.xp.asarray(flat)
+    if model.state is not None and state is not None:
+        model.state[...] = model.flat.xp.asarray(state)
+    return model
+
+
 def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike] = (),
                 meta: dict[str, Any] | None = None) -> str:
     """Write the final parameters (the flat vector and each named parameter, as NumPy arrays) and ``meta``,
@@ -174,6 +214,8 @@ def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike
     named = {name: to_numpy(p) for name, p in model.named_parameters()}
     flat = to_numpy(model.flat.params)
     extra = {"meta": np.array(json.dumps(meta))} if meta else {}
+    if getattr(model, "state", None) is not None:  # running statistics: part of the model
+        extra["state"] = to_numpy(model.state)
     tried = []
     for target in [Path(path), *(free_name(Path(d), Path(path).name) for d in fallback_dirs)]:
         try:

@@ -36,6 +36,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="--dataset synthetic: the seed its test set is made "
                         "from (default: the seed the model was trained with)")
     parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass (default: 256)")
+    parser.add_argument("--model-factory", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                        help="a PyTorch model's factory, which builds the model the file holds (a file never names "
+                             "the code that runs: name only code you trust)")
     return parser
 
 
@@ -165,11 +168,11 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.data and args.dataset == "synthetic":
         raise UsageError("--data and --dataset synthetic: choose one")
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
-        saved = read_model(args.path, in_shape=(1, 28, 28))
+        saved = read_model(args.path, in_shape=(1, 28, 28), factory=args.model_factory)
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
         test, name, source, classes = load_test_set(args, seed)
     else:
         test, name, source, classes = load_test_set(args)
-        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]))
+        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]), factory=args.model_factory)
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
     return saved, test, name, source, classes, warnings

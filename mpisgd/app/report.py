@@ -136,7 +136,7 @@ def memory_line(peak: float, start: float, state: float) -> str:
 
 def describe_model(model: Any) -> str:
     """The modules that hold parameters, each with its first parameter's shape."""
-    parts = [f"{type(m).__name__} {'x'.join(map(str, m.param_shapes[0][1]))}"
+    parts = [f"{getattr(m, 'kind', type(m).__name__)} {'x'.join(map(str, m.param_shapes[0][1]))}"
              for m in model.modules() if m.param_shapes]
     return ", ".join(parts)
 
@@ -191,7 +191,8 @@ def banner(run: Run) -> list[str]:
     if cfg.reproducible:
         env = run.environment
         lines.append(fit(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
-                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s))"))
+                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s)"
+                         + (f"; {env['torch']}, deterministic algorithms" if "torch" in env else "") + ")"))
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mpisgd import data
-from mpisgd.agreement import ReplicaError, agree
+from mpisgd.agreement import ReplicaError, agree, bcast_
 from mpisgd.app import preflight, run_files
 from mpisgd.app.preflight import peak_rss_mib
 from mpisgd.app.resume import ResumePoint, resume_point
@@ -159,11 +159,6 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
     environment = backend_environment(ctx.backend, threads)
-    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
-                            if resume.environment.get(k) != v)
-        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
-                        "--reproducible promises the same bits only on the same one")
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
@@ -171,6 +166,9 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     xp = ctx.xp
     model = module.materialize(xp, cfg.dtype, cfg.seed)
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
+    if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs
+        environment.update(stage("the PyTorch model", lambda: _prepare_torch(cfg, model, run_data, threads,
+                                                                              ctx.rank)))
     optimizer = _optimizer(cfg, model)
     timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
     reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
@@ -188,6 +186,11 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     spe = batches.steps_per_epoch
     n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
     schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
+    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
+                            if resume.environment.get(k) != v)
+        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
+                        "--reproducible promises the same bits only on the same one")
     with wd.watching("set-up: the rank map"):
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
@@ -224,9 +227,18 @@ def _load_data(cfg: Config) -> RunData:
 
 def _build_model(cfg: Config, run_data: RunData) -> Module:
     try:
-        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden)
+        return build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden, seed=cfg.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _prepare_torch(cfg: Config, model: Model, run_data: RunData, threads: int, rank: int) -> dict[str, str]:
+    from mpisgd.torch.runtime import prepare  # noqa: PLC0415 - torch models only
+
+    try:
+        return prepare(model, run_data.in_shape, threads, cfg.reproducible, rank, cfg.seed)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
 def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -> None:
@@ -324,19 +336,40 @@ def _restore(run: Run, state: TrainState | None) -> None:
                                     f"{model.flat.size}")
         else:
             model.flat.params[...] = run.ctx.xp.asarray(state.params)
+            error = _restore_state(model, state, plan.path, run.ctx.xp)
     agree(run.ctx.comm, error)
     # rank 0's state buffers (the others' are broadcast next), every rank's scalars (the plan's)
     optimizer.load_state(plan.optimizer_state, state.buffers if state is not None else None)
     run.dp.broadcast_parameters()  # every rank continues from rank 0's copy (sharded: whole buffers)
+    if model.state is not None:  # the model's state (running statistics) too
+        bcast_(run.ctx.comm, model.state, 0)
     run.dp.restore(plan.global_step, plan.skipped_steps, plan.grad_exponents)
+
+
+def _restore_state(model: Model, state: TrainState, path: str, xp: Any) -> CheckpointError | None:
+    """Rank 0: the checkpoint's model state (running statistics) into the model's; an error where the
+    two do not fit."""
+    saved = state.model_state
+    if model.state is None:
+        return None if saved is None else CheckpointError(f"{path} holds model state ({saved.size} values) "
+                                                          "the model has none of")
+    if saved is None:
+        return CheckpointError(f"{path} holds no model state (running statistics); the model has "
+                               f"{model.state.size} values of it")
+    if saved.size != model.state.size:
+        return CheckpointError(f"{path} holds {saved.size} values of model state, the model has {model.state.size}")
+    model.state[...] = xp.asarray(saved)
+    return None
 
 
 def model_record(run: Run, step: int | None = None) -> dict[str, Any]:
     """What model ``run`` trains, as a JSON-able dict: enough to build it again (the model's name or
-    factory, one sample's shape, the classes, the MLP's hidden widths, the dtype), and how its inputs
+    factory, ``framework: torch`` for a PyTorch factory's, one sample's shape, the classes, the MLP's
+    hidden widths, the dtype), and how its inputs
     were scaled (``x * input_scale + input_shift``), the data set's identity and the step."""
     cfg, data = run.cfg, run.data
     meta = {"format": FORMAT, "version": VERSION, "model": cfg.model, "in_shape": list(data.in_shape),
+            **({"framework": "torch"} if getattr(run.model, "framework", "") == "torch" else {}),
             "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
             "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
             "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}

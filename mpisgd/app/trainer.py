@@ -174,7 +174,8 @@ class Trainer:
             skipped_steps=self.dp.skipped_steps, world_size=run.k, effective_batch=run.B,
             config=cfg.to_dict(), data=run.data.identity,
             grad_exponents=None if self.dp.exponents is None else np.asarray(self.dp.exponents),
-            environment=run.environment, structure=run.structure, model=model_record(run))
+            environment=run.environment, structure=run.structure, model=model_record(run),
+            model_state=None if run.model.state is None else to_numpy(run.model.state))
         try:
             return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:

@@ -2,13 +2,16 @@
 
 Built on the host; ``materialize`` puts them on a device. A model factory takes the input shape (one
 sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`~mpisgd.nn.Module` (e.g.
-a :class:`Sequential`) whose output is one score per class.
+a :class:`Sequential`) whose output is one score per class, or a ``torch.nn.Module``, which
+mpisgd.torch wraps (its tensors become views of the flat buffers; docs/torch.md). A factory runs with
+torch's generator seeded by ``seed`` when it uses torch, so every rank builds the same initial values.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -69,6 +72,13 @@ def factory(name: str) -> Callable[..., Module]:
         raise ValueError(f"--model {name}: use mlp, cnn, or package.module:function for a model of your own")
     try:
         found = getattr(importlib.import_module(module), fn)
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":  # a PyTorch model, and no PyTorch here
+            from mpisgd.torch._import import INSTALL  # noqa: PLC0415 - imports nothing of torch
+
+            raise ValueError(f"--model {name} is a PyTorch model ({module} imports torch), and PyTorch is not "
+                             f"installed: {INSTALL}") from None
+        raise ValueError(f"--model {name}: cannot import {module} ({exc})") from None
     except SyntaxError as exc:  # before ImportError's handler: the user's typo, where it is
         raise ValueError(f"--model {name}: {exc.filename}, line {exc.lineno}: {type(exc).__name__}: {exc.msg}") \
             from None
@@ -78,7 +88,24 @@ def factory(name: str) -> Callable[..., Module]:
         raise ValueError(f"--model {name}: {module} has no {fn}") from None
     except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while importing
         raise ValueError(f"--model {name}: importing {module} {_raised(exc)}") from None
-    return lambda in_shape, n_classes, hidden=(): found(tuple(in_shape), n_classes)
+    return lambda in_shape, n_classes, hidden=(), seed=0: _seeded(found, tuple(in_shape), n_classes, seed)
+
+
+def _seeded(found: Callable[..., Module], in_shape: tuple[int, ...], n_classes: int, seed: int) -> Module:
+    """The user's factory, under torch's generator seeded by ``seed`` where torch is loaded (the caller's
+    generator state is kept), so that a torch model starts from the same values on every rank and run."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return found(in_shape, n_classes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return found(in_shape, n_classes)
+
+
+def is_torch_module(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.nn.Module`` (without importing torch where it is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 def _raised(exc: BaseException) -> str:
@@ -91,20 +118,30 @@ def _raised(exc: BaseException) -> str:
 
 
 def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
-                hidden: tuple[int, ...] = (1024, 1024)) -> Module:
+                hidden: tuple[int, ...] = (1024, 1024), seed: int = 0) -> Module:
     """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
-    name, a factory that raises or exits, or one that does not return a Module)."""
+    name, a factory that raises or exits, or one that does not return a Module). A factory's
+    ``torch.nn.Module`` comes back as an mpisgd.torch.TorchModule; ``seed`` seeds torch's generator
+    while the factory runs."""
     make = factory(name)
     if name in ("mlp", "cnn"):
         model = make(in_shape, n_classes, hidden)
     else:
         try:
-            model = make(in_shape, n_classes)
+            model = make(in_shape, n_classes, seed=seed)
         except (Exception, SystemExit) as exc:  # the user's code: say whose error it is, in one line
             raise ValueError(f"--model {name} {_raised(exc)}") from None
+    if is_torch_module(model):
+        from mpisgd.torch.model import TorchModule  # noqa: PLC0415 - only for torch models
+        from mpisgd.torch.modules import UnsupportedModule  # noqa: PLC0415
+
+        try:
+            return TorchModule(model)
+        except UnsupportedModule as exc:
+            raise ValueError(f"--model {name}: {exc}") from None
     if not isinstance(model, Module):
-        raise ValueError(f"--model {name} must return an mpisgd.nn.Module (e.g. a Sequential), got "
-                         f"{type(model).__name__}")
+        raise ValueError(f"--model {name} must return an mpisgd.nn.Module (e.g. a Sequential) or a "
+                         f"torch.nn.Module, got {type(model).__name__}")
     return model
 
 
@@ -127,8 +164,17 @@ def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes:
     """Two samples through the materialised model, forward then backward (a loss gradient of ones): it must
     give one score per class, and both passes must run. ValueError names the failing pass and the user's
     exception, with a hint when a convolution lacks its layout change. The gradients this leaves are
-    overwritten by the first step."""
+    overwritten by the first step; the model's state (running statistics) is put back as it was."""
     x = xp.zeros((2, *in_shape), dtype=dtype)  # type: ignore[attr-defined]
+    saved = None if model.state is None else model.state.copy()
+    try:
+        _check_passes(model, x, xp, in_shape, n_classes)
+    finally:
+        if saved is not None and model.state is not None:
+            model.state[...] = saved
+
+
+def _check_passes(model: Model, x: object, xp: object, in_shape: tuple[int, ...], n_classes: int) -> None:
     try:
         out = model.forward(x)
     except Exception as exc:
