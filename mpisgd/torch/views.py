@@ -4,7 +4,7 @@ NumPy arrays become CPU tensors through ``torch.from_numpy``, CuPy arrays CUDA t
 (``torch.from_dlpack``), and back (``Tensor.numpy``, ``cupy.from_dlpack``). NumPy has no bfloat16: a
 bfloat16 tensor's memory is kept as a ``uint16`` array of its bits (:func:`storage_dtype`), viewed as
 bfloat16 by torch; float16 is NumPy's own. Arithmetic on half-precision gradients (averaging, norms)
-goes through float32 copies (mpisgd.torch.wrap).
+goes through float32 copies (mpisgd.torch.distributed).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ end of backward (an autograd callback) starts what is left and waits: after ``lo
   the flat buffer, zeroed; a gradient the caller replaced is copied into it.
 - float16 and bfloat16 parameters: their gradients are averaged in float32 (NumPy has no bfloat16: its
   bits are held as uint16).
-- Buffers: as DDP's ``broadcast_buffers=True``, each forward that will synchronise takes rank 0's buffers
-  (one broadcast of the flat state), so BatchNorm's running statistics are the same on every rank.
+- Buffers: as DDP's ``broadcast_buffers=True``, rank 0's buffers are every rank's, broadcast (the flat
+  state, one call) at the end of every synchronised backward rather than at the next forward's start:
+  rank 0's trajectory is DDP's, and between steps the running statistics are the same on every rank.
 - Every synchronising forward begins with a check-in (one small Allgather): a rank at another step, or with
   other buffers, is named on every rank instead of mixing the wrong gradients.
 - The gradient noise scale (mpisgd.noise) every ``noise_every`` steps: each rank's gradient before the
@@ -272,7 +273,7 @@ class DistributedModel(torch.nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's forward; when gradients are enabled, also what the coming backward needs: the
-        gradient views in place, and outside no_sync the check-in and rank 0's buffers."""
+        gradient views in place, and outside no_sync the check-in."""
         t0 = time.perf_counter()
         if torch.is_grad_enabled():
             self._close_interval(t0)
@@ -324,14 +325,10 @@ class DistributedModel(torch.nn.Module):
                 p.grad = view
 
     def _arm(self) -> None:
-        """Before a forward whose backward will average: check in with the other ranks, take rank 0's
-        buffers, count every bucket's gradients afresh."""
+        """Before a forward whose backward will average: check in with the other ranks, count every
+        bucket's gradients afresh."""
         if self.k > 1:
             self._check_in()
-            if self.broadcast_buffers:
-                with self.watchdog.watching(f"buffer broadcast of step {self.step}"):
-                    for s in self.states:
-                        bcast_(self.comm, s, 0)
         for b in self.buckets:
             b.left = b.n
         self._syncing, self._queued = True, False
@@ -391,7 +388,8 @@ class DistributedModel(torch.nn.Module):
 
     def _finish(self) -> None:
         """The end of a synchronising backward (an autograd callback): start what is left (buckets whose
-        parameters autograd did not reach), wait for every bucket, half precision back from float32."""
+        parameters autograd did not reach), wait for every bucket, half precision back from float32; then
+        rank 0's buffers to every rank."""
         t0 = time.perf_counter()
         self.times.backward_s += t0 - self._t_mark
         with self.watchdog.watching(f"gradient all-reduce of step {self.step}"):
@@ -407,6 +405,10 @@ class DistributedModel(torch.nn.Module):
         for b in self.buckets:
             if b.staging is not None:
                 as_tensor(b.group.grads[b.lo:b.hi], b.group.dtype).copy_(as_tensor(b.staging))
+        if self.broadcast_buffers and self.k > 1:  # rank 0's buffers (running statistics) everywhere
+            with self.watchdog.watching(f"buffer broadcast of step {self.step}"):
+                for s in self.states:
+                    bcast_(self.comm, s, 0)
         t = self.times
         if self._measure:
             big = sum(finite_sq_norm(b.staging if b.staging is not None else b.group.grads[b.lo:b.hi],
@@ -438,7 +440,7 @@ class DistributedModel(torch.nn.Module):
 
     def log_loss(self, loss: Any) -> None:
         """Note a step's loss for the metrics records' ``train_loss`` (a host sync: ``float(loss)``)."""
-        self.times.loss_sum += float(loss)
+        self.times.loss_sum += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         self.times.losses += 1
 
     def noise_scale(self) -> NoiseScale | None:
