@@ -5,8 +5,6 @@ buffers, unused parameters, bfloat16 gradients, accumulation, the noise scale an
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
 
 from mpi4py import MPI  # noqa: E402
+from torch_factories import gloo  # noqa: E402
 
 from mpisgd.torch import wrap  # noqa: E402
 from mpisgd.torch.views import as_array  # noqa: E402
@@ -59,23 +58,6 @@ def train(model, comm, steps=8, b=12, accum=1, lr=0.1, zero_to_none=True, dtype=
             losses.append(loss.item())
         opt.step()
     return losses
-
-
-def gloo(comm):
-    """One gloo process group over comm's ranks for the whole session (a free port chosen by rank 0). It is
-    never destroyed: destroy_process_group can deadlock on a gloo thread that needs the GIL at teardown."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(comm.bcast(port, root=0))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: the loopback, whatever the host name resolves to
-    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
 def ddp_run(comm, make, **kw):

@@ -1,9 +1,12 @@
 """Tiny PyTorch models for the torch tests: model factories (``--model torch_factories:NAME`` with tests/ on
-PYTHONPATH) and modules the in-process tests build."""
+PYTHONPATH), modules the in-process tests build, and a gloo process group for DDP side by side."""
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,3 +72,28 @@ class FunctionalDropout(nn.Module):
 
 def functional_dropout(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), 4), FunctionalDropout(), nn.Linear(3, n_classes))
+
+
+def tiny_gpt(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
+    """examples/torch_models.py's decoder over image rows, one layer of 16 dimensions."""
+    from examples.torch_models import GPT, Rows  # noqa: PLC0415 - the repository root on PYTHONPATH
+
+    t, w = in_shape[-2], in_shape[-1] * (in_shape[0] if len(in_shape) == 3 else 1)
+    return nn.Sequential(Rows(), GPT(t, w, n_classes, dim=16, layers=1, heads=2))
+
+
+def gloo(comm: Any) -> None:
+    """One gloo process group over comm's ranks for the whole process (a free port chosen by rank 0). It is
+    never destroyed: destroy_process_group can deadlock on a gloo thread that needs the GIL at teardown."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_initialized():
+        return
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(comm.bcast(port, root=0))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: the loopback, whatever the host name resolves to
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())

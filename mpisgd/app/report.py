@@ -190,9 +190,9 @@ def banner(run: Run) -> list[str]:
     lines += wrap(f"all-reduce: {dp.describe()}")  # its plan and where that came from, whole
     if cfg.reproducible:
         env = run.environment
-        lines.append(fit(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
-                         f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s)"
-                         + (f"; {env['torch']}, deterministic algorithms" if "torch" in env else "") + ")"))
+        lines += wrap(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} "
+                      f"({env.get('blas', env.get('device'))}, {env.get('threads', '-')} thread(s)"
+                      + (f"; {env['torch']}, deterministic algorithms" if "torch" in env else "") + ")")
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))
