@@ -35,10 +35,12 @@ end of backward (an autograd callback) starts what is left and waits: after ``lo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +141,7 @@ class DistributedModel(torch.nn.Module):
         self._after_backward = False  # the interval from _t_mark is "other" (optimizer), not backward
         self._records = 0
         self._step_samples = 0  # samples of this rank's forwards since the last synchronised backward
+        self._closed = False
         verify_same(self.comm, layout_digest(_layout(module)), "the model (parameter and buffer names, shapes, dtypes)")
         self.groups = self._flatten_parameters()
         self.reducer = reducer if reducer is not None else create_reducer(
@@ -151,6 +154,9 @@ class DistributedModel(torch.nn.Module):
                        for g, j, b in self._bucket_of_param()]
         if self.k > 1:
             self.reducer.tune([b.staging if b.staging is not None else b.group.grads[b.lo:b.hi] for b in self.buckets])
+        # closed at exit if the caller does not (every rank exits alike; before mpi4py finalises MPI)
+        self._at_exit = _closer(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # -- layout ------------------------------------------------------------------------------
     def _flatten_parameters(self) -> list[_Group]:
@@ -482,7 +488,12 @@ class DistributedModel(torch.nn.Module):
     # -- the end ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Collective (every rank together): write the last metrics record, free the communicator and the
-        reducer. The gradients leave node-shared memory first (it goes with the reducer)."""
+        reducer. The gradients leave node-shared memory first (it goes with the reducer). Called at exit
+        for a model not closed before (DDP needs no call either); a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         if self.times.steps and self.metrics_every:
             self.write_metrics()
         for h in self._hooks:
@@ -495,6 +506,14 @@ class DistributedModel(torch.nn.Module):
             self._shared = False
         self.reducer.close()
         self.comm.Free()
+
+
+def _closer(ref: Any) -> Callable[[], None]:
+    def close() -> None:
+        model = ref()
+        if model is not None:
+            model.close()
+    return close
 
 
 def window_record(dm: DistributedModel, t: WrapTimes, mean_s: np.ndarray, noise: NoiseScale | None,
