@@ -19,7 +19,7 @@ setup(
         "tensorboard": ["tensorboardX>=2.6"],
         # tensorboard: its EventAccumulator reads the events back in tests/test_tensorboard.py
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "matplotlib>=3.5", "tensorboardX>=2.6", "tensorboard>=2.14"],
-        "torch": ["torch"],  # only for the comparison benchmark
+        "torch": ["torch"],  # PyTorch models (mpisgd.torch, docs/torch.md) and the comparison benchmarks
     },
     entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
                                       "mpisgd-plan=mpisgd.app.plan:main"]},

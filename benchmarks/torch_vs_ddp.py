@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import ENV, ROOT, launch_measured, median_ci, mpiexec  # noqa: E402
 
 BATCH = {"mlp": 128, "resnet": 32, "gpt": 64}
-LIMIT = {"mlp": 32768, "resnet": 4096, "gpt": 8192}  # samples per epoch: a timed epoch of tens of steps at k = 2
+LIMIT = {"mlp": 16384, "resnet": 2048, "gpt": 4096}  # samples per epoch: a timed epoch of tens of steps at k = 2
 SIDES = ("ddp", "wrap", "cli")
 
 

@@ -38,7 +38,7 @@ def main() -> None:
     train = synthetic(8192) if args.synthetic else load_fashion_mnist()[0]
     x = ((train.images.reshape(len(train), -1) / 255.0 - PIXEL_MEAN) / PIXEL_STD).astype(np.float32)
     data = TensorDataset(torch.from_numpy(x), torch.from_numpy(train.labels))
-    sampler = DistributedSampler(data, num_replicas=k, rank=rank, seed=0, drop_last=True)
+    sampler: DistributedSampler = DistributedSampler(data, num_replicas=k, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),

@@ -40,7 +40,7 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
 class Config:
     # model
     model: str = opt("mlp", "mlp, cnn (LeNet-5), or package.module:function: your own (it gets the input shape and "
-                            "the number of classes and returns an mpisgd.nn.Sequential)")
+                            "the number of classes and returns an mpisgd.nn.Sequential or a torch.nn.Module)")
     hidden: tuple[int, ...] = opt((1024, 1024), "hidden widths of the MLP, comma-separated")
     dtype: str = opt("float32", "parameter and activation dtype", ("float32", "float64"))
     # data

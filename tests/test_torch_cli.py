@@ -61,15 +61,29 @@ def test_losses_at_k2_match_distributed_data_parallel(tmp_path):
     assert len(ours) == 512 // 32
 
 
-def test_gpt_at_k2_trains_with_the_noise_scale_and_evaluates(tmp_path):
+def test_gpt_at_k2_sharded_accumulated_with_the_noise_scale_planner_and_evaluate(tmp_path):
+    """The sharded step (AdamW), two micro-batches per step, TensorBoard, the noise scale; the planner reads
+    the metrics file; evaluate scores the saved model."""
     model, metrics = tmp_path / "g.npz", tmp_path / "g.jsonl"
-    cli(2, "--model", "torch_factories:tiny_gpt", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.01",
-        "--no-overlap", "--save-model", str(model), "--metrics-file", str(metrics))
+    r = cli(2, "--model", "torch_factories:tiny_gpt", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.01",
+            "--batch-size", "8", "--accum-steps", "2", "--shard-optimizer", "--no-overlap", "--save-model",
+            str(model), "--metrics-file", str(metrics), "--tensorboard", str(tmp_path / "tb"))
+    assert "step sharded" in r.stdout and "m=2" in r.stdout
     epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] and "noise_scale" in epochs[-1]
+    assert any(p.name.startswith("events.") for p in (tmp_path / "tb").rglob("*"))
+    plan = run_mpi(1, "-m", "mpisgd.plan", str(metrics), "--ranks", "1,2,4", "--link", "10gbe", "--noise-scale",
+                   "100", env=ENV, cwd=ROOT, timeout=120)
+    assert plan.returncode == 0 and "recommended" in plan.stdout, plan.stderr[-2000:]
     ev = run_mpi(2, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", "--limit-test", "200",
                  "--model-factory", "torch_factories:tiny_gpt", env=ENV, cwd=ROOT, timeout=200)
     assert ev.returncode == 0 and "accuracy" in ev.stdout, ev.stderr[-2000:]
+
+
+def test_reproducible_refuses_a_forward_that_draws_from_torchs_generator():
+    r = cli(1, "--model", "torch_factories:functional_dropout", "--epochs", "1", "--reproducible", expect=2)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--reproducible" in lines[0] and "torch's random generator" in lines[0], r.stderr
 
 
 def test_checkpoint_and_resume_end_bitwise_where_an_uninterrupted_run_does(tmp_path):

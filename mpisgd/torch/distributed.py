@@ -18,8 +18,9 @@ end of backward (an autograd callback) starts what is left and waits: after ``lo
 - Unused parameters: autograd never reaches them; their gradient views hold zero (or what no_sync
   accumulated) and are averaged with the rest, so every rank steps alike. They are zero tensors
   afterwards, not None.
-- ``optimizer.zero_grad()`` (setting gradients to None) is fine: the next forward points them back at
-  the flat buffer, zeroed; a gradient the caller replaced is copied into it.
+- ``optimizer.zero_grad()`` (setting gradients to None) is fine: autograd hands the new gradient over
+  and its hook copies it into the flat buffer (one pass; zeroing and adding in place would take two);
+  a gradient the caller replaced is copied in at the next forward.
 - float16 and bfloat16 parameters: their gradients are averaged in float32 (NumPy has no bfloat16: its
   bits are held as uint16).
 - Buffers: as DDP's ``broadcast_buffers=True``, rank 0's buffers are every rank's, broadcast (the flat
@@ -313,21 +314,16 @@ class DistributedModel(torch.nn.Module):
                 self.times.backward_s += now - self._t_mark
 
     def _prepare_grads(self) -> None:
-        """param.grad back to its view of the flat buffer: zeroed where the caller set it to None (as
-        zero_grad() does), the caller's values copied in where it was replaced."""
+        """A gradient tensor the caller put in place of the view: its values into the view, which becomes
+        param.grad again. A gradient set to None (as zero_grad() does) stays None: autograd will hand the
+        new one over whole and the hook copies it in (one pass, where zeroing and adding would take two)."""
         for g in self.groups:
-            nones = [p.grad is None for p in g.params]
-            if all(nones):
-                g.grads.fill(0)
             for j, p in enumerate(g.params):
                 view = g.grad_tensors[j]
-                if p.grad is view:
+                if p.grad is None or p.grad is view:
                     continue
                 with torch.no_grad():
-                    if nones[j] and not all(nones):
-                        view.zero_()
-                    elif not nones[j]:
-                        view.copy_(p.grad)
+                    view.copy_(p.grad)
                 p.grad = view
 
     def _arm(self) -> None:
@@ -357,13 +353,13 @@ class DistributedModel(torch.nn.Module):
     # -- backward -----------------------------------------------------------------------------
     def _hook(self, g: _Group, j: int, b: _Bucket) -> Callable[[Any], None]:
         def done(p: Any) -> None:
+            view = g.grad_tensors[j]
+            if p.grad is not view:  # a new tensor (after zero_grad, or double backward's): into the view
+                with torch.no_grad():
+                    view.copy_(p.grad)
+                p.grad = view
             if not self._syncing:
                 return
-            current = g.grad_tensors[j]
-            if p.grad is not current:  # autograd made a new tensor (double backward): back into ours
-                with torch.no_grad():
-                    current.copy_(p.grad)
-                p.grad = current
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._queued = True
@@ -398,6 +394,11 @@ class DistributedModel(torch.nn.Module):
         rank 0's buffers to every rank."""
         t0 = time.perf_counter()
         self.times.backward_s += t0 - self._t_mark
+        for g in self.groups:  # parameters autograd did not reach (since zero_grad): zero gradients
+            for j, p in enumerate(g.params):
+                if p.grad is None:
+                    g.grads[g.offsets[j]:g.offsets[j + 1]] = 0
+                    p.grad = g.grad_tensors[j]
         with self.watchdog.watching(f"gradient all-reduce of step {self.step}"):
             for b in self.buckets:
                 if b.handle is None:

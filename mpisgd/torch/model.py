@@ -19,8 +19,10 @@ that data parallelism drives like any mpisgd model (docs/modules.md, "What the m
 - BatchNorm and Dropout are swapped for mpisgd's rules (mpisgd.torch.modules): running statistics
   through the statistics row, dropout masks keyed by sample.
 
-Gradients land in the flat buffer itself: ``param.grad`` is the view, zeroed before the first
-micro-batch's backward and added to by autograd (accumulation needs nothing more). Autograd computes
+Gradients land in the flat buffer itself: before a step's first micro-batch ``param.grad`` is set to
+None, autograd hands each gradient over whole and its hook copies it into the view and makes the view
+``param.grad`` again (one pass, where zeroing and adding would take two); later micro-batches find the
+view there and autograd adds into it (accumulation needs nothing more). Autograd computes
 these gradients, so the start-up float64 gradient check of layers mpisgd did not write does not apply
 (``TorchModule.autograd``).
 """
@@ -132,7 +134,7 @@ class TorchModel(Model):
         self.keyed_randomness = False  # set by mpisgd.torch.runtime.prepare under --reproducible
         self._out: Any = None  # the last train-mode forward's output, which backward starts from
         self._left: list[int] | None = None  # per part, parameters whose gradient is not final yet
-        self._grads: list[tuple[Any, Any]] = []  # (parameter, its gradient view) in flat order
+        self._grads: list[tuple[Any, Any, Any]] = []  # (parameter, its gradient view, as a tensor), flat order
         self.torch_module.to(self.device)  # what is not state (integer buffers, masks) goes there too
         self._bind_torch()
         self._hooks = []
@@ -158,7 +160,7 @@ class TorchModel(Model):
             for name, p in part.trained:
                 p.data = as_tensor(part.params[name])
                 p.grad = as_tensor(part.grads[name])
-                self._grads.append((p, part.grads[name]))
+                self._grads.append((p, part.grads[name], p.grad))
             for name, t in part.held:
                 if isinstance(t, torch.nn.Parameter):
                     t.data = as_tensor(part.buffers[name])
@@ -181,10 +183,11 @@ class TorchModel(Model):
 
     def move_grads(self, buf: Any) -> None:
         super().move_grads(buf)
+        self._grads = []
         for part in self.parts:
             for name, p in part.trained:
                 p.grad = as_tensor(part.grads[name])
-        self._grads = [(p, part.grads[name]) for part in self.parts for name, p in part.trained]
+                self._grads.append((p, part.grads[name], p.grad))
 
     # -- forward and backward ----------------------------------------------------------------
     def forward(self, x: Any) -> Any:
@@ -224,14 +227,20 @@ class TorchModel(Model):
         out, self._out = self._out, None
         if out is None:
             raise RuntimeError("backward needs a forward in train mode before it")
-        if not self.ctx.accumulate:
-            self.flat.grads.fill(0)
+        fresh = not self.ctx.accumulate
+        if fresh:  # autograd hands each gradient over whole; the hook copies it into the flat buffer
+            for p, _, _ in self._grads:
+                p.grad = None
         self.ctx.on_layer_done = on_layer_done
         self._left = [len(part.trained) for part in self.parts]
         try:
             torch.autograd.backward(out, as_tensor(dy).reshape(out.shape))
+            for p, view, t in self._grads:  # autograd never reached these: zero (added nothing), final
+                if p.grad is None:
+                    view[...] = 0
+                    p.grad = t
             for i, left in enumerate(self._left):
-                if left and self.parts[i].trained:  # autograd never reached them: zero, final
+                if left and self.parts[i].trained:
                     self._report(i)
         finally:
             self._left = None
@@ -242,10 +251,11 @@ class TorchModel(Model):
         def done(p: Any) -> None:
             if self._left is None:  # a backward that is not ours (the caller's own, on the torch module)
                 return
-            view = self._grads[j][1]
-            if not same_memory(p.grad, view):  # autograd made a new tensor (double backward): back into ours
-                view[...] = as_array(p.grad)
-                p.grad = as_tensor(view)
+            t = self._grads[j][2]
+            if p.grad is not t:  # a new tensor (the first micro-batch's, or double backward's): into ours
+                with torch.no_grad():
+                    t.copy_(p.grad)
+                p.grad = t
             self._left[i] -= 1
             if self._left[i] == 0:
                 self._report(i)
