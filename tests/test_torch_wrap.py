@@ -265,3 +265,18 @@ def test_as_array_keeps_bfloat16_bits():
     t = torch.tensor([1.0, -2.5, 3.0], dtype=torch.bfloat16)
     a = as_array(t)
     assert a.dtype == np.uint16 and np.shares_memory(a, t.view(torch.int16).numpy())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_at_another_step_is_named_on_every_rank():
+    from mpisgd.agreement import ReplicaError
+
+    comm = MPI.COMM_WORLD
+    model = wrap(net(bn=False), comm)
+    x, y = data(8)
+    if comm.Get_rank() == 1:
+        model.step = 5  # as if it had run five more synchronised steps
+    with pytest.raises(ReplicaError, match=r"rank\(s\) \[1\] are not at the check-in of step"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    model.step = 0
+    model.close()

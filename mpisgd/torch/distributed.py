@@ -26,8 +26,8 @@ end of backward (an autograd callback) starts what is left and waits: after ``lo
 - Buffers: as DDP's ``broadcast_buffers=True``, rank 0's buffers are every rank's, broadcast (the flat
   state, one call) at the end of every synchronised backward rather than at the next forward's start:
   rank 0's trajectory is DDP's, and between steps the running statistics are the same on every rank.
-- Every synchronising forward begins with a check-in (one small Allgather): a rank at another step, or with
-  other buffers, is named on every rank instead of mixing the wrong gradients.
+- Every synchronising forward starts a check-in (one small non-blocking Allgather, completed at the end of
+  backward): a rank at another step is named on every rank before anyone uses a wrongly averaged gradient.
 - The gradient noise scale (mpisgd.noise) every ``noise_every`` steps: each rank's gradient before the
   average is a small batch (its samples), the average the big one; :meth:`noise_scale` (collective).
 - ``metrics_file``: every ``metrics_every`` steps rank 0 appends one record of the fields the planner
@@ -142,6 +142,9 @@ class DistributedModel(torch.nn.Module):
         self._after_backward = False  # the interval from _t_mark is "other" (optimizer), not backward
         self._records = 0
         self._step_samples = 0  # samples of this rank's forwards since the last synchronised backward
+        self._mine = np.zeros(4, dtype=np.int64)  # the per-step check-in: this rank's words, every rank's
+        self._every = np.zeros((self.k, 4), dtype=np.int64)
+        self._checkin: Any = None  # its request, from the forward to the end of backward
         self._closed = False
         verify_same(self.comm, layout_digest(_layout(module)), "the model (parameter and buffer names, shapes, dtypes)")
         self.groups = self._flatten_parameters()
@@ -338,12 +341,19 @@ class DistributedModel(torch.nn.Module):
         self._local_sq = 0.0
 
     def _check_in(self) -> None:
-        mine = np.array([CHECK_IN, self.step, sum(g.offsets[-1] for g in self.groups), len(self.buckets)],
-                        dtype=np.int64)
-        every = np.zeros((self.k, mine.size), dtype=np.int64)
+        """Start this step's check-in (non-blocking: no extra wait before the forward); _check_in_done
+        completes it before any rank uses the averaged gradient."""
+        self._mine[:] = (CHECK_IN, self.step, sum(g.offsets[-1] for g in self.groups), len(self.buckets))
+        self._checkin = self.comm.Iallgather(self._mine, self._every)
+
+    def _check_in_done(self) -> None:
+        """Every rank checked in at the same step with the same buffers, or ReplicaError on every rank."""
+        if self._checkin is None:
+            return
         with self.watchdog.watching(f"step check-in of step {self.step}"):
-            self.comm.Allgather(mine, every)
-        rows = [tuple(int(v) for v in r) for r in every]
+            self._checkin.Wait()
+        self._checkin = None
+        rows = [tuple(int(v) for v in r) for r in self._every]
         odd = [r for r, row in enumerate(rows) if row != rows[0]]
         if odd:
             raise ReplicaError(f"rank(s) {odd} are not at the check-in of step {self.step} as rank 0 is: (marker, "
@@ -409,6 +419,7 @@ class DistributedModel(torch.nn.Module):
                 if b.t_start:
                     self._done(b)
                 b.handle = None
+        self._check_in_done()  # after the buckets, so that no request is left behind when it raises
         for b in self.buckets:
             if b.staging is not None:
                 as_tensor(b.group.grads[b.lo:b.hi], b.group.dtype).copy_(as_tensor(b.staging))

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from mpisgd.nn.module import Model, Module
-from mpisgd.torch.modules import KeyedDropout, StatBatchNorm, UnsupportedModule, convert
+from mpisgd.torch.modules import SWAPPED, KeyedDropout, StatBatchNorm, UnsupportedModule, convert
 from mpisgd.torch.views import as_array, as_tensor, device_of, same_memory
 
 
@@ -86,8 +86,7 @@ class TorchModule(Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchModule takes a torch.nn.Module, got {type(module).__name__}")
-        root = torch.nn.Sequential(module) if type(module) in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
-                                                                 torch.nn.BatchNorm3d, torch.nn.Dropout) else module
+        root = torch.nn.Sequential(module) if type(module) in SWAPPED else module  # convert swaps children
         self.swapped = convert(root)
         self.torch_module = root
         seen: set[int] = set()  # a parameter shared by two modules (tied weights) belongs to the first

@@ -32,6 +32,7 @@ F = torch.nn.functional
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _DROPOUTS = {nn.Dropout: False, nn.Dropout1d: True, nn.Dropout2d: True, nn.Dropout3d: True}  # whole channels?
+SWAPPED = (*_BATCH_NORMS, *_DROPOUTS)  # the module types convert() replaces
 # modules that draw from torch's generator in train mode and cannot be keyed by sample: refused under
 # --reproducible (anything else that draws is caught at start-up by mpisgd.torch.runtime's probe)
 UNKEYED = (nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
