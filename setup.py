@@ -21,7 +21,7 @@ setup(
         # mypy: scripts/test.sh type-checks the package (mypy.ini)
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "mypy>=1.8", "matplotlib>=3.5", "tensorboardX>=2.6",
                  "tensorboard>=2.14"],
-        "torch": ["torch"],  # only for the comparison benchmark
+        "torch": ["torch"],  # PyTorch models (mpisgd.torch, docs/torch.md) and the comparison benchmarks
     },
     entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
                                       "mpisgd-plan=mpisgd.app.plan:main", "mpisgd-sample=mpisgd.app.sample:main"]},

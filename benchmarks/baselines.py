@@ -3,6 +3,7 @@
     python benchmarks/baselines.py numpy --threads 1|2      # a plain one-process NumPy training loop (MLP)
     python benchmarks/baselines.py torch [--model cnn|resnet]   # PyTorch, one process, CPU (needs torch)
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp [--model cnn]   # PyTorch DDP, gloo, CPU
+    mpiexec -n 2 python benchmarks/baselines.py torch-mpisgd [--model resnet]   # the same loop, mpisgd.torch.wrap
     python benchmarks/baselines.py numpy --device gpu       # the same loop on CuPy arrays
     python benchmarks/baselines.py side-by-side --model resnet [--steps 40]   # mpisgd and PyTorch, alternating
     mpiexec -n 2 python benchmarks/baselines.py torch-ddp --device gpu   # DDP on CUDA
@@ -12,8 +13,12 @@ batch 128 per process; --model mlp (default): MLP 784-H-H-10, ReLU; --model
 cnn: LeNet-5 as mpisgd's (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool
 2, 120, 84, 10, ReLU); --model resnet: ResNet-20 as mpisgd's (conv 3x3 to 16,
 three stages of three basic blocks with BatchNorm at 16, 32, 64 channels,
-1x1 projection shortcuts, global average pooling, 10); NCHW, PyTorch's own CPU
-kernels (oneDNN), train mode. The NumPy loop is the MLP only. Prints one JSON line: samples_per_s over one timed epoch
+1x1 projection shortcuts, global average pooling, 10); --model gpt:
+examples/torch_models.py's small GPT-style decoder over image rows; NCHW,
+PyTorch's own CPU kernels (oneDNN), train mode. `torch-mpisgd` is the
+`torch-ddp` loop with DistributedDataParallel replaced by mpisgd.torch.wrap (no
+process group; the same data, order, model and optimizer). The NumPy loop is the
+MLP only. Prints one JSON line: samples_per_s over one timed epoch
 after a warm-up of --warmup-steps steps. On a GPU, DDP uses NCCL when every
 rank has a GPU of its own and gloo when ranks share one (NCCL refuses two ranks
 on one device).
@@ -44,14 +49,14 @@ TORCH_HINT = "needs PyTorch: pip install torch (the CPU build is enough)"
 
 
 def load(limit: int | None, model: str = "mlp") -> tuple[np.ndarray, np.ndarray]:
-    """Standardised training images, flat (MLP) or NCHW (N, 1, 28, 28) (CNN), and their labels."""
+    """Standardised training images, flat (MLP) or NCHW (N, 1, 28, 28) (the others), and their labels."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from mpisgd.data import PIXEL_MEAN, PIXEL_STD, load_fashion_mnist
 
     train, _, _ = load_fashion_mnist(None)
     n = limit or len(train)
     x = ((train.images[:n].reshape(n, -1).astype(np.float32) / 255) - PIXEL_MEAN) / PIXEL_STD
-    return (x.reshape(n, 1, 28, 28) if model in ("cnn", "resnet") else x), train.labels[:n]
+    return (x.reshape(n, 1, 28, 28) if model != "mlp" else x), train.labels[:n]
 
 
 def torch_resnet(torch: object, in_channels: int = 1, n_classes: int = 10, blocks: int = 3,
@@ -81,10 +86,16 @@ def torch_resnet(torch: object, in_channels: int = 1, n_classes: int = 10, block
 
 
 def torch_model(torch: object, args: argparse.Namespace) -> object:
-    """The workload's model in PyTorch: the MLP, LeNet-5 (conv-ReLU-pool, as usually written) or ResNet-20."""
+    """The workload's model in PyTorch: the MLP, LeNet-5 (conv-ReLU-pool, as usually written), ResNet-20, or
+    examples/torch_models.py's GPT."""
     nn = torch.nn  # type: ignore[attr-defined]
     if args.model == "resnet":
         return torch_resnet(torch)
+    if args.model == "gpt":
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from examples import torch_models  # noqa: PLC0415 - torch runs only
+
+        return torch_models.gpt((1, 28, 28), 10)
     if args.model == "cnn":
         return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -311,6 +322,26 @@ def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000) -
     return float(meds[int(tail * (resamples - 1))]), float(meds[int((1 - tail) * (resamples - 1) + 0.5)])
 
 
+def torch_mpisgd(args: argparse.Namespace) -> dict:
+    """torch_ddp's loop with mpisgd.torch.wrap in place of DistributedDataParallel (CPU)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, k = comm.Get_rank(), comm.Get_size()
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import mpisgd.torch  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = mpisgd.torch.wrap(torch_model(torch, args), comm)
+    dt, steps = torch_loop(args, model, torch.device("cpu"), rank, k, lambda: None, comm.Barrier)
+    model.close()
+    return {"impl": "torch-mpisgd", "k": k, "samples_per_s": steps * args.batch_size * k / dt,
+            "step_ms": 1e3 * dt / steps, "rank": rank}
+
+
 def torch_missing() -> str | None:
     """Why torch cannot be used here, or None when it imports."""
     try:
@@ -322,8 +353,8 @@ def torch_missing() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp", "side-by-side"])
-    parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
+    parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp", "torch-mpisgd", "side-by-side"])
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet", "gpt"], default="mlp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=int, default=128)
@@ -347,7 +378,13 @@ def main() -> None:
             if first:
                 print(f"baselines.py {args.impl} {TORCH_HINT} ({why})", file=sys.stderr)
             sys.exit(2)
-    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp, "side-by-side": side_by_side}[args.impl]
+    if args.impl == "torch-mpisgd" and args.device != "cpu":
+        if first:
+            print("baselines.py torch-mpisgd: CPU only here (mpisgd.torch.wrap on CUDA tensors is untested)",
+                  file=sys.stderr)
+        sys.exit(2)
+    run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp, "torch-mpisgd": torch_mpisgd,
+           "side-by-side": side_by_side}[args.impl]
     result = run(args)
     from mpisgd.app.preflight import peak_rss_mib  # noqa: PLC0415
 

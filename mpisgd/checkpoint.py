@@ -1,7 +1,8 @@
 """Files: final parameters, and checkpoints to resume from.
 
 A checkpoint is one ``.npz`` (loaded with ``allow_pickle=False``: it never
-executes data) holding the flat parameters, the optimizer's state (each of its
+executes data) holding the flat parameters, the model's flat state (running
+statistics, ``model_state``, when the model has any), the optimizer's state (each of its
 parameter-sized buffers as ``state.NAME``: SGD's ``velocity``, Adam's
 ``exp_avg`` and ``exp_avg_sq``; its scalars as JSON: the previous rate, Adam's
 step count), the position (global step, epoch, step within the epoch: the data
@@ -131,6 +132,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState, keep: int =
     }
     if state.model:
         arrays["model"] = np.array(json.dumps(state.model))
+    if state.model_state is not None:
+        arrays["model_state"] = state.model_state
     if state.grad_exponents is not None:
         arrays["grad_exponents"] = np.asarray(state.grad_exponents, dtype=np.int64)
     if state.environment:

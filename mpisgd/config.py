@@ -44,7 +44,8 @@ class Config:
     # model
     model: str = opt("mlp", "mlp, cnn (LeNet-5), resnet (ResNet-20), gpt (a character-level language model: --data "
                             "a text file; docs/gpt.md), or package.module:function: your own (it gets the input shape "
-                            "and the number of classes and returns an mpisgd.nn.Module)")
+                            "and the number of classes and returns an mpisgd.nn.Module or a torch.nn.Module: "
+                            "docs/torch.md)")
     hidden: tuple[int, ...] = opt((1024, 1024), "hidden widths of the MLP, comma-separated")
     gpt_layers: int = opt(4, "--model gpt: transformer blocks")
     gpt_heads: int = opt(4, "--model gpt: attention heads per block (they split --gpt-width)")

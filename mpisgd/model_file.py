@@ -19,7 +19,8 @@ Reading a file runs no code it names: the stock models are built by mpisgd's own
 of the user's own (``package.module:function`` in the file) is built only by a factory the caller names
 (``factory=``, ``--model-factory``), as ``torch.load(weights_only=True)`` loads no code by default. Every
 field of the description is type-checked before use (:func:`check_meta`), and the parameters must be
-finite floats.
+finite floats. A PyTorch model (``framework: torch`` in its description) is such a model of the user's.
+The model's state (running statistics) is saved as ``state`` beside ``flat``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_chec
 from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, free_bytes, write_npz
 from mpisgd.nn import Model, Module, build_model
-from mpisgd.nn.models import STOCK  # the models mpisgd builds itself; anything else is the user's
+from mpisgd.nn.models import STOCK, as_module  # the models mpisgd builds itself; anything else is the user's
 from mpisgd.nn.module import parameter_shapes
 
 FORMAT = "mpisgd-model"
@@ -265,11 +266,9 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
                 f"trust that code, pass it as the factory (load_model(path, factory={name!r}), or "
                 f"python -m mpisgd.evaluate --model-factory {name})")
         elif isinstance(factory, str):
-            module = build_model(factory, in_shape, classes)
+            module = build_model(factory, in_shape, classes, seed=int(meta.get("seed", 0)))
         else:
-            module = factory(in_shape, classes)
-            if not isinstance(module, Module):
-                raise ModelFileError(f"the factory must return an mpisgd.nn.Module, got {type(module).__name__}")
+            module = as_module(factory(in_shape, classes), "the factory")
     except ModelFileError:
         raise
     except ValueError as exc:
@@ -296,7 +295,7 @@ def save_params(path: str, model: Any, fallback_dirs: Sequence[str | os.PathLike
     named = {name: to_numpy(p) for name, p in model.named_parameters()}
     flat = to_numpy(model.flat.params)
     extra = {"meta": np.array(json.dumps(meta))} if meta else {}
-    if getattr(model, "state", None) is not None:
+    if getattr(model, "state", None) is not None:  # running statistics: part of the model
         extra["state"] = to_numpy(model.state)
     tried = []
     for target in [Path(path), *(free_name(Path(d), Path(path).name) for d in fallback_dirs)]:

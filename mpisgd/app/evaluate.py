@@ -40,10 +40,10 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="--dataset synthetic: the seed its test set is made "
                         "from (default: the seed the model was trained with)")
     parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass (default: 256)")
-    parser.add_argument("--model-factory", metavar="MODULE:FUNCTION", default=None,
-                        help="build a model of your own (a file whose model is package.module:function) with this "
-                        "factory; it is imported and run, so name only code you trust (a file never runs code "
-                        "by itself)")
+    parser.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION", default=None,
+                        help="build a model of your own (a file whose model is package.module:function, PyTorch's "
+                        "included) with this factory; it is imported and run, so name only code you trust (a file "
+                        "never runs code by itself)")
     return parser
 
 

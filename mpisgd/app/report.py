@@ -160,7 +160,7 @@ def memory_line(peak: float, start: float, state: float) -> str:
 
 def describe_model(model: Any) -> str:
     """The modules that hold parameters, each with its first parameter's shape."""
-    parts = [f"{type(m).__name__} {'x'.join(map(str, m.param_shapes[0][1]))}"
+    parts = [f"{getattr(m, 'kind', type(m).__name__)} {'x'.join(map(str, m.param_shapes[0][1]))}"
              for m in model.modules() if m.param_shapes]
     return ", ".join(parts)
 
@@ -215,8 +215,10 @@ def banner(run: Run) -> list[str]:
     lines = [line if line.startswith("data:") else fit(line) for line in lines]  # a path is shown whole
     lines += wrap(f"all-reduce: {dp.describe()}")  # its plan and where that came from, whole
     if cfg.reproducible:
+        env = run.environment
         lines += wrap(f"reproducible: the same bits for any k dividing B/b = {run.B // cfg.batch_size} | "
-                      + reproducible_scope(cfg.reproducible_level, run.environment))
+                      + reproducible_scope(cfg.reproducible_level, env)
+                      + (f"; {env['torch']}, deterministic algorithms" if "torch" in env else ""))
     why = why_none(run.k, cfg.accum_steps, cfg.noise_scale_every)
     if why:
         lines.append(fit(f"noise scale: {why}"))

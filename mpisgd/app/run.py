@@ -186,6 +186,9 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     model.ctx.kernels = kernels_for("portable" if level == "portable" else "fast")
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     warnings += stage("the backward of your own modules", lambda: _check_user_modules(cfg, module, run_data))
+    if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs
+        environment.update(stage("the PyTorch model", lambda: _prepare_torch(cfg, model, run_data, threads,
+                                                                              ctx.rank, level)))
     optimizer = _optimizer(cfg, model)
     params = model.flat.params
     if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
@@ -208,6 +211,11 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     spe = batches.steps_per_epoch
     n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
     schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
+    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
+                            if resume.environment.get(k) != v)
+        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
+                        "--reproducible promises the same bits only on the same one")
     with wd.watching("set-up: the rank map"):
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
@@ -274,7 +282,7 @@ def gpt_arch(cfg: Config) -> dict[str, Any]:
 def _build_model(cfg: Config, run_data: RunData) -> Module:
     try:
         module = build_model(cfg.model, run_data.in_shape, run_data.n_classes, cfg.hidden,
-                             arch=gpt_arch(cfg) if cfg.model == "gpt" else None)
+                             arch=gpt_arch(cfg) if cfg.model == "gpt" else None, seed=cfg.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     sync = next((path for path, m in module.named_modules() if isinstance(m, SyncBatchNorm)), None)
@@ -301,6 +309,20 @@ def _check_user_modules(cfg: Config, module: Module, run_data: RunData) -> list[
     if error is not None:
         raise UsageError(f"--model {cfg.model}: {error.describe()}")
     return [f"warning: --model {cfg.model}: {note}" for note in notes]
+
+
+def _prepare_torch(cfg: Config, model: Model, run_data: RunData, threads: int, rank: int,
+                   level: str) -> dict[str, str]:
+    if level == "portable":
+        raise UsageError(f"--model {cfg.model}: a PyTorch model computes with PyTorch's own kernels, which the "
+                         "portable level cannot make order-free: use --reproducible-level pinned (the same bits on "
+                         "x86-64 CPUs with AVX2 and FMA and the same builds)")
+    from mpisgd.torch.runtime import prepare  # noqa: PLC0415 - torch models only
+
+    try:
+        return prepare(model, run_data.in_shape, threads, cfg.reproducible, rank, cfg.seed)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UsageError(f"--model {cfg.model}: {exc}") from None
 
 
 def _check_model_output(cfg: Config, model: Model, xp: Any, run_data: RunData) -> None:
@@ -447,10 +469,12 @@ def _model_state_error(path: str, saved: Any, state: Any) -> CheckpointError | N
 
 def model_record(run: Run, step: int | None = None) -> dict[str, Any]:
     """What model ``run`` trains, as a JSON-able dict: enough to build it again (the model's name or
-    factory, one sample's shape, the classes, the MLP's hidden widths, the dtype), and how its inputs
+    factory, ``framework: torch`` for a PyTorch factory's, one sample's shape, the classes, the MLP's
+    hidden widths, the dtype), and how its inputs
     were scaled (``x * input_scale + input_shift``), the data set's identity and the step."""
     cfg, data = run.cfg, run.data
     meta = {"format": FORMAT, "version": VERSION, "model": cfg.model, "in_shape": list(data.in_shape),
+            **({"framework": "torch"} if getattr(run.model, "framework", "") == "torch" else {}),
             "classes": data.n_classes, "hidden": list(cfg.hidden), "dtype": cfg.dtype,
             "parameters": int(run.model.flat.size), "input_scale": float(data.train.scale),
             "input_shift": float(data.train.shift), "data": data.identity, "seed": cfg.seed}

@@ -1,15 +1,18 @@
-"""The models the CLI offers (``mlp``, ``cnn``, ``gpt``: mpisgd.nn.gpt), and your own:
+"""The models the CLI offers (``mlp``, ``cnn``, ``resnet``, ``gpt``), and your own:
 ``--model package.module:function``.
 
 Built on the host; ``materialize`` puts them on a device. A model factory takes the input shape (one
 sample's, e.g. (3, 32, 32)) and the number of classes, and returns a :class:`~mpisgd.nn.Module` (e.g.
-a :class:`Sequential`) whose output is one score per class.
+a :class:`Sequential`) whose output is one score per class, or a ``torch.nn.Module``, which
+mpisgd.torch wraps (its tensors become views of the flat buffers; docs/torch.md). A factory runs with
+torch's generator seeded by ``seed`` when it uses torch, so every rank builds the same initial values.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -74,8 +77,8 @@ def _gpt(in_shape: tuple[int, ...], n_classes: int, arch: dict[str, Any] | None)
 
 def factory(name: str) -> Callable[..., Module]:
     """``mlp``, ``cnn``, ``resnet``, ``gpt`` or ``package.module:function`` (importable from the working
-    directory or PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the user's module
-    does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
+    directory or PYTHONPATH). Raises ValueError saying what is wrong, in one line: whatever importing the
+    user's module does (a SyntaxError, named by file and line; an exception; ``sys.exit()``) is reported, not raised."""
     if name == "mlp":
         return lambda in_shape, n_classes, hidden=(1024, 1024): mlp(hidden, math.prod(in_shape), n_classes)
     if name == "cnn":
@@ -86,9 +89,17 @@ def factory(name: str) -> Callable[..., Module]:
         return lambda in_shape, n_classes, hidden=(): resnet(tuple(in_shape), n_classes)
     module, _, fn = name.partition(":")
     if not module or not fn:
-        raise ValueError(f"--model {name}: use mlp, cnn, resnet, or package.module:function for a model of your own")
+        raise ValueError(f"--model {name}: use mlp, cnn, resnet, gpt, or package.module:function for a model of your "
+                         "own")
     try:
         found = getattr(importlib.import_module(module), fn)
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":  # a PyTorch model, and no PyTorch here
+            from mpisgd.torch._import import INSTALL  # noqa: PLC0415 - imports nothing of torch
+
+            raise ValueError(f"--model {name} is a PyTorch model ({module} imports torch), and PyTorch is not "
+                             f"installed: {INSTALL}") from None
+        raise ValueError(f"--model {name}: cannot import {module} ({exc})") from None
     except SyntaxError as exc:  # before ImportError's handler: the user's typo, where it is
         raise ValueError(f"--model {name}: {exc.filename}, line {exc.lineno}: {type(exc).__name__}: {exc.msg}") \
             from None
@@ -98,7 +109,24 @@ def factory(name: str) -> Callable[..., Module]:
         raise ValueError(f"--model {name}: {module} has no {fn}") from None
     except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while importing
         raise ValueError(f"--model {name}: importing {module} {_raised(exc)}") from None
-    return lambda in_shape, n_classes, hidden=(): found(tuple(in_shape), n_classes)
+    return lambda in_shape, n_classes, hidden=(), seed=0: _seeded(found, tuple(in_shape), n_classes, seed)
+
+
+def _seeded(found: Callable[..., Module], in_shape: tuple[int, ...], n_classes: int, seed: int) -> Module:
+    """The user's factory, under torch's generator seeded by ``seed`` where torch is loaded (the caller's
+    generator state is kept), so that a torch model starts from the same values on every rank and run."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return found(in_shape, n_classes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return found(in_shape, n_classes)
+
+
+def is_torch_module(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.nn.Module`` (without importing torch where it is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 def _raised(exc: BaseException) -> str:
@@ -111,10 +139,11 @@ def _raised(exc: BaseException) -> str:
 
 
 def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
-                hidden: tuple[int, ...] = (1024, 1024), arch: dict[str, Any] | None = None) -> Module:
+                hidden: tuple[int, ...] = (1024, 1024), arch: dict[str, Any] | None = None, seed: int = 0) -> Module:
     """The model ``name`` for samples of ``in_shape`` and ``n_classes`` classes (ValueError on a bad
     name, a factory that raises or exits, or one that does not return a Module). ``arch``: the GPT's
-    sizes (mpisgd.nn.gpt.GPTShape's layers, heads, width, dropout)."""
+    sizes (mpisgd.nn.gpt.GPTShape's layers, heads, width, dropout). A factory's ``torch.nn.Module`` comes
+    back as an mpisgd.torch.TorchModule; ``seed`` seeds torch's generator while the factory runs."""
     make = factory(name)
     if name == "gpt":
         model = make(in_shape, n_classes, arch=arch)
@@ -122,11 +151,25 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: i
         model = make(in_shape, n_classes, hidden)
     else:
         try:
-            model = make(in_shape, n_classes)
+            model = make(in_shape, n_classes, seed=seed)
         except (Exception, SystemExit) as exc:  # the user's code: say whose error it is, in one line
             raise ValueError(f"--model {name} {_raised(exc)}") from None
+    return as_module(model, f"--model {name}")
+
+
+def as_module(model: object, what: str) -> Module:
+    """``model`` as an mpisgd Module: itself, or a ``torch.nn.Module`` wrapped (mpisgd.torch); ValueError
+    naming ``what`` made it otherwise."""
+    if is_torch_module(model):
+        from mpisgd.torch.model import TorchModule  # noqa: PLC0415 - only for torch models
+        from mpisgd.torch.modules import UnsupportedModule  # noqa: PLC0415
+
+        try:
+            return TorchModule(model)
+        except UnsupportedModule as exc:
+            raise ValueError(f"{what}: {exc}") from None
     if not isinstance(model, Module):
-        raise ValueError(f"--model {name} must return an mpisgd.nn.Module (e.g. a Sequential), got "
+        raise ValueError(f"{what} must return an mpisgd.nn.Module (e.g. a Sequential) or a torch.nn.Module, got "
                          f"{type(model).__name__}")
     return model
 

@@ -1,0 +1,101 @@
+"""`python -m mpisgd.train` with a PyTorch model factory: it trains a ResNet (BatchNorm, Dropout) and a GPT,
+saves, and python -m mpisgd.evaluate scores the file (with the factory named); at k = 2 (--no-overlap until
+DataParallel counts arrivals) its per-step losses are DistributedDataParallel's; a checkpointed run
+resumes bitwise (parameters and running statistics); --reproducible says what its bits depend on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi, serial_only
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
+
+pytestmark = serial_only
+ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "MPISGD_PLAN_FILE": "off"}
+BASE = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "512", "--limit-test", "200",
+        "--progress", "off", "--batch-size", "16"]
+
+
+def cli(k, *args, env=None, expect=0):
+    r = run_mpi(k, *BASE, *args, timeout=400, env={**ENV, **(env or {})}, cwd=ROOT)
+    assert r.returncode == expect, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def steps(path):
+    return [json.loads(line)["loss"] for line in open(path) if '"kind":"step"' in line]
+
+
+def test_resnet_trains_saves_and_evaluates_at_k1_and_reproducible_says_what_bits_depend_on(tmp_path):
+    model = tmp_path / "r.npz"
+    r = cli(1, "--model", "torch_factories:tiny_resnet", "--epochs", "1", "--save-model", str(model),
+            "--reproducible")
+    assert "model: torch_factories:tiny_resnet" in r.stdout and "Conv2d 4x1x3x3" in r.stdout
+    assert "reproducible:" in r.stdout and "torch 2" in r.stdout and "deterministic algorithms" in r.stdout
+    acc = r.stdout.split("final test accuracy ")[1].split()[0]
+    saved = np.load(model)
+    assert saved["state"].size == 2 * (4 + 8 + 8 + 8) + 4  # four BatchNorms' running statistics and counts
+    ev = run_mpi(1, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", "--limit-test", "200",
+                 "--model-factory", "torch_factories:tiny_resnet", env=ENV, cwd=ROOT, timeout=200)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert f"accuracy {acc}" in ev.stdout  # eval mode and the saved running statistics: the trainer's score
+    ev = run_mpi(1, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", env=ENV, cwd=ROOT, timeout=200)
+    assert ev.returncode == 2 and "--model-factory" in ev.stderr and ev.stderr.count("\n") == 1
+
+
+def test_losses_at_k2_match_distributed_data_parallel(tmp_path):
+    """The CLI's per-step losses (rank 0's batch) against a plain DDP loop over the same data, order, initial
+    values and SGD (tests/torch_ddp_reference.py), float64."""
+    metrics = tmp_path / "m.jsonl"
+    cli(2, "--model", "torch_factories:tiny_mlp", "--epochs", "1", "--dtype", "float64", "--lr", "0.05",
+        "--lr-scaling", "none", "--decay", "none", "--no-overlap", "--metrics-file", str(metrics))
+    ours = steps(metrics)
+    r = run_mpi(2, str(ROOT / "tests" / "torch_ddp_reference.py"), "--model", "torch_factories:tiny_mlp",
+                "--samples", "512", "--batch-size", "16", "--lr", "0.05", "--seed", "0", "--steps", str(len(ours)),
+                "--dtype", "float64", env=ENV, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(ours, json.loads(r.stdout.strip().splitlines()[-1]), rtol=1e-10)
+    assert len(ours) == 512 // 32
+
+
+def test_gpt_at_k2_sharded_accumulated_with_the_noise_scale_planner_and_evaluate(tmp_path):
+    """The sharded step (AdamW), two micro-batches per step, TensorBoard, the noise scale; the planner reads
+    the metrics file; evaluate scores the saved model."""
+    model, metrics = tmp_path / "g.npz", tmp_path / "g.jsonl"
+    r = cli(2, "--model", "torch_factories:tiny_gpt", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.01",
+            "--batch-size", "8", "--accum-steps", "2", "--shard-optimizer", "--no-overlap", "--save-model",
+            str(model), "--metrics-file", str(metrics), "--tensorboard", str(tmp_path / "tb"))
+    assert "step sharded" in r.stdout and "m=2" in r.stdout
+    epochs = [json.loads(line) for line in open(metrics) if '"kind":"epoch"' in line]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] and "noise_scale" in epochs[-1]
+    assert any(p.name.startswith("events.") for p in (tmp_path / "tb").rglob("*"))
+    plan = run_mpi(1, "-m", "mpisgd.plan", str(metrics), "--ranks", "1,2,4", "--link", "10gbe", "--noise-scale",
+                   "100", env=ENV, cwd=ROOT, timeout=120)
+    assert plan.returncode == 0 and "recommended" in plan.stdout, plan.stderr[-2000:]
+    ev = run_mpi(2, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", "--limit-test", "200",
+                 "--model-factory", "torch_factories:tiny_gpt", env=ENV, cwd=ROOT, timeout=200)
+    assert ev.returncode == 0 and "accuracy" in ev.stdout, ev.stderr[-2000:]
+
+
+def test_reproducible_refuses_a_forward_that_draws_from_torchs_generator():
+    r = cli(1, "--model", "torch_factories:functional_dropout", "--epochs", "1", "--reproducible", expect=2)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--reproducible" in lines[0] and "torch's random generator" in lines[0], r.stderr
+
+
+def test_checkpoint_and_resume_end_bitwise_where_an_uninterrupted_run_does(tmp_path):
+    """k = 1, a ResNet with BatchNorm and Dropout: killed after its checkpoint at step 20, resumed; the
+    parameters and the running statistics are those of the run that was never interrupted."""
+    args = ["--model", "torch_factories:tiny_resnet", "--epochs", "2"]
+    cli(1, *args, "--save-model", str(tmp_path / "full.npz"))
+    ck = str(tmp_path / "ck")
+    cli(1, *args, "--checkpoint-dir", ck, "--checkpoint-every", "20", expect=1, env={"MPISGD_FAIL_AT_STEP": "25:0"})
+    r = cli(1, *args, "--checkpoint-dir", ck, "--checkpoint-every", "20", "--resume", "auto",
+            "--save-model", str(tmp_path / "resumed.npz"))
+    assert "resumed from" in r.stdout and "at step 20" in r.stdout
+    full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
+    np.testing.assert_array_equal(resumed["flat"], full["flat"])
+    np.testing.assert_array_equal(resumed["state"], full["state"])
