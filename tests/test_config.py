@@ -36,7 +36,7 @@ def test_flags_map_to_fields():
     (["--lr", "-0.1"], "lr must be > 0"),
     (["--momentum", "1.5"], "momentum"),
     (["--model", "vgg"], r"--model must be mlp, cnn or package.module:function, got 'vgg' \(the stock models: mlp, "
-                         r"cnn for LeNet-5, resnet for ResNet-20\)"),
+                         r"cnn for LeNet-5, resnet for ResNet-20, gpt for a language model on text\)"),
     (["--device", "tpu"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),

@@ -133,13 +133,40 @@ def skip_unless_k_divides() -> None:
         pytest.skip(f"k={world().Get_size()} does not divide B/b={B_OVER_B}")
 
 
-def test_the_fake_offers_the_contract_and_an_mlp_gets_its_defaults():
+class Basic:
+    """A model offering only the basic contract (forward, backward, accumulate, move_grads, ranges), as
+    models written before modes and state did."""
+
+    def __init__(self) -> None:
+        self.inner = mlp((8,)).materialize(np, "float64")
+        self.flat = self.inner.flat
+
+    def forward(self, x):
+        return self.inner.forward(x)
+
+    def backward(self, dy, on_layer_done=None) -> None:
+        self.inner.backward(dy, on_layer_done)
+
+    def set_accumulate(self, on: bool) -> None:
+        self.inner.set_accumulate(on)
+
+    def move_grads(self, buf) -> None:
+        self.inner.move_grads(buf)
+
+    def layer_param_ranges(self):
+        return self.inner.layer_param_ranges()
+
+
+def test_the_fake_and_the_stock_models_offer_the_contract_and_a_basic_model_gets_its_defaults():
     from mpisgd.parallel.replica import WithoutState, as_replica
 
-    fake, plain = Fake(), mlp((8,)).materialize(np, "float64")
+    fake, stock, basic = Fake(), mlp((8,)).materialize(np, "float64"), Basic()
     assert isinstance(fake, ReplicaModel) and as_replica(fake) is fake
-    wrapped = as_replica(plain)
+    assert isinstance(stock, ReplicaModel) and as_replica(stock) is stock
+    wrapped = as_replica(basic)
+    assert not isinstance(basic, ReplicaModel)
     assert isinstance(wrapped, WithoutState) and wrapped.state is None and wrapped.stat_size == 0
+    assert wrapped.flat is basic.flat and wrapped.eval() is wrapped
 
 
 # -- leaves reported out of order --------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, mpi_first, root_makes, run_mpi, serial_only, train_here, world
 
 from mpisgd.app.inject import Injected
+from mpisgd.app.records import EpochRecord
 from mpisgd.app.report import format_epoch, memory_line, rank_map
 from mpisgd.app.run import SHARD_MIN_BYTES, shard_policy
 
@@ -229,8 +230,12 @@ def test_report_lines_from_their_records():
     assert rank_map([("a", 0, None), ("b", 0, None), ("a", 1, None)]) == "a: ranks 0,2 | b: rank 1"
     assert memory_line(130.4, 100.2, 20.1) == "memory: peak 130 MiB per rank (largest rank) = 100 at start-up + " \
                                                "20 training state + 10 other"
-    epoch = {"epoch": 3, "train_loss": 0.25, "test_acc": 0.875, "samples_per_s": 12345.6, "comm_frac": 0.052,
-             "lr": 0.1, "epoch_time_s": 4.04, "noise_scale": 2.5e6}
+    zero = dict.fromkeys(("comm_exposed_ms", "comm_total_ms", "forward_ms", "backward_ms", "optimizer_ms",
+                          "step_ms", "bucket_algbw_gbps", "bucket_busbw_gbps", "peak_rss_mib", "rss_start_mib",
+                          "state_mib"), 0.0)
+    epoch = EpochRecord(epoch=3, step=36, train_loss=0.25, test_acc=0.875, samples_per_s=12345.6, comm_frac=0.052,
+                        lr=0.1, epoch_time_s=4.04, noise_scale=2.5e6, skipped_steps=0, world_size=2,
+                        effective_batch=64, local_batch=32, accum_steps=1, grad_nbytes=4, **zero)
     assert format_epoch(epoch, 12) == "epoch   3/12  loss 0.2500  test_acc 0.8750  samples/s    12346  waiting " \
                                       "for comm  5.2%  lr 0.1  4.0s  noise scale 2.5e+06"
 
@@ -262,14 +267,15 @@ DATA = ["--dtype", "float64", "--progress", "off", "--lr", "0.05", "--base-batch
 @pytest.mark.mpi
 @pytest.mark.parametrize("model", ["mlp", "cnn", "examples.model_factory:small_convnet"])
 def test_your_data_and_model_train_k_invariantly(shared_tmp, model, monkeypatch):
-    """k ranks with b = one rank with k*b, on an .npz of 3x12x12 images, for each built-in model and a
-    model factory of one's own (examples/, importable from the repository root)."""
+    """k ranks with b = one rank with k micro-batches of b, on an .npz of 3x12x12 images, for each built-in
+    model and a model factory of one's own (examples/, importable from the repository root; its BatchNorm
+    normalises each micro-batch, so the one rank accumulates k micro-batches rather than taking one of k*b)."""
     monkeypatch.syspath_prepend(str(ROOT))
     data = root_makes(lambda: image_set(shared_tmp / "set.npz"))
     run = [*DATA, "--data", str(data), "--model", model, "--hidden", "32"]
     ours = trained(shared_tmp, 48 // k(), steps=8, base=run)
     assert "samples 3x12x12 float32, 4 classes" in LAST["out"], LAST
-    ref = one_rank(shared_tmp, 48, steps=8, base=run)
+    ref = one_rank(shared_tmp, 48 // k(), "--global-batch", "48", steps=8, base=run)
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-10)
 
 
