@@ -2,7 +2,7 @@
 
 The experiment behind docs/reproducible.md ("Across machines"); its runs are in results/portable/.
 
-    python experiments/portable_machines.py [--models mlp,cnn] [--ks 1,2,3] [--out results/portable] [--quick]
+    python experiments/portable_machines.py [--models mlp,cnn,resnet] [--ks 1,2,3] [--out results/portable] [--quick]
 
 One machine is one environment under which ``mpiexec -n k python -m mpisgd.train`` runs: OpenBLAS's core
 type (``OPENBLAS_CORETYPE`` in SkylakeX, Haswell, Sandybridge, Prescott: what an AVX-512 Xeon, an AVX2
@@ -51,7 +51,8 @@ DISPATCH = {"all": "", "no-avx512": "X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512
 JOB = ("--dataset", "synthetic", "--synthetic-samples", "1152", "--limit-test", "96", "--batch-size", "16",
        "--global-batch", "96", "--max-steps", "4", "--progress", "off", "--noise-scale-every", "0",
        "--no-straggler-report")
-MODELS = {"mlp": ("--hidden", "32"), "cnn": ("--model", "cnn", "--lr", "0.05")}
+MODELS = {"mlp": ("--hidden", "32"), "cnn": ("--model", "cnn", "--lr", "0.05"),
+          "resnet": ("--model", "resnet", "--lr", "0.05", "--warmup-epochs", "0")}  # BatchNorm, residual blocks
 LEVELS = {"portable": ("--reproducible", "portable"), "pinned": ("--reproducible", "pinned"), "default": ()}
 
 

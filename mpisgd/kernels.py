@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mpisgd.backend import xp_of
 from mpisgd.portable import elementwise, gemm, reduce
 
@@ -62,6 +64,14 @@ class FastKernels:
     def mean(self, a: Array) -> Array:
         """The mean of every element, a 0-d array (no transfer from a GPU)."""
         return a.mean()
+
+    def mean_along(self, a: Array, axis: int) -> Array:
+        """The means along ``axis``, in ``a``'s dtype."""
+        return a.mean(axis=axis)
+
+    def dot_along(self, a: Array, b: Array, axis: int) -> Array:
+        """For 2-D ``a`` and ``b`` of one shape, the sums of ``a * b`` along ``axis``."""
+        return xp_of(a).einsum("ij,ij->i" if axis == 1 else "ij,ij->j", a, b)
 
     def exp(self, x: Array, out: Array = None) -> Array:
         return xp_of(x).exp(x, out=out)
@@ -114,6 +124,13 @@ class PortableKernels:
 
     def mean(self, a: Array) -> Array:
         return reduce.tree_mean(a)
+
+    def mean_along(self, a: Array, axis: int) -> Array:
+        return reduce.tree_mean(a, axis)
+
+    def dot_along(self, a: Array, b: Array, axis: int) -> Array:
+        """The products, each correctly rounded, summed in the fixed tree in float64."""
+        return reduce.tree_sum(xp_of(a).multiply(a, b, dtype=np.float64), axis).astype(a.dtype)
 
     def exp(self, x: Array, out: Array = None) -> Array:
         return elementwise.exp(x, out=out)

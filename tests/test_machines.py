@@ -1,7 +1,7 @@
 """The same --reproducible job on emulated machines (experiments/portable_machines.py): a covering subset
 of its matrix in the suite — every OpenBLAS core type, every NumPy dispatch level, k = 1, 2, 3, one and
-two BLAS threads, MPICH with PyPI's NumPy and OpenBLAS and Open MPI with Debian's — for the MLP and
-LeNet-5. At the portable level every machine ends with the same checkpoint state; at the pinned level
+two BLAS threads, MPICH with PyPI's NumPy and OpenBLAS and Open MPI with Debian's — for the MLP,
+LeNet-5 and ResNet-20. At the portable level every machine ends with the same checkpoint state; at the pinned level
 every machine whose CPU the level supports; the default (fast) path gives different states on two
 machines: the negative control, which shows the emulation changes what it should."""
 
@@ -35,6 +35,9 @@ def test_the_portable_level_gives_one_state_on_every_machine(tmp_path):
     assert len(got) == 1, got
     cnn = [M("Haswell", "all", 2), M("Prescott", "no-avx2", 3, threads=2), M("SkylakeX", "no-avx512", 1, "openmpi")]
     got = states("cnn", "portable", cnn, tmp_path)
+    assert len(got) == 1, got
+    resnet = [M("Haswell", "no-avx512", 2), M("Prescott", "no-avx2", 3, "openmpi")]
+    got = states("resnet", "portable", resnet, tmp_path)  # BatchNorm's sums and the pooling's, residual adds
     assert len(got) == 1, got
 
 

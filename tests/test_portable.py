@@ -16,11 +16,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, serial_only, train_here
 
 from mpisgd import pinning
 from mpisgd.kernels import FAST, PortableKernels, kernels_for
-from mpisgd.nn import Conv2d, Dropout, Flatten, Linear, MaxPool2d, Permute, ReLU, Residual, Sequential
+from mpisgd.nn import (
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv2d,
+    Dropout,
+    Flatten,
+    GlobalAvgPool2d,
+    Linear,
+    MaxPool2d,
+    Module,
+    Permute,
+    ReLU,
+    Residual,
+    Sequential,
+)
 from mpisgd.nn.gradcheck import check_gradients
 from mpisgd.portable import elementwise, gemm, reduce, scalar
 from mpisgd.schedule import Schedule
@@ -260,6 +275,8 @@ LAYERS = {
                                 Conv2d(3, 2, 3), Permute((3, 0, 1, 2)), Flatten(), Linear(8, 3)), (2, 2, 8, 8)),
     "residual": (lambda: Sequential(Linear(4, 4), Residual(Sequential(Linear(4, 4), ReLU(), Linear(4, 4))),
                                     Dropout(0.25), Linear(4, 2)), (5, 4)),
+    "batchnorm": (lambda: Sequential(Conv2d(2, 4, 3, padding=1), BatchNorm2d(4), ReLU(), AvgPool2d(2),
+                                     GlobalAvgPool2d(), Linear(4, 5), BatchNorm1d(5), Linear(5, 3)), (6, 2, 6, 6)),
 }
 
 
@@ -315,3 +332,40 @@ def test_a_portable_model_trains_and_agrees_with_the_fast_one_to_float32_roundin
         grads[kind] = model.flat.grads.copy()
     assert not np.array_equal(grads["fast"], grads["portable"])  # other roundings...
     assert rel_error(grads["portable"], grads["fast"].astype(np.float64)) < 1e-5  # ...of the same gradient
+
+
+# -- models the portable kernels do not cover ----------------------------------------------------------
+class Squash(Module):
+    """A module of one's own whose forward calls NumPy's tanh: its bits are NumPy's SIMD loop's."""
+
+    def forward(self, x):
+        self._y = np.tanh(x)
+        return self._y
+
+    def backward(self, dy, need_dx=True):
+        return dy * (1 - self._y * self._y) if need_dx else None
+
+
+def squashed(input_shape, n_classes):
+    return Sequential(Flatten(), Linear(int(np.prod(input_shape)), 8), Squash(), Linear(8, n_classes))
+
+
+@serial_only  # in this process, one rank
+@pytest.mark.parametrize("model,names", [
+    ("gpt", "CausalSelfAttention, Embedding, GELU, LayerNorm, PositionEmbedding, the per-position loss"),
+    ("test_portable:squashed", "(Squash:"),
+])
+def test_the_portable_level_refuses_a_model_it_does_not_cover_in_one_line(model, names, monkeypatch):
+    """Its bits would change with the machine while the banner promised otherwise (and the portable level
+    skips the check that every rank rounds alike): refused before training, naming the modules."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    data = ["--data", str(ROOT / "README.md"), "--context", "16"] if model == "gpt" else \
+        ["--dataset", "synthetic", "--synthetic-samples", "96"]
+    run = [*data, "--model", model, "--batch-size", "8", "--global-batch", "16", "--max-steps", "1", "--progress",
+           "off", "--limit-test", "32", "--warmup-epochs", "0", "--warmup-steps", "0"]
+    r = train_here([*run, "--reproducible", "portable"])
+    assert r.statuses == (2,) and "epoch " not in r.out, r
+    line = r.error
+    assert line.startswith(f"mpisgd: error: --reproducible portable: --model {model} has modules the portable "
+                           "kernels do not cover yet") and names in line, line
+    assert train_here(run).status == 0  # the model itself trains (the pinned level re-executes: not in process)

@@ -290,7 +290,24 @@ def _build_model(cfg: Config, run_data: RunData) -> Module:
         raise UsageError(f"--reproducible: the model's SyncBatchNorm ({sync}) normalises by statistics of all k ranks' "
                          "micro-batches, which change with k; use BatchNorm2d (statistics per micro-batch, the same "
                          "at any k)")
+    portable = cfg.reproducible and cfg.reproducible_level == "portable"
+    if portable and not hasattr(module, "torch_module"):  # a torch model's refusal: _prepare_torch
+        _refuse_unportable(cfg, module, run_data)
     return module
+
+
+def _refuse_unportable(cfg: Config, module: Module, run_data: RunData) -> None:
+    """The portable level's bits hold only where every module computes through ctx.kernels (Module.portable):
+    one that sums or exponentiates with the array module itself would change its bits with the CPU, the
+    BLAS or NumPy, and the portable level skips the check that every rank rounds alike."""
+    kinds = sorted({type(m).__name__ for _, m in module.named_modules() if not m.portable})
+    if run_data.tokens:
+        kinds.append("the per-position loss (TokenCrossEntropy)")
+    if kinds:
+        raise UsageError(f"--reproducible portable: --model {cfg.model} has modules the portable kernels do not cover "
+                         f"yet ({', '.join(kinds)}: they compute with the array module's own sums and functions, "
+                         "whose bits change with the machine); use --reproducible (pinned: the same bits at any k on "
+                         "x86-64 CPUs with AVX2 and FMA and the same builds)")
 
 
 def _check_user_modules(cfg: Config, module: Module, run_data: RunData) -> list[str]:

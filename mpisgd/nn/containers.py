@@ -22,6 +22,8 @@ class Sequential(Module):
     What runs is the children and, where the model's layout plan put them (mpisgd.nn.layout), the
     transposes into and out of a run of batch-last image layers: hidden steps, not children."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, *layers: Module) -> None:
         super().__init__()
         for i, layer in enumerate(layers):
@@ -70,6 +72,8 @@ class Residual(Module):
     Backward runs the shortcut's branch first: its parameters come after main's in the flat buffer, so
     the model still reports them final in reverse order.
     """
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, main: Module, shortcut: Module | None = None) -> None:
         super().__init__()

@@ -52,6 +52,8 @@ class Dropout(Module):
     element), so it is the same at any number of ranks (mpisgd.nn.module.Context's ``sample_ids``;
     where they are not given, the micro-batch's own positions are used)."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:

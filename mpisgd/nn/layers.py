@@ -45,6 +45,8 @@ class Linear(Module):
     weights start He (Kaiming) uniform, for ReLU networks, or, with ``init_std``, normal with that
     deviation (GPT-2's 0.02); the bias at zero."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, n_in: int, n_out: int, init_std: float | None = None) -> None:
         super().__init__()
         self.n_in, self.n_out, self.init_std = n_in, n_out, init_std
@@ -90,6 +92,8 @@ class Linear(Module):
 class ReLU(Module):
     """max(x, 0); ``inplace`` overwrites the input (safe after a layer that owns its output)."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     layout_free = True  # elementwise: runs in any layout (inside a batch-last run of image layers too)
 
     def __init__(self, inplace: bool = False) -> None:
@@ -114,6 +118,8 @@ class ReLU(Module):
 class Flatten(Module):
     """(N, ...) -> (N, prod(...)), a view."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self) -> None:
         super().__init__()
         self._shape: tuple[int, ...] = ()
@@ -128,6 +134,8 @@ class Flatten(Module):
 
 class Permute(Module):
     """y = x.transpose(axes), copied into a contiguous buffer: changes the layout between layers."""
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, axes: tuple[int, ...]) -> None:
         super().__init__()
@@ -169,6 +177,8 @@ class Conv2d(SpatialModule):
     computes dx one kernel offset at a time (see :meth:`_input_grad`): no buffer of the step is larger
     than an activation, which matters most when ranks share a cache.
     """
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, padding: int = 0,
                  bias: bool = True) -> None:
@@ -322,6 +332,8 @@ class MaxPool2d(SpatialModule):
     routes each gradient to exactly one input, the first maximum of its window in row-major order, as
     PyTorch does: ties (flat background regions give many) get the gradient once, not once per tie.
     """
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, kernel: int = 2) -> None:
         super().__init__()

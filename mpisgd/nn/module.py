@@ -70,6 +70,10 @@ class Module:
     param_shapes: Shapes = []
     buffer_shapes: Shapes = []
     stat_size: int = 0
+    # Computes every matrix product, sum along an axis and transcendental function through ctx.kernels
+    # (or needs none): its bits at --reproducible portable are the same on any machine. Modules that do not
+    # say so are refused at that level (mpisgd.kernels says what a layer must route).
+    portable: bool = False
 
     def __init__(self) -> None:
         self.params: dict[str, Array] = {}

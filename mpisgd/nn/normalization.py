@@ -60,7 +60,7 @@ class _Norm:
 
     def _dot(self, a: Array, b: Array, axis: int) -> Array:
         """Per channel, the sum of a * b over the samples."""
-        return xp_of(a).einsum("ij,ij->i" if axis == 0 else "ij,ij->j", a, b)
+        return self.ctx.kernels.dot_along(a, b, 1 - axis)
 
     # -- across ranks (SyncBatchNorm overrides these) -----------------------------------------------
     def _combine(self, n: int, mean: Array, m2: Array) -> tuple[int, Array, Array]:
@@ -89,7 +89,7 @@ class _Norm:
             return y
         red = 1 - axis
         n = int(a.shape[red])
-        mean = a.mean(axis=red)
+        mean = self.ctx.kernels.mean_along(a, red)
         xc = self._buf("xc", a.shape, a)  # the deviations from the mean, kept for backward
         xp.subtract(a, self._col(mean, axis), out=xc)
         m2 = self._dot(xc, xc, axis)
@@ -121,7 +121,7 @@ class _Norm:
         else:  # the deviations from the running mean
             xc, inv_std = self._buf("xc", dy.shape, dy), self._inv_std
             xp.subtract(self._x, self._col(self.buffers["running_mean"], axis), out=xc)
-        sum_dy = dy.sum(axis=red)
+        sum_dy = self.ctx.kernels.sum(dy, axis=red)
         sum_dy_xhat = self._dot(dy, xc, axis) * inv_std
         g = self._grad_out("gamma", (self.C,), dy)
         g[...] = sum_dy_xhat
@@ -175,6 +175,8 @@ class _Norm:
 
 class _BatchNormBase(_Norm, Module):
     """Parameters gamma and beta (C each), buffers running_mean and running_var, 2C statistics."""
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
         Module.__init__(self)

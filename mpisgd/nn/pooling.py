@@ -15,6 +15,8 @@ class AvgPool2d(SpatialModule):
     """The mean of each k x k window, windows ``stride`` apart (default: k, non-overlapping); no padding,
     so the rows and columns a last window would overhang are dropped (PyTorch's floor rule)."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, kernel: int = 2, stride: int | None = None) -> None:
         super().__init__()
         self.k, self.stride = kernel, kernel if stride is None else stride
@@ -68,6 +70,8 @@ class GlobalAvgPool2d(SpatialModule):
     """The mean of each channel over the whole image: (N, C, H, W) -> (N, C), ready for a Linear. It ends
     a batch-last run: its output is batch first whatever the layout of its input."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     ends_run = True
 
     def __init__(self) -> None:
@@ -75,11 +79,10 @@ class GlobalAvgPool2d(SpatialModule):
         self._xshape: tuple[int, ...] = ()
 
     def forward_bl(self, x: Array) -> Array:
-        xp = xp_of(x)
         c, h, w, n = x.shape
         self._xshape = x.shape
         means = self._buf("means", (c, n), x)
-        xp.sum(x.reshape(c, h * w, n), axis=1, out=means)
+        self.ctx.kernels.sum(x.reshape(c, h * w, n), axis=1, out=means)
         means *= x.dtype.type(1.0 / (h * w))
         y = self._buf("y", (n, c), x)
         y[...] = means.T
