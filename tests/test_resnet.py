@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, run_mpi, script, serial_only
+from conftest import ROOT, clean_env, run_mpi, script, serial_only, train_here, world
 
 import mpisgd
 from mpisgd.data import BatchLoader, hold_out, synthetic
@@ -190,25 +190,15 @@ def test_reproducible_refuses_sync_batch_norm_in_one_line(tmp_path, k):
     assert "Traceback" not in r.stderr
 
 
-RESIDUAL = '''
-from mpisgd.nn import resnet
 
-def f(input_shape, n_classes, dropout=0.3):
-    # ResNet-8, narrow: residual blocks (one with a projection shortcut), BatchNorm, and Dropout before the head
-    return resnet(input_shape, n_classes, depth=8, widths=(4, 4, 8), dropout=dropout)
-
-def no_dropout(input_shape, n_classes):
-    return f(input_shape, n_classes, dropout=0.0)
-'''
 REPRODUCIBLE = ["--batch-size", "8", "--global-batch", "48", "--max-steps", "6", "--warmup-epochs", "0",
                 "--limit-test", "64", "--synthetic-samples", "480"]
 
 
 def residual_params(tmp_path: Path, k: int, tag: str, *extra: str) -> tuple[np.ndarray, np.ndarray]:
-    (tmp_path / "residual.py").write_text(RESIDUAL)
     out = tmp_path / f"{tag}-k{k}.npz"
     r = run_mpi(k, *SYNTH, *REPRODUCIBLE, "--save-model", str(out), *extra, cwd=tmp_path,
-                env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}, timeout=240)
+                env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, timeout=240)
     assert r.returncode == 0, r.stderr + r.stdout
     with np.load(out) as z:
         return z["flat"], z["state"]
@@ -220,12 +210,48 @@ def test_reproducible_residual_network_with_batch_norm_and_dropout_has_the_same_
     global batch) and Dropout (masks keyed by sample): parameters and running statistics bitwise equal at
     k = 1, 2 and 3. Controls: without --reproducible k = 1 and 3 differ; without Dropout the bits differ
     (the masks took part)."""
-    runs = {k: residual_params(tmp_path, k, "rep", "--model", "residual:f", "--reproducible") for k in (1, 2, 3)}
+    runs = {k: residual_params(tmp_path, k, "rep", "--model", "residual_factory:f", "--reproducible")
+            for k in (1, 2, 3)}
     for k in (2, 3):
         np.testing.assert_array_equal(runs[k][0], runs[1][0])
         np.testing.assert_array_equal(runs[k][1], runs[1][1])
     assert not np.array_equal(runs[1][1], resnet((1, 28, 28), 10, depth=8, widths=(4, 4, 8)).materialize(np).state)
-    plain = [residual_params(tmp_path, k, "plain", "--model", "residual:f") for k in (1, 3)]
+    plain = [residual_params(tmp_path, k, "plain", "--model", "residual_factory:f") for k in (1, 3)]
     assert not np.array_equal(plain[0][0], plain[1][0])
-    undropped = residual_params(tmp_path, 1, "nodrop", "--model", "residual:no_dropout", "--reproducible")
+    undropped = residual_params(tmp_path, 1, "nodrop", "--model", "residual_factory:no_dropout", "--reproducible")
     assert not np.array_equal(undropped[0], runs[1][0])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("extra", [
+    ("--shard-optimizer", "--accum-steps", "2"),
+    ("--no-shard-optimizer", "--optimizer", "lars"),
+    ("--shard-optimizer", "--optimizer", "lamb", "--lr", "0.01", "--clip-grad-norm", "1"),
+    ("--optimizer", "adamw", "--lr", "0.003", "--tensorboard", "tb"),
+], ids=["sharded-accumulated", "lars", "lamb-sharded-clipped", "adamw-tensorboard"])
+def test_a_residual_network_trains_at_k_ranks_with_every_step_and_optimizer(shared_tmp, extra, monkeypatch):
+    """BatchNorm and Dropout at k = 2 and 3, in this job: the sharded and replicated steps, accumulation,
+    LARS, LAMB with clipping, AdamW, TensorBoard: the loss stays finite, the running statistics train, the
+    noise scale is measured, and the planner reads the metrics (replicas staying identical is checked by
+    the k-invariance tests, here and in tests/test_train.py)."""
+    from mpisgd.app.plan import main as plan_main
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.chdir(shared_tmp)
+    metrics = shared_tmp / "m.jsonl"
+    r = train_here([*SYNTH[2:], "--model", "residual_factory:f", "--synthetic-samples", "768", "--batch-size", "16",
+                    "--epochs", "2", "--warmup-epochs", "0", "--limit-test", "64", "--noise-scale-every", "1",
+                    "--metrics-file", str(metrics), "--save-model", str(shared_tmp / "r.npz"), *extra])
+    assert r.status == 0, r
+    with np.load(shared_tmp / "r.npz") as z:
+        flat, state = z["flat"], z["state"]
+    assert np.isfinite(flat).all()
+    epochs = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind":"epoch"' in line]
+    assert len(epochs) == 2 and all(np.isfinite(e["train_loss"]) for e in epochs)
+    assert epochs[-1]["noise_scale"] is not None and epochs[-1]["noise_scale"] > 0
+    assert state.size and not np.array_equal(state, resnet((1, 28, 28), 10, depth=8, widths=(4, 4, 8))
+                                             .materialize(np).state)
+    if world().Get_rank() == 0:
+        assert plan_main([str(metrics), "--ranks", "1,2,4", "--link", "10gbe"]) == 0
+    if "--tensorboard" in extra:
+        assert any((shared_tmp / "tb").iterdir())
