@@ -275,8 +275,10 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
         raise ModelFileError(f"{p}: cannot build its model ({exc})") from None
     size = sum(math.prod(s) for _, s in parameter_shapes(module))
     if flat.ndim != 1 or flat.size != size:
-        raise ModelFileError(f"{p} holds {flat.size} parameters; its model ({meta['model']}, in_shape "
-                             f"{tuple(meta['in_shape'])}, {meta['classes']} classes) has {size}")
+        built = meta["model"] if factory is None else (factory if isinstance(factory, str) else "the factory given")
+        raise ModelFileError(f"{p} holds {flat.size} parameters; the model {built} builds (in_shape "
+                             f"{tuple(meta['in_shape'])}, {meta['classes']} classes) has {size}"
+                             + (f" (the file's model: {meta['model']})" if factory is not None else ""))
     wrong = [n for n, s in parameter_shapes(module) if n in named and tuple(named[n].shape) != s]
     if wrong:
         raise ModelFileError(f"{p}: parameters {', '.join(wrong)} do not have the shapes its model gives them")

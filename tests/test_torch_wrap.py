@@ -129,7 +129,7 @@ def test_zero_grad_no_sync_and_unused_parameters_at_one_rank():
 
 
 def test_metrics_records_are_what_the_planner_reads(tmp_path):
-    from mpisgd.app.plan import read_profile
+    from mpisgd.app.planner.workload import from_metrics
 
     path = tmp_path / "m.jsonl"
     model = wrap(net(), MPI.COMM_SELF, metrics_file=str(path), metrics_every=3)
@@ -142,7 +142,7 @@ def test_metrics_records_are_what_the_planner_reads(tmp_path):
         model.log_loss(loss)
         opt.step()
     model.close()  # the last, partial window too
-    prof = read_profile(str(path), noise_scale=100.0)  # k = 1: no noise scale of its own
+    prof, _ = from_metrics(str(path), noise_scale=100.0)  # k = 1: no noise scale of its own
     assert (prof.k, prof.b, prof.m, prof.B, prof.grad_nbytes) == (1, 8, 1, 8, model.grad_nbytes)
     assert prof.step_ms > 0 and prof.forward_ms > 0 and prof.samples == 7 * 8
 
@@ -238,7 +238,7 @@ def test_bfloat16_gradients_are_averaged_over_ranks():
 @pytest.mark.mpi(min_size=2)
 def test_noise_scale_and_metrics_at_k_ranks(tmp_path_factory):
     comm = MPI.COMM_WORLD
-    from mpisgd.app.plan import read_profile
+    from mpisgd.app.planner.workload import from_metrics
 
     path = comm.bcast(str(tmp_path_factory.mktemp("wrap") / "m.jsonl") if comm.Get_rank() == 0 else None)
     model = wrap(net(bn=False), comm, metrics_file=path, metrics_every=8, noise_every=1)
@@ -256,7 +256,7 @@ def test_noise_scale_and_metrics_at_k_ranks(tmp_path_factory):
             est = model.noise_scale()  # collective
             assert est is not None and est.b_small == 8 and est.b_big == 8 * k and np.isfinite(est.grad_var)
     model.close()
-    prof = read_profile(path) if comm.Get_rank() == 0 else None  # its own noise scale this time
+    prof = from_metrics(path)[0] if comm.Get_rank() == 0 else None  # its own noise scale this time
     prof = comm.bcast(prof, root=0)
     assert prof.k == k and prof.B == 8 * k and prof.noise_scale > 0 and prof.overlap
 

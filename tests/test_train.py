@@ -340,7 +340,7 @@ def not_a_model(input_shape, n_classes):
     ("nosuchmodule:f", "cannot import nosuchmodule"), ("badmodels:nope", "badmodels has no nope"),
     ("badmodels:raises", "raised RuntimeError: this model is broken"),
     ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
-    ("badmodels:not_a_model", "must return an mpisgd.nn.Module (e.g. a Sequential), got int"),
+    ("badmodels:not_a_model", "must return an mpisgd.nn.Module (e.g. a Sequential) or a torch.nn.Module, got int"),
     ("cnn", "--model cnn takes C x H x W samples"), ("vgg", "--model must be mlp, cnn or package.module:function"),
 ]))
 def test_bad_models_are_one_line_and_exit_2(shared_tmp, own_module, model, says):

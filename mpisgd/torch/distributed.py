@@ -30,8 +30,9 @@ end of backward (an autograd callback) starts what is left and waits: after ``lo
   backward): a rank at another step is named on every rank before anyone uses a wrongly averaged gradient.
 - The gradient noise scale (mpisgd.noise) every ``noise_every`` steps: each rank's gradient before the
   average is a small batch (its samples), the average the big one; :meth:`noise_scale` (collective).
-- ``metrics_file``: every ``metrics_every`` steps rank 0 appends one record of the fields the planner
-  reads (``python -m mpisgd.plan``), from :func:`window_record`.
+- ``metrics_file``: every ``metrics_every`` steps rank 0 appends one epoch record (docs/metrics.md) of the
+  window since the last, which the planner reads (``python -m mpisgd.plan``), from :func:`window_record`;
+  the rate is the loop's optimizer's, unknown here (null), and so is the loss unless given to ``log_loss``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class DistributedModel(torch.nn.Module):
         self._t_mark = 0.0  # end of the last forward or backward: where the next interval starts
         self._after_backward = False  # the interval from _t_mark is "other" (optimizer), not backward
         self._records = 0
+        self._rss_start_mib = _peak_rss_mib()
         self._step_samples = 0  # samples of this rank's forwards since the last synchronised backward
         self._mine = np.zeros(4, dtype=np.int64)  # the per-step check-in: this rank's words, every rank's
         self._every = np.zeros((self.k, 4), dtype=np.int64)
@@ -538,21 +540,36 @@ def window_record(dm: DistributedModel, t: WrapTimes, mean_s: np.ndarray, noise:
     b = t.samples // max(1, t.forwards)
     per_step = 1e3 / steps
     forward_ms, backward_ms, exposed_ms, total_ms, other_ms = (float(v) * per_step for v in mean_s)
+    algbw = dm.grad_nbytes / (total_ms * 1e6) if total_ms > 0 else 0.0  # GB/s: bytes per ns
+    peak = _peak_rss_mib()
     record: dict[str, Any] = {
         "kind": "epoch", "epoch": dm._records, "step": dm.step, "source": "mpisgd.torch.wrap",
+        "lr": None,  # the loop's own optimizer's: not known here
+        "train_loss": t.loss_sum / t.losses if t.losses else None,  # null: log_loss was not called
         "world_size": dm.k, "local_batch": b, "accum_steps": m, "effective_batch": dm.k * b * m,
-        "grad_nbytes": dm.grad_nbytes, "allreduce": dm.describe(),
+        "grad_nbytes": dm.grad_nbytes, "allreduce": dm.describe(), "steps": t.steps,
         "step_ms": 1e3 * wall_s / steps, "forward_ms": forward_ms, "backward_ms": backward_ms,
         "comm_exposed_ms": exposed_ms, "comm_total_ms": total_ms, "optimizer_ms": other_ms,
         "samples_per_s": dm.k * t.samples / wall_s if wall_s > 0 else 0.0,
         "comm_frac": exposed_ms / (1e3 * wall_s / steps) if wall_s > 0 else 0.0,
+        "epoch_time_s": wall_s, "skipped_steps": 0,
+        "bucket_algbw_gbps": algbw, "bucket_busbw_gbps": algbw * 2 * (dm.k - 1) / dm.k,
+        "peak_rss_mib": peak, "rss_start_mib": dm._rss_start_mib,
+        "state_mib": 2 * dm.grad_nbytes / 2**20,  # the flat parameters and gradients mpisgd holds
     }
-    if t.losses:
-        record["train_loss"] = t.loss_sum / t.losses
     if noise is not None and math.isfinite(noise.noise_scale):
         record.update(noise_scale=noise.noise_scale, grad_sqr=noise.grad_sqr, grad_var=noise.grad_var,
                       noise_steps=t.noise_steps)
     return record
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB; 0.0 where unknown)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix only
+    except ImportError:
+        return 0.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _layout(module: Any) -> list[tuple[str, tuple[int, ...], str, bool]]:
