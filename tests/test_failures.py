@@ -505,9 +505,21 @@ def test_sigterm_without_a_checkpoint_dir_says_the_work_is_lost(tag: str, tmp_pa
 def test_sigterm_when_the_checkpoint_cannot_be_written_is_not_75(tag: str, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     p = _start_long_run(2, tag, tmp_path, "--checkpoint-dir", str(ck))
-    ck.rename(tmp_path / "ck-moved")  # not rmtree: a checkpoint may be written into it meanwhile
-    # the directory's name becomes a file: the next checkpoint cannot be written there
-    ck.write_text("not a directory any more")
+    # the directory's name becomes a file: the next checkpoint cannot be written there. Moved away, not
+    # removed (a checkpoint may be written into it meanwhile); the run may make it again before the file
+    # takes its name, so move it again until the file does
+    for attempt in range(50):
+        try:
+            ck.rename(tmp_path / f"ck-moved-{attempt}")
+        except FileNotFoundError:
+            pass
+        try:
+            with open(ck, "x") as f:
+                f.write("not a directory any more")
+            break
+        except (FileExistsError, IsADirectoryError):
+            continue
+    assert ck.is_file()
     os.kill(rank_pids(tag)[1], signal.SIGTERM)  # to a rank: Open MPI's mpiexec would SIGKILL them a second later
     out, err, _ = _wait_end(p, tag, limit_s=40)
     assert p.returncode == 143 and "not written" in out + err, (p.returncode, (out + err)[-2000:])
