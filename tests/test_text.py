@@ -192,3 +192,37 @@ def test_evaluate_scores_the_test_part_in_the_models_vocabulary(tmp_path, capsys
     assert "bits/char | token accuracy" in out, out
     assert evaluate([str(model), "--data", write(tmp_path, TEXT + "Q", "q.txt")]) == 2
     assert "lacks: 'Q'" in capsys.readouterr().err
+
+
+# -- data parallelism: the same bits at any k, resumed on another k -------------------------------------
+PARALLEL = ("--batch-size", "4", "--global-batch", "24", "--epochs", "2", "--max-steps", "8", "--warmup-steps", "0",
+            "--dropout", "0.1", "--checkpoint-every", "4", "--noise-scale-every", "1")
+
+
+def gpt_params(tmp_path: Path, k: int, tag: str, *extra: str, env: dict | None = None,
+               status: int = 0) -> np.ndarray | None:
+    out = tmp_path / f"{tag}-k{k}.npz"
+    r = run_mpi(k, "-m", "mpisgd.train", *TINY, "--data", write(tmp_path), *PARALLEL, "--save-model", str(out),
+                *extra, env=env, timeout=300)
+    assert r.returncode == status, r.stderr[-3000:] + r.stdout
+    return np.load(out)["flat"] if status == 0 else None
+
+
+def test_a_reproducible_gpt_has_the_same_bits_at_k_1_2_3_and_resumed_on_another_k(tmp_path):
+    """Attention, LayerNorm, GELU, Dropout (keyed by window) and the per-position loss, AdamW with decay on
+    matrices: k = 1, 2, 3 end with the same parameters; a k = 2 run stopped after its checkpoint at step 4
+    and resumed at k = 3 ends there too; the noise scale is measured per token at k >= 2. Control: without
+    --reproducible, k = 1 and 3 differ."""
+    runs = {k: gpt_params(tmp_path, k, "rep", "--reproducible", "--metrics-file", str(tmp_path / f"m{k}.jsonl"))
+            for k in (1, 2, 3)}
+    assert all(np.array_equal(runs[1], runs[k]) for k in (2, 3))
+    ck = str(tmp_path / "ck")
+    gpt_params(tmp_path, 2, "stopped", "--reproducible", "--checkpoint-dir", ck, env={"MPISGD_FAIL_AT_STEP": "6"},
+               status=1)
+    resumed = gpt_params(tmp_path, 3, "resumed", "--reproducible", "--checkpoint-dir", ck, "--resume", "auto")
+    np.testing.assert_array_equal(resumed, runs[1])
+    epochs = [json.loads(line) for line in (tmp_path / "m2.jsonl").read_text().splitlines() if '"epoch"' in line]
+    last = [e for e in epochs if e.get("kind") == "epoch"][-1]
+    assert last["noise_scale"] is not None and last["noise_scale"] > 0
+    plain = [gpt_params(tmp_path, k, "plain") for k in (1, 3)]
+    assert not np.array_equal(*plain)
