@@ -29,5 +29,5 @@ run openmpi bash scripts/test_openmpi.sh  # the MPI tests again under Debian's O
 run lint ruff check mpisgd tests benchmarks experiments scripts examples
 run types mypy mpisgd  # mypy.ini: the configuration
 "$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml \
-    results/tmp/openmpi3.xml results/tmp/openmpi-serial.xml || status=1
+    results/tmp/openmpi2.xml results/tmp/openmpi3.xml results/tmp/openmpi-serial.xml || status=1
 exit $status

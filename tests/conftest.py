@@ -189,7 +189,7 @@ def _made_once(target: str):
 
 def mpi_first(cases: list) -> list:
     """Cases for ``pytest.mark.parametrize`` of a refusal whose message does not depend on k: the first runs
-    in the MPI passes (every rank's exit code at k = 2 and 3 under MPICH, k = 3 under Open MPI), the others in the
+    in the MPI passes (every rank's exit code at k = 2 and 3, under both libraries), the others in the
     serial pass, in this process at k = 1 (the test must be written collectively: shared_tmp, root_makes)."""
     args = [c if isinstance(c, tuple) else (c,) for c in cases]
     return [pytest.param(*a, marks=pytest.mark.mpi) if i == 0 else pytest.param(*a) for i, a in enumerate(args)]
