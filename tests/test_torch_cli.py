@@ -1,7 +1,8 @@
 """`python -m mpisgd.train` with a PyTorch model factory: it trains a ResNet (BatchNorm, Dropout) and a GPT,
-saves, and python -m mpisgd.evaluate scores the file (with the factory named); at k = 2 (--no-overlap until
-DataParallel counts arrivals) its per-step losses are DistributedDataParallel's; a checkpointed run
-resumes bitwise (parameters and running statistics); --reproducible says what its bits depend on."""
+saves, and python -m mpisgd.evaluate scores the file (with the factory named); at k = 2 its per-step losses
+are DistributedDataParallel's (--no-overlap there, as the DDP loop reduces after backward; overlap gives the same
+bits: tests/test_torch_parallel.py); a checkpointed run resumes bitwise (parameters and running statistics);
+--reproducible says what its bits depend on and gives the same bits at k = 1, 2, 3."""
 
 from __future__ import annotations
 
