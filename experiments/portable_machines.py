@@ -2,7 +2,8 @@
 
 The experiment behind docs/reproducible.md ("Across machines"); its runs are in results/portable/.
 
-    python experiments/portable_machines.py [--models mlp,cnn,resnet] [--ks 1,2,3] [--out results/portable] [--quick]
+    python experiments/portable_machines.py [--models mlp,cnn,resnet,gpt] [--ks 1,2,3] [--out results/portable]
+        [--quick]
 
 One machine is one environment under which ``mpiexec -n k python -m mpisgd.train`` runs: OpenBLAS's core
 type (``OPENBLAS_CORETYPE`` in SkylakeX, Haswell, Sandybridge, Prescott: what an AVX-512 Xeon, an AVX2
@@ -52,7 +53,9 @@ JOB = ("--dataset", "synthetic", "--synthetic-samples", "1152", "--limit-test", 
        "--global-batch", "96", "--max-steps", "4", "--progress", "off", "--noise-scale-every", "0",
        "--no-straggler-report")
 MODELS = {"mlp": ("--hidden", "32"), "cnn": ("--model", "cnn", "--lr", "0.05"),
-          "resnet": ("--model", "resnet", "--lr", "0.05", "--warmup-epochs", "0")}  # BatchNorm, residual blocks
+          "resnet": ("--model", "resnet", "--lr", "0.05", "--warmup-epochs", "0"),  # BatchNorm, residual blocks
+          "gpt": ("--model", "gpt", "--data", str(ROOT / "README.md"), "--context", "16", "--gpt-layers", "1",
+                  "--gpt-width", "32", "--gpt-heads", "2", "--dropout", "0.1", "--warmup-steps", "0")}
 LEVELS = {"portable": ("--reproducible", "portable"), "pinned": ("--reproducible", "pinned"), "default": ()}
 
 
@@ -105,7 +108,10 @@ def state_digest(checkpoint_dir: Path) -> str:
 def run(machine: Machine, model: str, level: str, tmp: Path, timeout: float = 600) -> str:
     """Train the job on ``machine`` at ``level``; the digest of its final training state."""
     out = Path(tempfile.mkdtemp(dir=tmp))
-    args = [*JOB, *MODELS[model], *LEVELS[level], "--checkpoint-dir", str(out / "ck"), "--threads",
+    job = list(JOB)
+    if "--data" in MODELS[model]:  # its own data (text) instead of the synthetic images
+        del job[job.index("--dataset"):job.index("--synthetic-samples") + 2]
+    args = [*job, *MODELS[model], *LEVELS[level], "--checkpoint-dir", str(out / "ck"), "--threads",
             str(machine.threads)]
     if level == "pinned":
         args = args[:-2]  # the pinned level runs one thread: --threads other than 1 is refused

@@ -65,9 +65,9 @@ class FastKernels:
         """The mean of every element, a 0-d array (no transfer from a GPU)."""
         return a.mean()
 
-    def mean_along(self, a: Array, axis: int) -> Array:
+    def mean_along(self, a: Array, axis: int, keepdims: bool = False) -> Array:
         """The means along ``axis``, in ``a``'s dtype."""
-        return a.mean(axis=axis)
+        return a.mean(axis=axis, keepdims=keepdims)
 
     def dot_along(self, a: Array, b: Array, axis: int) -> Array:
         """For 2-D ``a`` and ``b`` of one shape, the sums of ``a * b`` along ``axis``."""
@@ -125,8 +125,9 @@ class PortableKernels:
     def mean(self, a: Array) -> Array:
         return reduce.tree_mean(a)
 
-    def mean_along(self, a: Array, axis: int) -> Array:
-        return reduce.tree_mean(a, axis)
+    def mean_along(self, a: Array, axis: int, keepdims: bool = False) -> Array:
+        means = reduce.tree_mean(a, axis)
+        return xp_of(a).expand_dims(means, axis) if keepdims else means
 
     def dot_along(self, a: Array, b: Array, axis: int) -> Array:
         """The products, each correctly rounded, summed in the fixed tree in float64."""

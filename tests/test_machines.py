@@ -1,9 +1,9 @@
 """The same --reproducible job on emulated machines (experiments/portable_machines.py): a covering subset
 of its matrix in the suite — every OpenBLAS core type, every NumPy dispatch level, k = 1, 2, 3, one and
 two BLAS threads, MPICH with PyPI's NumPy and OpenBLAS and Open MPI with Debian's — for the MLP,
-LeNet-5 and ResNet-20. At the portable level every machine ends with the same checkpoint state; at the pinned level
-every machine whose CPU the level supports; the default (fast) path gives different states on two
-machines: the negative control, which shows the emulation changes what it should."""
+LeNet-5, ResNet-20 and a small GPT. At the portable level every machine ends with the same checkpoint
+state; at the pinned level every machine whose CPU the level supports; the default (fast) path gives
+different states on two machines: the negative control, which shows the emulation changes what it should."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_the_portable_level_gives_one_state_on_every_machine(tmp_path):
     resnet = [M("Haswell", "no-avx512", 2), M("Prescott", "no-avx2", 3, "openmpi")]
     got = states("resnet", "portable", resnet, tmp_path)  # BatchNorm's sums and the pooling's, residual adds
     assert len(got) == 1, got
+    gpt = [M("Haswell", "all", 1), M("Sandybridge", "no-avx512", 2), M("Prescott", "no-avx2", 3, "openmpi")]
+    got = states("gpt", "portable", gpt, tmp_path)  # attention, LayerNorm, GELU, embeddings, the per-position loss
+    assert len(got) == 1, got
 
 
 def test_the_pinned_level_gives_one_state_where_the_cpu_supports_it(tmp_path):
@@ -55,6 +58,8 @@ def test_the_fast_path_differs_between_machines(tmp_path):
     M = machines().Machine
     got = states("mlp", "default", [M("SkylakeX", "all", 1), M("Sandybridge", "all", 1)], tmp_path)
     assert len(got) == 2, got
+    got = states("gpt", "default", [M("Haswell", "all", 1), M("Prescott", "no-avx2", 1)], tmp_path)
+    assert len(got) == 2, got  # the GPT's exp, tanh and GEMMs change with the machine on the fast path
 
 
 def test_the_experiment_s_matrix_covers_the_issue_s():

@@ -201,7 +201,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
                           overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
                           shard_optimizer=shard, shared_grads=cfg.shared_grads,
-                          loss=TokenCrossEntropy() if run_data.tokens else SoftmaxCrossEntropy(model.ctx.kernels),
+                          loss=(TokenCrossEntropy(kernels=model.ctx.kernels) if run_data.tokens
+                                else SoftmaxCrossEntropy(model.ctx.kernels)),
                           reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
                           clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
                           check_in=False)  # the loop checks in itself, with its stop flag
@@ -292,17 +293,15 @@ def _build_model(cfg: Config, run_data: RunData) -> Module:
                          "at any k)")
     portable = cfg.reproducible and cfg.reproducible_level == "portable"
     if portable and not hasattr(module, "torch_module"):  # a torch model's refusal: _prepare_torch
-        _refuse_unportable(cfg, module, run_data)
+        _refuse_unportable(cfg, module)
     return module
 
 
-def _refuse_unportable(cfg: Config, module: Module, run_data: RunData) -> None:
+def _refuse_unportable(cfg: Config, module: Module) -> None:
     """The portable level's bits hold only where every module computes through ctx.kernels (Module.portable):
     one that sums or exponentiates with the array module itself would change its bits with the CPU, the
     BLAS or NumPy, and the portable level skips the check that every rank rounds alike."""
     kinds = sorted({type(m).__name__ for _, m in module.named_modules() if not m.portable})
-    if run_data.tokens:
-        kinds.append("the per-position loss (TokenCrossEntropy)")
     if kinds:
         raise UsageError(f"--reproducible portable: --model {cfg.model} has modules the portable kernels do not cover "
                          f"yet ({', '.join(kinds)}: they compute with the array module's own sums and functions, "

@@ -46,6 +46,8 @@ class CausalSelfAttention(Module):
     and ``proj`` (Linear dim -> dim, the output projection, initialised with ``proj_std``).
     """
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, dim: int, heads: int, context: int, dropout: float = 0.0, init_std: float = 0.02,
                  proj_std: float | None = None) -> None:
         super().__init__()
@@ -72,7 +74,6 @@ class CausalSelfAttention(Module):
         return mask
 
     def forward(self, x: Array) -> Array:
-        xp = xp_of(x)
         n, t, _ = x.shape
         h, d = self.heads, self.head_dim
         qkv = self.qkv.forward(x)  # (N, T, 3D)
@@ -81,17 +82,18 @@ class CausalSelfAttention(Module):
         q, k, v = heads
         q *= x.dtype.type(1.0 / math.sqrt(d))
         p = self._buf("att", (n, h, t, t), x)
-        xp.matmul(q, k.swapaxes(-1, -2), out=p)
+        ops = self.ctx.kernels  # products, exp and sums: mpisgd.kernels
+        ops.matmul(q, k.swapaxes(-1, -2), out=p)
         # softmax over the last axis, masked, in place: exp(s - max) / sum
         p += self._mask(t, x)
         p -= p.max(axis=-1, keepdims=True)
-        xp.exp(p, out=p)
-        p /= p.sum(axis=-1, keepdims=True)
+        ops.exp(p, out=p)
+        p /= ops.sum(p, axis=-1, keepdims=True)
         self._p, self._heads = p, heads
         pd = self.drop.forward(p) if self.drop is not None else p
         self._pd = pd
         y = self._buf("y_heads", (n, h, t, d), x)
-        xp.matmul(pd, v, out=y)
+        ops.matmul(pd, v, out=y)
         merged = self._buf("merged", (n, t, self.dim), x)
         merged.reshape(n, t, h, d)[...] = y.transpose(0, 2, 1, 3)
         return self.proj.forward(merged)
@@ -107,9 +109,10 @@ class CausalSelfAttention(Module):
         dyh[...] = dmerged.reshape(n, t, h, d).transpose(0, 2, 1, 3)
         dheads = self._buf("dheads", (3, n, h, t, d), dy)
         dq, dk, dv = dheads
-        xp.matmul(self._pd.swapaxes(-1, -2), dyh, out=dv)
+        ops = self.ctx.kernels
+        ops.matmul(self._pd.swapaxes(-1, -2), dyh, out=dv)
         dp = self._buf("datt", (n, h, t, t), dy)
-        xp.matmul(dyh, v.swapaxes(-1, -2), out=dp)
+        ops.matmul(dyh, v.swapaxes(-1, -2), out=dp)
         if self.drop is not None:
             dp = self.backward_child(self.drop, dp)
             assert dp is not None
@@ -117,11 +120,11 @@ class CausalSelfAttention(Module):
         p = self._p
         tmp = self._buf("tmp", p.shape, dy)
         xp.multiply(dp, p, out=tmp)
-        dp -= tmp.sum(axis=-1, keepdims=True)
+        dp -= ops.sum(tmp, axis=-1, keepdims=True)
         dp *= p
-        xp.matmul(dp, k, out=dq)
+        ops.matmul(dp, k, out=dq)
         dq *= dy.dtype.type(1.0 / math.sqrt(d))
-        xp.matmul(dp.swapaxes(-1, -2), q, out=dk)  # q is already scaled: dk = dS^T (q / sqrt(d))
+        ops.matmul(dp.swapaxes(-1, -2), q, out=dk)  # q is already scaled: dk = dS^T (q / sqrt(d))
         dqkv = self._buf("dqkv", (n, t, 3 * self.dim), dy)
         dqkv.reshape(n, t, 3, h, d)[...] = dheads.transpose(1, 3, 0, 2, 4)
         return self.backward_child(self.qkv, dqkv, need_dx)

@@ -22,6 +22,10 @@ ONEHOT_MAX_BYTES = 16 << 20  # the largest one-hot (tokens x vocabulary) matrix 
 class Embedding(Module):
     """y[n, t] = W[ids[n, t]]: (..., ) integer ids in 0..vocab-1 to (..., dim) vectors, W ~ N(0, init_std^2)."""
 
+    # the one-hot product goes through ctx.kernels; add.at (a one-hot over ONEHOT_MAX_BYTES) adds in index
+    # order on NumPy, but with atomics on CuPy, where its bits are not portable
+    portable = True
+
     def __init__(self, vocab: int, dim: int, init_std: float = 0.02) -> None:
         super().__init__()
         self.vocab, self.dim, self.init_std = vocab, dim, init_std
@@ -51,7 +55,7 @@ class Embedding(Module):
             onehot = self._buf("onehot", (self.vocab, n), dy)  # (vocab, tokens): row v marks token v's positions
             onehot.fill(0)
             onehot[self._ids, xp.arange(n)] = 1
-            xp.matmul(onehot, dy2, out=dW)
+            self.ctx.kernels.matmul(onehot, dy2, out=dW)
         else:
             dW.fill(0)
             xp.add.at(dW, self._ids, dy2)
@@ -65,6 +69,8 @@ class Embedding(Module):
 class PositionEmbedding(Module):
     """y[n, t] = x[n, t] + P[t]: a learned vector per position 0..context-1 added to (N, T, dim) inputs,
     T <= context; P ~ N(0, init_std^2)."""
+
+    portable = True  # through ctx.kernels, or elementwise only
 
     def __init__(self, context: int, dim: int, init_std: float = 0.02) -> None:
         super().__init__()
@@ -85,9 +91,8 @@ class PositionEmbedding(Module):
         return y
 
     def backward(self, dy: Array, need_dx: bool = True) -> Array | None:
-        xp = xp_of(dy)
         dP = self._grad_out("P", (self.context, self.dim), dy)
-        xp.sum(dy, axis=0, out=dP[:self._t])
+        self.ctx.kernels.sum(dy, axis=0, out=dP[:self._t])
         dP[self._t:] = 0
         self._grad_done("P", dP)
         return dy if need_dx else None  # the input's gradient is the output's

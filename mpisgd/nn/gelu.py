@@ -23,6 +23,8 @@ _A = 0.044715
 class GELU(Module):
     """The tanh approximation of the Gaussian error linear unit, element-wise."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self) -> None:
         super().__init__()
         self._x: Array = None
@@ -36,7 +38,7 @@ class GELU(Module):
         t += 1
         t *= x
         t *= x.dtype.type(_C)
-        xp.tanh(t, out=t)  # tanh(u)
+        self.ctx.kernels.tanh(t, out=t)  # tanh(u)
         y = self._buf("y", x.shape, x)
         xp.add(t, 1, out=y)
         y *= x

@@ -22,6 +22,8 @@ class LayerNorm(Module):
     """Normalise (..., dim) inputs over their last axis, then scale by gamma and shift by beta (trained,
     starting at 1 and 0)."""
 
+    portable = True  # through ctx.kernels, or elementwise only
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
@@ -35,10 +37,11 @@ class LayerNorm(Module):
     def forward(self, x: Array) -> Array:
         xp = xp_of(x)
         xhat = self._buf("xhat", x.shape, x)
-        xp.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)
+        ops = self.ctx.kernels  # means and sums: mpisgd.kernels
+        xp.subtract(x, ops.mean_along(x, -1, keepdims=True), out=xhat)
         y = self._buf("y", x.shape, x)
         xp.multiply(xhat, xhat, out=y)  # y as scratch for the squares
-        rstd = y.mean(axis=-1, keepdims=True)
+        rstd = ops.mean_along(y, -1, keepdims=True)
         rstd += self.eps
         xp.sqrt(rstd, out=rstd)
         xp.reciprocal(rstd, out=rstd)
@@ -55,18 +58,19 @@ class LayerNorm(Module):
         tmp = self._buf("tmp", dy.shape, dy)
         xp.multiply(dy, xhat, out=tmp)
         dgamma = self._grad_out("gamma", (self.dim,), dy)
-        xp.sum(tmp.reshape(rows), axis=0, out=dgamma)
+        ops = self.ctx.kernels
+        ops.sum(tmp.reshape(rows), axis=0, out=dgamma)
         self._grad_done("gamma", dgamma)
         dbeta = self._grad_out("beta", (self.dim,), dy)
-        xp.sum(dy.reshape(rows), axis=0, out=dbeta)
+        ops.sum(dy.reshape(rows), axis=0, out=dbeta)
         self._grad_done("beta", dbeta)
         if not need_dx:
             return None
         g = dy  # backward may overwrite dy
         g *= self.params["gamma"]
         xp.multiply(g, xhat, out=tmp)
-        proj = tmp.mean(axis=-1, keepdims=True)  # mean(g * xhat)
-        mean_g = g.mean(axis=-1, keepdims=True)
+        proj = ops.mean_along(tmp, -1, keepdims=True)  # mean(g * xhat)
+        mean_g = ops.mean_along(g, -1, keepdims=True)
         xp.multiply(xhat, proj, out=tmp)
         g -= tmp
         g -= mean_g

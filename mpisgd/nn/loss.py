@@ -66,8 +66,9 @@ class TokenCrossEntropy:
     every token of the effective batch weighs the same whatever the rank or micro-batch it is in.
     """
 
-    def __init__(self, ignore_index: int = -1) -> None:
+    def __init__(self, ignore_index: int = -1, kernels: Kernels = FAST) -> None:
         self.ignore_index = ignore_index
+        self.kernels = kernels  # exp, log and sums (mpisgd.kernels), as SoftmaxCrossEntropy's
         self._p: Array = None
         self._rows: Array = None  # the flat rows of the scored targets
         self._labels: Array = None  # and their labels
@@ -84,21 +85,21 @@ class TokenCrossEntropy:
 
     def forward_array(self, logits: Array, labels: Array) -> Array:
         """The mean loss over the scored targets, as a 0-d array (no device-to-host sync on GPU)."""
-        xp = xp_of(logits)
+        xp, ops = xp_of(logits), self.kernels
         c = logits.shape[-1]
         z = logits.reshape(-1, c)
         flat = labels.reshape(-1)
         if z.shape[0] != flat.shape[0]:
             raise ValueError(f"TokenCrossEntropy: logits {tuple(logits.shape)} for targets {tuple(labels.shape)}")
         p = z - z.max(axis=1, keepdims=True)  # stable: exp of <= 0
-        xp.exp(p, out=p)
-        p /= p.sum(axis=1, keepdims=True)
+        ops.exp(p, out=p)
+        p /= ops.sum(p, axis=1, keepdims=True)
         keep = flat != self.ignore_index
         rows = xp.flatnonzero(keep)
         picked = p[rows, flat[rows]]
         self._p, self._rows, self._labels, self._keep = p, rows, flat[rows], keep
         self._count, self._shape = int(rows.size), tuple(logits.shape)
-        return -xp.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)).sum() / max(1, self._count)
+        return -ops.sum(ops.log(xp.maximum(picked, xp.finfo(p.dtype).tiny)), axis=0) / max(1, self._count)
 
     def backward(self, scale: float | None = None) -> Array:
         """The logits' gradient (of their shape), times ``scale``."""
