@@ -172,8 +172,9 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
     if resume is not None and resume.environment and cfg.reproducible:
+        keys = (*bits_depend_on(level), "torch")  # a PyTorch model's bits depend on torch's build and threads too
         differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
-                            for k in bits_depend_on(level) if resume.environment.get(k) != environment.get(k))
+                            for k in keys if resume.environment.get(k) != environment.get(k))
         if differs:
             warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
                             f"--reproducible at the {level} level promises the same bits only with the same")
@@ -212,11 +213,6 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     spe = batches.steps_per_epoch
     n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
     schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
-    if resume is not None and resume.environment and cfg.reproducible and resume.environment != environment:
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {v!r}" for k, v in environment.items()
-                            if resume.environment.get(k) != v)
-        warnings.append(f"warning: resume: the checkpoint was written on another environment ({differs}); "
-                        "--reproducible promises the same bits only on the same one")
     with wd.watching("set-up: the rank map"):
         places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
     run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
