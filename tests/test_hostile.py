@@ -279,19 +279,22 @@ def test_evaluate_refuses_ranks_that_would_score_different_things(tmp_path, caps
 
 # -- launches: a checkpoint without the optimizer's state, the stall bound, signals ------------------------------
 @serial_only
-def test_a_checkpoint_missing_an_optimizer_buffer_is_refused(tmp_path):
-    """SGD's velocity deleted from a checkpoint: the run resumed with zeros in its place (exit 0)."""
-    ck = tmp_path / "ck"
-    r = run_mpi(2, *SYNTH, "--max-steps", "4", "--epochs", "2", "--checkpoint-dir", str(ck), timeout=120)
+@pytest.mark.parametrize("optimizer,buffer,owner", [("sgd", "velocity", "SGD"), ("adamw", "exp_avg_sq", "AdamW")])
+def test_a_checkpoint_missing_an_optimizer_buffer_is_refused(tmp_path, optimizer, buffer, owner):
+    """SGD's velocity or Adam's second moment deleted from a checkpoint: the run resumed with zeros in its
+    place (exit 0)."""
+    ck, opt = tmp_path / "ck", ("--optimizer", optimizer, "--lr", "0.01" if optimizer == "sgd" else "0.001")
+    r = run_mpi(2, *SYNTH, *opt, "--max-steps", "4", "--epochs", "2", "--checkpoint-dir", str(ck), timeout=120)
     assert r.returncode == 0, r.stderr
     (path,) = ck.glob("ckpt-*.npz")
     with np.load(path) as z:
-        arrays = {k: v for k, v in z.items() if k != "state.velocity"}
+        assert f"state.{buffer}" in z.files
+        arrays = {k: v for k, v in z.items() if k != f"state.{buffer}"}
     np.savez(path, **arrays)
-    again = run_mpi(2, *SYNTH, "--max-steps", "8", "--resume-allow", "max_steps", "--epochs", "2", "--checkpoint-dir",
-                    str(ck), "--resume", "auto", timeout=120)
+    again = run_mpi(2, *SYNTH, *opt, "--max-steps", "8", "--resume-allow", "max_steps", "--epochs", "2",
+                    "--checkpoint-dir", str(ck), "--resume", "auto", timeout=120)
     assert again.returncode == 2 and again.stderr.count("mpisgd: error") == 1, again.stderr
-    assert "lacks the optimizer's state velocity (SGD keeps it): resuming would restart it at zero" in again.stderr
+    assert f"lacks the optimizer's state {buffer} ({owner} keeps it): resuming would restart it at zero" in again.stderr
 
 
 FACTORY = textwrap.dedent("""
