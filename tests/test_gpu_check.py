@@ -18,9 +18,10 @@ from conftest import ONE_THREAD, ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["env", "probe", "tests-k1", "tests-k2", "tests-k3", "train-mlp-gpu", "train-cnn-gpu", "train-mlp-gpu-k2",
-         "train-mlp-nccl", "portable-bits", "train-mlp-cpu", "train-cnn-cpu", "bw-nccl", "bw-staged",
-         "bw-direct"]
-TRAININGS = ["train-mlp-gpu", "train-cnn-gpu", "train-mlp-gpu-k2", "train-mlp-cpu", "train-cnn-cpu"]
+         "train-mlp-nccl", "train-resnet-gpu-k2", "train-gpt-gpu", "portable-bits", "train-mlp-cpu", "train-cnn-cpu",
+         "bw-nccl", "bw-staged", "bw-direct"]
+TRAININGS = ["train-mlp-gpu", "train-cnn-gpu", "train-mlp-gpu-k2", "train-resnet-gpu-k2", "train-mlp-cpu",
+             "train-cnn-cpu"]
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None or shutil.which("timeout") is None,
                                 reason="needs mpiexec and timeout(1)")
@@ -64,7 +65,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_step_and_passes(dry_run):
     r, text, _ = dry_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "PASS (15 steps)" in r.stdout
+    assert "PASS (17 steps)" in r.stdout
     rows = steps(text)
     assert list(rows) == STEPS
     for name, row in rows.items():
@@ -81,7 +82,7 @@ def test_dry_run_results_file_has_every_section(dry_run):
     _, text, _ = dry_run
     assert text.startswith("# mpisgd GPU check")
     assert "DRY RUN on the CPU" in text and "Nothing in this file ran on a GPU" in text
-    assert "result: **PASS (15 steps)**" in text
+    assert "result: **PASS (17 steps)**" in text
     machine = section(text, "Machine and versions")
     assert "python " in machine and "MPI library:" in machine and "MPI CUDA query:" in machine
     details = section(text, "Step details")
@@ -93,6 +94,8 @@ def test_dry_run_results_file_has_every_section(dry_run):
     for name in TRAININGS:
         assert "--device cpu" in commands[name] and "--dataset synthetic" in commands[name], name
     assert "--model cnn" in commands["train-cnn-gpu"] and "-n 2" in commands["train-mlp-gpu-k2"]
+    assert "--model resnet" in commands["train-resnet-gpu-k2"] and "-n 2" in commands["train-resnet-gpu-k2"]
+    assert "--model gpt" in commands["train-gpt-gpu"] and "--data README.md" in commands["train-gpt-gpu"]
     assert "--max-bytes 4K" in commands["bw-staged"] and "--cuda-aware staged" in commands["bw-staged"]
     assert "portable.sh" in commands["portable-bits"]
     assert "identical on cpu (k=1) and cpu (k=2)" in steps(text)["portable-bits"]["note"]

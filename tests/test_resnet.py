@@ -236,6 +236,8 @@ def test_a_residual_network_trains_at_k_ranks_with_every_step_and_optimizer(shar
     the k-invariance tests, here and in tests/test_train.py)."""
     from mpisgd.app.plan import main as plan_main
 
+    if "--tensorboard" in extra:
+        pytest.importorskip("tensorboardX", reason="tensorboardX is not installed (Open MPI's environment has none)")
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     monkeypatch.chdir(shared_tmp)
     metrics = shared_tmp / "m.jsonl"
