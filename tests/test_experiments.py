@@ -197,3 +197,19 @@ def test_noise_cost_times_the_norm_per_measured_step_and_per_step():
     measured = float(r.stdout.split("takes ")[1].split(" ms")[0])
     per_step = float(r.stdout.split("every 4 steps: ")[1].split(" ms")[0])
     assert measured > 0 and per_step == pytest.approx(measured / 4, abs=1e-3), r.stdout
+
+
+def test_gpt_steps_samples_quick_run_and_its_arithmetic(tmp_path):
+    """The GPT's steps-vs-samples experiment end to end on README.md (two batches, a few steps), and the
+    pieces its numbers come from: the smoothed first crossing and the S = S_min + E_min / B fit."""
+    gss = script("experiments", "gpt_steps_samples")
+    assert gss.steps_to([5.0, 4.0, 3.0, 2.0, 1.0], 2.5, 1) == pytest.approx(3.5)  # between steps 3 and 4
+    assert gss.steps_to([5.0, 4.0, 3.0], 0.5, 1) is None
+    s_min, e_min = gss.fit([(16, 10 + 800 / 16), (64, 10 + 800 / 64), (256, 10 + 800 / 256)])
+    assert (s_min, e_min) == (pytest.approx(10), pytest.approx(800))
+    r = subprocess.run([sys.executable, "experiments/gpt_steps_samples.py", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["rows"]) == {"8", "16"} and summary["rows"]["8"]["steps_run"] == 40
+    assert "| 8 | 0.0005 |" in (tmp_path / "summary.md").read_text()

@@ -1,0 +1,1 @@
+-m mpisgd.train --model gpt --data /usr/local/share/mpisgd/kjv.txt --context 64 --global-batch 128 --batch-size 32 --lr 0.002 --lr-scaling none --warmup-steps 10 --decay none --epochs 1 --max-steps 320 --noise-scale-every 1 --limit-test 64 --progress off --seed 0 --metrics-file /work/main/results/critical_batch_gpt/runs/B128.jsonl

@@ -1,0 +1,1 @@
+-m mpisgd.train --model gpt --data /usr/local/share/mpisgd/kjv.txt --context 64 --global-batch 256 --batch-size 32 --lr 0.00282843 --lr-scaling none --warmup-steps 10 --decay none --epochs 1 --max-steps 160 --noise-scale-every 1 --limit-test 64 --progress off --seed 0 --metrics-file /work/main/results/critical_batch_gpt/runs/B256.jsonl
