@@ -386,7 +386,7 @@ def main() -> None:
     run = {"numpy": numpy_loop, "torch": torch_single, "torch-ddp": torch_ddp, "torch-mpisgd": torch_mpisgd,
            "side-by-side": side_by_side}[args.impl]
     result = run(args)
-    from mpisgd.app.preflight import peak_rss_mib  # noqa: PLC0415
+    from mpisgd.backend import peak_rss_mib  # noqa: PLC0415
 
     result["peak_rss_mib"] = peak_rss_mib()  # rank 0's (DDP ranks hold the same)
     if result.pop("rank", 0) == 0:

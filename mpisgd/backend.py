@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -195,3 +196,13 @@ BITS_DEPEND_ON = {
 def bits_depend_on(level: str) -> tuple[str, ...]:
     """The keys of :func:`environment` a run's bits depend on at ``level`` ("pinned", "portable", "")."""
     return BITS_DEPEND_ON[level]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix only
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux

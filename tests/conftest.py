@@ -265,6 +265,16 @@ def is_png(path: Path) -> bool:
 
 
 @pytest.fixture
+def torch_one_thread():
+    """PyTorch on one thread for the test (ranks share the cores), its thread count put back after."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def shared_tmp(tmp_path: Path) -> Path:
     """A directory every rank of the job names alike (rank 0's tmp_path): the options of a run must be the
     same on every rank, paths included. Only rank 0 should write into it before a run (then ``barrier``)."""

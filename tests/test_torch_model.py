@@ -21,11 +21,8 @@ from mpisgd.torch.views import same_memory  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_no_determinism():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_and_no_determinism(torch_one_thread):
     yield
-    torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(False)
 
 

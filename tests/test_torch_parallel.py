@@ -23,12 +23,7 @@ from mpisgd.torch import from_torch  # noqa: E402
 LR, STEPS, B = 0.05, 6, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def chain():

@@ -17,13 +17,7 @@ from torch_factories import gloo  # noqa: E402
 from mpisgd.torch import wrap  # noqa: E402
 from mpisgd.torch.views import as_array  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def net(dtype=torch.float64, seed=0, bn=True):

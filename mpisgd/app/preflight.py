@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +179,3 @@ def same_model(structure: dict[str, Any], comm: Any) -> None:
                          "factory must build the same layers on every rank")
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (0.0 where the OS does not say)."""
-    try:
-        import resource  # noqa: PLC0415 - Unix only
-    except ImportError:
-        return 0.0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux

@@ -19,10 +19,9 @@ from typing import Any, TypeVar
 from mpisgd import data, text
 from mpisgd.agreement import ReplicaError, agree, same_arithmetic
 from mpisgd.app import preflight, run_files
-from mpisgd.app.preflight import peak_rss_mib
 from mpisgd.app.resume import ResumePoint, resume_point
 from mpisgd.app.run_dir import RunDirectory
-from mpisgd.backend import arithmetic, bits_depend_on, set_threads
+from mpisgd.backend import arithmetic, bits_depend_on, peak_rss_mib, set_threads
 from mpisgd.backend import environment as backend_environment
 from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer

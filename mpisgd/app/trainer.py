@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpisgd
-from mpisgd.app import preflight, report
+from mpisgd.app import report
 from mpisgd.app.inject import NoHooks
 from mpisgd.app.metrics import MetricsWriter
 from mpisgd.app.records import SCHEMA, EpochRecord, Record, RunRecord, StepRecord, TestRecord
@@ -29,7 +29,7 @@ from mpisgd.app.signals import EXIT_PREEMPTED, EXIT_TERMINATED, Stop
 from mpisgd.app.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.app.straggler import describe as describe_straggler
 from mpisgd.app.tensorboard import open_writer
-from mpisgd.backend import to_numpy
+from mpisgd.backend import peak_rss_mib, to_numpy
 from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
@@ -314,7 +314,7 @@ class Trainer:
             mean, extra = mean_over_ranks(self.comm, self.dp.times, {"loss_sum": float(loss_sum)})
             scores: dict[str, Any] = dict(self._scores())
             # the largest rank's peak, its RSS at start-up and what it holds for training (see _state_mib)
-            mem = np.array([preflight.peak_rss_mib(), run.rss_start_mib, self._state_mib()])
+            mem = np.array([peak_rss_mib(), run.rss_start_mib, self._state_mib()])
             self.comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
             step_time = train_time / max(1, steps)
             straggler = self._straggler(1e3 * step_time)

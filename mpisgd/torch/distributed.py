@@ -52,7 +52,7 @@ import torch
 from mpi4py import MPI
 
 from mpisgd.agreement import ReplicaError, bcast_, layout_digest, verify_same
-from mpisgd.backend import is_device_array
+from mpisgd.backend import is_device_array, peak_rss_mib
 from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.noise import NoiseScale, estimate
@@ -142,7 +142,7 @@ class DistributedModel(torch.nn.Module):
         self._t_mark = 0.0  # end of the last forward or backward: where the next interval starts
         self._after_backward = False  # the interval from _t_mark is "other" (optimizer), not backward
         self._records = 0
-        self._rss_start_mib = _peak_rss_mib()
+        self._rss_start_mib = peak_rss_mib()
         self._step_samples = 0  # samples of this rank's forwards since the last synchronised backward
         self._mine = np.zeros(4, dtype=np.int64)  # the per-step check-in: this rank's words, every rank's
         self._every = np.zeros((self.k, 4), dtype=np.int64)
@@ -541,7 +541,7 @@ def window_record(dm: DistributedModel, t: WrapTimes, mean_s: np.ndarray, noise:
     per_step = 1e3 / steps
     forward_ms, backward_ms, exposed_ms, total_ms, other_ms = (float(v) * per_step for v in mean_s)
     algbw = dm.grad_nbytes / (total_ms * 1e6) if total_ms > 0 else 0.0  # GB/s: bytes per ns
-    peak = _peak_rss_mib()
+    peak = peak_rss_mib()
     record: dict[str, Any] = {
         "kind": "epoch", "epoch": dm._records, "step": dm.step, "source": "mpisgd.torch.wrap",
         "lr": None,  # the loop's own optimizer's: not known here
@@ -561,15 +561,6 @@ def window_record(dm: DistributedModel, t: WrapTimes, mean_s: np.ndarray, noise:
         record.update(noise_scale=noise.noise_scale, grad_sqr=noise.grad_sqr, grad_var=noise.grad_var,
                       noise_steps=t.noise_steps)
     return record
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (Linux reports KiB; 0.0 where unknown)."""
-    try:
-        import resource  # noqa: PLC0415 - Unix only
-    except ImportError:
-        return 0.0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _layout(module: Any) -> list[tuple[str, tuple[int, ...], str, bool]]:
