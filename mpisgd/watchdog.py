@@ -41,6 +41,7 @@ from mpisgd.abort import abort_job
 
 TAG = 7_340  # our own duplicate communicator: no other traffic can match it
 PENDING_PRUNE = 64  # completed sends are dropped once this many accumulate
+CLOSING_POLL_S = 0.001  # rank 0's thread, once closing, probes for the others' "close" this often
 
 
 class Watchdog:
@@ -163,7 +164,10 @@ class Watchdog:
             if self._stop.is_set() and (self.rank != 0 or not self.threaded or self._closes == self.size - 1):
                 return
             self._check(time.monotonic())
-            time.sleep(self._poll_s)
+            if self._stop.is_set():  # closing: rank 0 only waits for the others' "close", which come at once
+                time.sleep(CLOSING_POLL_S)
+            else:  # woken by close() at once, so that a run ends without waiting out a poll
+                self._stop.wait(self._poll_s)
 
     def _receive(self, msg: tuple, source: int) -> None:
         if msg[0] == "close":

@@ -205,17 +205,20 @@ def _wait_for(pred, timeout_s: float, what: str, c: Cluster) -> None:  # noqa: A
 
 
 def _submit(c: Cluster, work: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
-            script: str = "train_cpu.sbatch", sbatch: tuple[str, ...] = ()
-            ) -> tuple[subprocess.CompletedProcess, int, str]:
-    """sbatch --wait one of the project's scripts; returns (sbatch result, job id, Slurm's output file)."""
-    r = subprocess.run(["sbatch", "--wait", f"--chdir={work}", "--output=job-%j.out", *sbatch,
+            script: str = "train_cpu.sbatch", sbatch: tuple[str, ...] = ()) -> tuple[int, str, str, str]:
+    """Submit one of the project's scripts and wait for its job to end; returns (job id, its final state, its
+    exit code as Slurm records it, Slurm's output file). Polled here, not with ``sbatch --wait``, whose
+    checks back off to every 10 s: a job of three seconds would cost ten."""
+    r = subprocess.run(["sbatch", f"--chdir={work}", "--output=job-%j.out", *sbatch,
                         str(ROOT / "scripts" / "slurm" / script), *args],
-                       capture_output=True, text=True, timeout=timeout, env={**c.env, **(env or {})})
+                       capture_output=True, text=True, timeout=60, env={**c.env, **(env or {})})
     m = re.search(r"Submitted batch job (\d+)", r.stdout)
-    assert m, f"sbatch did not submit: {r.stdout}\n{r.stderr}\n{c.logs()}"
+    assert r.returncode == 0 and m, f"sbatch did not submit: {r.stdout}\n{r.stderr}\n{c.logs()}"
     job = int(m.group(1))
+    state = _wait_job(c, job, timeout)
+    code = _job_state(c, job)[1]
     out = work / f"job-{job}.out"
-    return r, job, out.read_text(errors="replace") if out.exists() else ""
+    return job, state, code, out.read_text(errors="replace") if out.exists() else ""
 
 
 def _job_state(c: Cluster, job: int) -> tuple[str, str]:
@@ -237,11 +240,9 @@ def test_train_cpu_sbatch_on_real_slurm(cluster: Cluster, tmp_path: Path, launch
     if launcher == "mpiexec":
         (tmp_path / "run.toml").write_text("hidden = [256, 128]\nseed = 3\nmetrics-file = 'ignored.jsonl'\n")
         options = {"MPISGD_CONFIG": str(tmp_path / "run.toml")}
-    r, job, out = _submit(cluster, tmp_path, *ARGS,
-                          env={"RUN_DIR": str(run_dir), "MPISGD_LAUNCHER": launcher, **options})
-    state, code = _job_state(cluster, job)
-    assert r.returncode == 0 and state == "COMPLETED" and code == "0:0", \
-        f"sbatch exit {r.returncode}, job {job} {state} exit {code}\n{out}\n{r.stderr}\n{cluster.logs()}"
+    job, state, code, out = _submit(cluster, tmp_path, *ARGS,
+                                    env={"RUN_DIR": str(run_dir), "MPISGD_LAUNCHER": launcher, **options})
+    assert state == "COMPLETED" and code == "0:0", f"job {job} {state} exit {code}\n{out}\n{cluster.logs()}"
     assert "k=2 rank(s)" in out, out
     acc = re.search(r"final test accuracy (\d\.\d+)", out)
     assert acc, out
@@ -258,11 +259,11 @@ def test_train_cpu_sbatch_on_real_slurm(cluster: Cluster, tmp_path: Path, launch
 def test_failing_job_is_reported_failed(cluster: Cluster, tmp_path: Path) -> None:
     """A rank that raises ends the job promptly, and Slurm records the failure."""
     t0 = time.monotonic()
-    r, job, out = _submit(cluster, tmp_path, "--dataset", "synthetic", "--synthetic-samples", "2048",
-                          "--hidden", "32", env={"RUN_DIR": str(tmp_path / "run"), "MPISGD_FAIL_AT_STEP": "3:1"})
+    job, state, code, out = _submit(cluster, tmp_path, "--dataset", "synthetic", "--synthetic-samples", "2048",
+                                    "--hidden", "32",
+                                    env={"RUN_DIR": str(tmp_path / "run"), "MPISGD_FAIL_AT_STEP": "3:1"})
     elapsed = time.monotonic() - t0
-    state, code = _job_state(cluster, job)
-    assert r.returncode != 0 and state == "FAILED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"
+    assert state == "FAILED" and code != "0:0", f"job {job} {state} exit {code}\n{out}"
     assert "mpisgd: rank 1 of 2 failed" in out and "injected failure at step 3" in out, out
     assert elapsed < 120, f"the failed job took {elapsed:.0f} s to end"
 
@@ -272,11 +273,10 @@ def test_allreduce_bw_sbatch(cluster: Cluster, tmp_path: Path) -> None:
     if not (ROOT / "benchmarks" / "allreduce_bw.py").exists():
         pytest.skip("benchmarks/allreduce_bw.py is not in this checkout")
     run_dir = tmp_path / "run"
-    r, job, out = _submit(cluster, tmp_path, "--max-bytes", "64K", "--iters", "5", "--backends", "mpi",
-                          script="allreduce_bw.sbatch", sbatch=("--nodes=1", "--ntasks-per-node=2"),
-                          env={"RUN_DIR": str(run_dir), "MPISGD_HOME": str(ROOT)})
-    state, code = _job_state(cluster, job)
-    assert r.returncode == 0 and state == "COMPLETED", f"sbatch exit {r.returncode}, {state} {code}\n{out}"
+    job, state, code, out = _submit(cluster, tmp_path, "--max-bytes", "64K", "--iters", "5", "--backends", "mpi",
+                                    script="allreduce_bw.sbatch", sbatch=("--nodes=1", "--ntasks-per-node=2"),
+                                    env={"RUN_DIR": str(run_dir), "MPISGD_HOME": str(ROOT)})
+    assert state == "COMPLETED" and code == "0:0", f"job {job} {state} exit {code}\n{out}"
     rows = [json.loads(line) for line in (run_dir / "allreduce_bw.json").read_text().splitlines() if line.strip()]
     assert rows, out
     assert "allreduce_bw: exit status 0" in out
@@ -288,7 +288,7 @@ def _wait_job(c: Cluster, job: int, timeout_s: float) -> str:
         state, _ = _job_state(c, job)
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return state
-        time.sleep(0.5)
+        time.sleep(0.2)
     pytest.fail(f"job {job} did not end within {timeout_s} s (state {_job_state(c, job)})\n{c.logs()}")
 
 
