@@ -183,6 +183,26 @@ def test_no_report_without_stall_and_the_duplicate_freed(capfd: pytest.CaptureFi
     assert summed == 200 * 10 * comm.Get_size()  # every all-reduce completed
 
 
+@pytest.mark.mpi(min_size=2)
+def test_close_does_not_wait_out_the_threads_poll() -> None:
+    """close() wakes the thread: with a poll of 5 s, the old sleep made every close wait up to two polls
+    (rank 0 hears the others' "close" one poll after they send it)."""
+    import time
+
+    from mpi4py import MPI
+
+    from mpisgd.watchdog import Watchdog
+
+    wd = Watchdog(MPI.COMM_WORLD, timeout_s=300.0)
+    wd._poll_s = 5.0  # as if configured so; the thread reads it at its next sleep
+    time.sleep(0.3)  # the thread is in that sleep now
+    MPI.COMM_WORLD.Barrier()
+    t0 = time.monotonic()
+    wd.close()
+    took = time.monotonic() - t0
+    assert took < 2.5, f"close took {took:.2f} s"
+
+
 SKIP_SCRIPT = """
 import sys
 import numpy as np
