@@ -222,6 +222,15 @@ def torch_single(args: argparse.Namespace) -> dict:
             "step_ms": 1e3 * dt / steps}
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (the system's choice for a bind to port 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def torch_ddp(args: argparse.Namespace) -> dict:
     """PyTorch DistributedDataParallel: gloo on CPU; on a GPU, NCCL (gloo where ranks share a GPU)."""
     from mpi4py import MPI
@@ -232,7 +241,8 @@ def torch_ddp(args: argparse.Namespace) -> dict:
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000, root=0)))
+    port = comm.bcast(free_port() if rank == 0 else None, root=0)  # every rank: a collective
+    os.environ.setdefault("MASTER_PORT", str(port))  # free now on rank 0's host: two benchmarks may run at once
     import torch
     import torch.distributed as dist
 

@@ -7,17 +7,24 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}  # Debian has no `python` unless python-is-python3 is installed
+# compiled modules are cached (__pycache__, ignored by git): without, every pytest session rewrites the test modules'
+# asserts again and every launched rank compiles the package again
+unset PYTHONDONTWRITEBYTECODE
 
+t0=$SECONDS
 bash scripts/install.sh test || { echo "install failed"; exit 1; }
+echo "=== install: $((SECONDS - t0)) s"
 
 mkdir -p results/tmp
+rm -f results/tmp/serial.xml* results/tmp/mpi[23].xml*  # an earlier run's must not count
 status=0
 run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME*.xml
   local name=$1; shift
   echo "=== $name: $*"
+  local t0=$SECONDS
   "$@"
   local rc=$?
-  echo "=== $name: exit $rc"
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s"
   if [ "$rc" -ne 0 ]; then status=1; fi
 }
 run serial "$PY" -m pytest tests -q -p no:cacheprovider --durations=25 --junitxml=results/tmp/serial.xml
@@ -27,7 +34,8 @@ for n in 2 3; do
 done
 run openmpi bash scripts/test_openmpi.sh  # the MPI tests again under Debian's Open MPI, in an environment of its own
 run lint ruff check mpisgd tests benchmarks experiments scripts examples
-run types mypy mpisgd  # mypy.ini: the configuration
+# mypy.ini: the configuration; its cache outside the checkout, so that a fresh clone checks only what changed
+run types mypy --cache-dir "${MPISGD_MYPY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpisgd/mypy}" mpisgd
 "$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/mpi2.xml results/tmp/mpi3.xml \
     results/tmp/openmpi2.xml results/tmp/openmpi3.xml results/tmp/openmpi-serial.xml || status=1
 exit $status

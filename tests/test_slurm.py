@@ -93,8 +93,8 @@ SlurmdUser=root
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
-# cred_expire: how long a requeued job waits before it may start again (default 120 s)
-AuthInfo=socket={d}/munge/munge.socket,cred_expire=10
+# cred_expire: how long a requeued job waits before it may start again (default 120 s; Slurm takes 5 at least)
+AuthInfo=socket={d}/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool

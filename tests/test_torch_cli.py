@@ -106,7 +106,7 @@ def test_checkpoint_and_resume_end_bitwise_where_an_uninterrupted_run_does(tmp_p
 def test_reproducible_resnet_with_batch_norm_and_dropout_has_the_same_bits_at_k_1_2_3(tmp_path):
     """A torch ResNet with BatchNorm (statistics per fixed micro-batch, through the stat row) and Dropout
     (keyed by sample): parameters and running statistics bitwise equal at k = 1, 2, 3 under --reproducible;
-    the control: without it, k = 1 and 3 differ."""
+    the control: without it, k = 1 and 2 differ."""
     def params(k, tag, *extra):
         out = tmp_path / f"{tag}{k}.npz"
         cli(k, "--model", "torch_factories:tiny_resnet", "--batch-size", "8", "--global-batch", "48",
@@ -118,5 +118,5 @@ def test_reproducible_resnet_with_batch_norm_and_dropout_has_the_same_bits_at_k_
     for k in (2, 3):
         np.testing.assert_array_equal(runs[k][0], runs[1][0])
         np.testing.assert_array_equal(runs[k][1], runs[1][1])
-    plain = [params(k, "plain")[0] for k in (1, 3)]
+    plain = [params(k, "plain")[0] for k in (1, 2)]
     assert not np.array_equal(*plain)
