@@ -18,9 +18,9 @@ setup(
         # --tensorboard's event files: tensorboardX is pure Python on protobuf (no TensorFlow, no PyTorch)
         "tensorboard": ["tensorboardX>=2.6"],
         # tensorboard: its EventAccumulator reads the events back in tests/test_tensorboard.py
-        # mypy: scripts/test.sh type-checks the package (mypy.ini)
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "mypy>=1.8", "matplotlib>=3.5", "tensorboardX>=2.6",
-                 "tensorboard>=2.14"],
+        # mypy: scripts/test.sh type-checks the package (mypy.ini); pytest-xdist: its serial pass runs in two workers
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3", "ruff", "mypy>=1.8", "matplotlib>=3.5",
+                 "tensorboardX>=2.6", "tensorboard>=2.14"],
         "torch": ["torch"],  # PyTorch models (mpisgd.torch, docs/torch.md) and the comparison benchmarks
     },
     entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",

@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_mpi
 
+pytestmark = pytest.mark.alone  # times jobs or waits for them: run apart (pytest.ini)
+
 spec = importlib.util.spec_from_file_location("netcluster", ROOT / "scripts" / "cluster" / "netcluster.py")
 assert spec is not None and spec.loader is not None
 netcluster = importlib.util.module_from_spec(spec)

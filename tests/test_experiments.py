@@ -90,6 +90,7 @@ def test_profile_step_reports_phases_gemm_efficiency_and_spread():
     assert float(spread.split(" ms")[0]) > 0 and "forward+backward" in spread
 
 
+@pytest.mark.alone  # compares step times: run apart (pytest.ini)
 def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
     r = subprocess.run([sys.executable, "experiments/straggler.py", "--ks", "2", "--delays-ms", "0,10",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())

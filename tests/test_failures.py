@@ -45,6 +45,8 @@ from conftest import (
 from mpisgd.agreement import AgreedError, agree, differing_ranks, name_differences
 from mpisgd.app.inject import Injected, NoHooks
 
+pytestmark = pytest.mark.alone  # times jobs or waits for them: run apart (pytest.ini)
+
 SYNTH = ("-m", "mpisgd.train", *TINY)
 PROMPT_S = 30  # "within seconds": generous for a loaded CI machine, far below any collective timeout
 # Open MPI's mpiexec (4.1) passes SIGINT and SIGTERM on to every rank as SIGTERM, SIGKILLs them 1 s later

@@ -23,8 +23,9 @@ STEPS = ["env", "probe", "tests-k1", "tests-k2", "tests-k3", "train-mlp-gpu", "t
 TRAININGS = ["train-mlp-gpu", "train-cnn-gpu", "train-mlp-gpu-k2", "train-resnet-gpu-k2", "train-mlp-cpu",
              "train-cnn-cpu"]
 
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None or shutil.which("timeout") is None,
-                                reason="needs mpiexec and timeout(1)")
+pytestmark = [pytest.mark.skipif(shutil.which("mpiexec") is None or shutil.which("timeout") is None,
+                                 reason="needs mpiexec and timeout(1)"),
+              pytest.mark.xdist_group("gpu_check")]  # one worker makes the module's dry run
 
 
 def gpu_check(tmp: Path, timeout: float = 300, **env: str) -> tuple[subprocess.CompletedProcess, str]:

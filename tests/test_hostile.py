@@ -27,6 +27,8 @@ from mpisgd.checkpoint import CheckpointError, TrainState, load_checkpoint, save
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
 
+pytestmark = pytest.mark.alone  # times jobs or waits for them: run apart (pytest.ini)
+
 SYNTH = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "512", "--hidden", "16",
          "--progress", "off", "--batch-size", "32")
 

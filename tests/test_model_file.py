@@ -20,7 +20,7 @@ from mpisgd.errors import UsageError
 from mpisgd.model_file import ModelFileError, read_model
 from mpisgd.nn import build_model
 
-pytestmark = serial_only
+pytestmark = [serial_only, pytest.mark.xdist_group("model_file")]  # one worker makes the module fixture
 SYNTH = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "1024", "--hidden", "32",
          "--progress", "off", "--batch-size", "32", "--epochs", "2", "--seed", "4"]
 

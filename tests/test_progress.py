@@ -11,11 +11,12 @@ import struct
 import subprocess
 import termios
 
+import pytest
 from conftest import ONE_THREAD, ROOT, mpiexec_cmd, serial_only
 
 from mpisgd.app.report import launcher_terminal
 
-pytestmark = serial_only
+pytestmark = [serial_only, pytest.mark.alone]  # times its job's bar: run apart (pytest.ini)
 TRAIN = ["-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "16384", "--hidden", "16",
          "--batch-size", "8", "--epochs", "1"]
 # where no bar may show, a short epoch: tqdm draws its first and last state however short the epoch

@@ -13,6 +13,8 @@ import pytest
 
 from mpisgd.app import signals
 
+pytestmark = pytest.mark.alone  # times jobs or waits for them: run apart (pytest.ini)
+
 
 def test_the_grace_restarts_while_the_job_makes_progress_and_ends_it_once_it_stops(monkeypatch):
     monkeypatch.setattr(signals, "TERM_GRACE_S", 1.0)

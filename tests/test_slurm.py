@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import ONE_THREAD, ROOT
 
+pytestmark = pytest.mark.xdist_group("slurm")  # one worker starts the Slurm daemons for the module
+
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 SHM = Path("/dev/shm")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")

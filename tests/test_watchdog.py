@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
+pytestmark = pytest.mark.alone  # times jobs or waits for them: run apart (pytest.ini)
+
 
 @pytest.fixture(autouse=True)
 def _serial_only(request: pytest.FixtureRequest) -> None:
