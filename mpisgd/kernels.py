@@ -58,6 +58,10 @@ class FastKernels:
     def weight(self, w: Array, previous: Any = None) -> Array:
         return w
 
+    def samples(self, x: Array, k: int, previous: Any = None) -> None:
+        """None: a convolution takes its columns from its input itself."""
+        return None
+
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return xp_of(a).sum(a, axis=axis, out=out, keepdims=keepdims)
 
@@ -118,6 +122,12 @@ class PortableKernels:
         """``w`` split once for ``matmul(x, w)`` and ``matmul(dy, w.T)``; ``previous``, this layer's last one,
         lends its arrays."""
         return (previous if isinstance(previous, gemm.Weight) else gemm.Weight()).prepare(w)
+
+    def samples(self, x: Array, k: int, previous: Any = None) -> gemm.Samples:
+        """A convolution's padded input (..., N) as integers with one power of two per sample, for products
+        whose inner dimension k takes its windows (gemm.Samples); ``previous``, this layer's last one,
+        lends its arrays."""
+        return (previous if isinstance(previous, gemm.Samples) else gemm.Samples()).prepare(x, k)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)

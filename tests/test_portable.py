@@ -57,16 +57,19 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
 # -- the GEMM --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("m,k,n", [(5, 7, 3), (64, 257, 33), (128, 784, 40), (3, 1000, 5)])
 def test_the_slices_multiply_to_exact_integers(m, k, n):
-    """Every product of slices is a sum of integers below 2^53: BLAS's float64 result equals NumPy's exact
-    int64 matmul (which no BLAS computes), whatever the chunking."""
+    """Every product of slices is a sum of integers below 2^53 (float32 operands' slices hold them with
+    their powers of two applied): BLAS's float64 result equals NumPy's exact int64 matmul (which no BLAS
+    computes) with those powers of two, whatever the chunking."""
     a, b = operands(np.random.default_rng(k), m, k, n)
     ws = gemm.Workspace()
     sa, sb = gemm.split(a, "left", ws), gemm.split(b, "right", ws)
-    qa, qb = sa.slices[0][0], sb.slices[0][0]
+    qa, qb = sa.integers(), sb.integers()
     assert np.array_equal(qa, np.rint(qa)) and np.array_equal(qb, np.rint(qb))
     exact = np.matmul(qa.astype(np.int64), qb.astype(np.int64))
     assert np.abs(exact).max() < 2**53
-    assert np.array_equal(np.matmul(qa, qb), exact)
+    assert sa.applied and sb.applied
+    scale = sa.slices[0][1] * sb.slices[0][1]  # (nc, m, 1) x (nc, 1, n): powers of two
+    assert np.array_equal(np.matmul(sa.slices[0][0], sb.slices[0][0]) * scale, exact)
     # the norms the scales come from bound the integers as the exactness argument needs
     assert np.sqrt((qa * qa).sum(axis=-1)).max() <= 2**gemm.GAMMA + math.sqrt(sa.kc) / 2
     assert np.sqrt((qb * qb).sum(axis=-2)).max() <= 2**gemm.GAMMA + math.sqrt(sb.kc) / 2
@@ -133,14 +136,16 @@ def test_a_weight_split_once_serves_both_products(spread):
     x, dy = rng.standard_normal((64, 784)).astype(np.float32), rng.standard_normal((64, 300)).astype(np.float32)
     prepared = gemm.Weight().prepare(w)
     assert (prepared.right.slices[0][0].base is prepared.T.slices[0][0].base) == (spread < gemm.SPREAD)
-    for q, _ in (prepared.right.slices[0], prepared.T.slices[0]):
-        assert np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
+    for q in (prepared.right.integers(), prepared.T.integers()):
+        assert np.array_equal(q, np.rint(q)) and np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
     for a, b, wt in ((x, w, prepared), (dy, w.T, prepared.T)):
         want = a.astype(np.float64) @ b.astype(np.float64)
         assert rel_error(gemm.matmul(a, wt), want) <= rel_error(a @ b, want)
-    qa = gemm.split(x, "left", gemm.Workspace()).slices[0][0]
-    qb = prepared.right.slices[0][0]
-    assert np.array_equal(np.matmul(qa, qb), np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
+    sx = gemm.split(x, "left", gemm.Workspace())
+    qa, qb = sx.integers(), prepared.right.integers()
+    scale = sx.slices[0][1] * prepared.right.slices[0][1]
+    assert np.array_equal(np.matmul(sx.slices[0][0], prepared.right.slices[0][0]) * scale,
+                          np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
 
 
 @pytest.mark.parametrize("shape", [(128, 784, 1024), (1024, 128, 1024), (128, 1024, 10), (25, 3584, 6)])
