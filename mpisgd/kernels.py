@@ -25,7 +25,12 @@ weight matrix, used forward as ``W`` and backward as ``W.T``, is prepared once p
 (the fast kernels return W itself; the portable ones split it once for both products and the layer
 keeps the slices until its backward).
 ``columns_nbytes``: how many bytes of im2col columns one product should take (None: the layer's own
-cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger).
+cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger);
+``offset_rows``: whether a convolution's input gradient multiplies a whole row of kernel offsets per
+product (portable) rather than one offset (fast). ``samples(x, k, previous)``: a convolution's padded
+input prepared for products whose inner dimension k takes its windows (fast: None, the layer makes
+its columns from x itself; portable: integers with one power of two per sample, gemm.Samples, whose
+im2col needs no splitting).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class FastKernels:
 
     name = "fast"
     columns_nbytes: int | None = None
+    offset_rows = False  # a convolution's input gradient: one product per kernel offset
 
     def matmul(self, a: Array, b: Array, out: Array = None) -> Array:
         return xp_of(a).matmul(a, b, out=out)
@@ -105,6 +111,7 @@ class PortableKernels:
 
     name = "portable"
     columns_nbytes: int | None = 4 * 2**20
+    offset_rows = True  # one product per row of kernel offsets (fewer, larger products)
 
     def __init__(self) -> None:
         self.workspace = gemm.Workspace()

@@ -310,7 +310,8 @@ class Conv2d(SpatialModule):
                 continue
             width = samples.padded_terms((r1 - r0) * wo * n)
             flat = [self._im2col_flat(w, r0, r1, f"cols_dw{i}", width) for i, w in enumerate(windows)]
-            ops.matmul(*samples.weight_grad(flat, dy[:, r0:r1]), out=dW_chunks[g])
+            cols_q, dy_q = samples.weight_grad(flat, dy[:, r0:r1])
+            ops.matmul(cols_q, dy_q, out=dW_chunks[g])
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
         ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
@@ -350,12 +351,20 @@ class Conv2d(SpatialModule):
         targets = self._windows(dxpad, ho, wo)
         W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
         W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
-        W_ij = self.ctx.kernels.left(W_t)  # every offset's (c, c_out) at once
-        dy_pos = self.ctx.kernels.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
+        ops = self.ctx.kernels
+        dy_pos = ops.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
+        if ops.offset_rows:  # a row of offsets per product: W_t[i] as (k*c, c_out)
+            W_rows = ops.left(W_t.reshape(self.k, self.k * c, self.c_out))
+            back = self._buf("back_row", (self.k, c, ho, wo, n), dy)
+            for i in range(self.k):
+                ops.matmul(W_rows[i], dy_pos, out=back.reshape(self.k * c, ho * wo, n).transpose(1, 0, 2))
+                for j in range(self.k):
+                    targets[:, i, j] += back[j]
+            return dxpad[:, p:p + h, p:p + w] if p else dxpad
         back = self._buf("back", (c, ho, wo, n), dy)
         for i in range(self.k):
             for j in range(self.k):
-                self.ctx.kernels.matmul(W_ij[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
+                ops.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
                 targets[:, i, j] += back
         return dxpad[:, p:p + h, p:p + w] if p else dxpad
 

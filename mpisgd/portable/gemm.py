@@ -159,7 +159,8 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     if x.ndim >= 2 and x.shape[-1] > 1 and x.shape[-2] > 1 and abs(x.strides[-2]) < abs(x.strides[-1]):
         t = split(x.swapaxes(-1, -2), "right" if side == "left" else "left", ws, tag or side, gamma, slices)
         return Split(side, tuple(x.shape), t.dtype, t.nc, t.kc,
-                     [(q.swapaxes(-1, -2), scale.swapaxes(-1, -2)) for q, scale in t.slices], t.applied)
+                     [(q.swapaxes(-1, -2), None if scale is None else scale.swapaxes(-1, -2)) for q, scale in t.slices],
+                     t.applied)
     xp = xp_of(x)
     dtype = np.dtype(x.dtype)
     if dtype not in SLICES:
