@@ -267,8 +267,8 @@ class Conv2d(SpatialModule):
         W = kernels.left(W)
         for r0, r1 in self._row_chunks(ho, wo, n, windows[0].itemsize, windows[0].shape[0]):
             cols = [self._im2col(w, r0, r1, f"cols{i}", samples.padded_rows()) for i, w in enumerate(windows)]
-            out_rows = out[:, r0:r1].reshape(c_out, (r1 - r0) * wo, n)
-            kernels.matmul(W, samples.columns(cols), out=out_rows.transpose(1, 0, 2))
+            # one product (c', ckk) @ (ckk, positions x N): the result is the same bits as per position (exact)
+            kernels.matmul(W, samples.columns(cols), out=out[:, r0:r1].reshape(c_out, -1))
 
     def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
@@ -352,15 +352,16 @@ class Conv2d(SpatialModule):
         W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
         W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
         ops = self.ctx.kernels
-        dy_pos = ops.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
-        if ops.offset_rows:  # a row of offsets per product: W_t[i] as (k*c, c_out)
+        if ops.offset_rows:  # a row of offsets per product: W_t[i] as (k*c, c_out) @ dy as (c_out, positions x N)
             W_rows = ops.left(W_t.reshape(self.k, self.k * c, self.c_out))
+            dy_cols = ops.right(dy.reshape(self.c_out, -1))
             back = self._buf("back_row", (self.k, c, ho, wo, n), dy)
             for i in range(self.k):
-                ops.matmul(W_rows[i], dy_pos, out=back.reshape(self.k * c, ho * wo, n).transpose(1, 0, 2))
+                ops.matmul(W_rows[i], dy_cols, out=back.reshape(self.k * c, -1))
                 for j in range(self.k):
                     targets[:, i, j] += back[j]
             return dxpad[:, p:p + h, p:p + w] if p else dxpad
+        dy_pos = ops.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
         back = self._buf("back", (c, ho, wo, n), dy)
         for i in range(self.k):
             for j in range(self.k):

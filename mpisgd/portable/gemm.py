@@ -180,11 +180,17 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
 
     def chunks(a: Array) -> list[tuple[Array, Array]]:
         """(part of x, where it goes in a (nc, ...) buffer): the full chunks as one view, then the last."""
+        if nc == 1 and k == kc:  # one chunk, no padding
+            return [(x, a[0])]
         if axis == -1:
             body = xp.moveaxis(x[..., :full].reshape(*x.shape[:-1], nc - 1, kc), -2, 0)
             return [(body, a[:nc - 1]), (x[..., full:], a[nc - 1, ..., :k - full])]
         body = xp.moveaxis(x[..., :full, :].reshape(*x.shape[:-2], nc - 1, kc, x.shape[-1]), -3, 0)
         return [(body, a[:nc - 1]), (x[..., full:, :], a[nc - 1, ..., :k - full, :])]
+
+    def per_chunk(s: Array) -> list[Array]:
+        """The scales for the parts :func:`chunks` gives."""
+        return [s[0]] if nc == 1 and k == kc else [s[:nc - 1], s[nc - 1]]
 
     out: list[tuple[Array, Array]] = []
     rest: Array = None  # (slices > 1) what is still to split, scaled: x s - q, exact
@@ -209,12 +215,12 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
         s = _scales(xp, fold_(sq, axis), kc, largest, gamma)  # per (chunk, row or column), the inner axis of length 1
         q = ws.get(xp, f"{tag}:q{i}", work)
         if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (see _on_grid)
-            for (part, dst), scale in zip(chunks(q), (s[:nc - 1], s[nc - 1]), strict=True):
+            for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
                 _on_grid(xp, part, scale, dst)
             out.append((q, s))
             break
         if i == 0:
-            for (part, dst), scale in zip(chunks(q), (s[:nc - 1], s[nc - 1]), strict=True):
+            for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
                 xp.multiply(part, scale, out=dst, dtype=np.float64)  # exact: a power of two
         else:
             xp.multiply(rest, s, out=q)
@@ -364,12 +370,16 @@ class Samples:
         return self.nc * self.kc
 
     def columns(self, cols: list[Array]) -> Split:
-        """The right operand of W @ cols, per position: ``cols[i]`` the im2col of slice i, (padded_rows(),
-        P, N) with the rows from k zero; the operand is (P, k, N)."""
+        """The right operand of W @ cols as one product: ``cols[i]`` the im2col of slice i, (padded_rows(),
+        P, N) with the rows from k zero; the operand is (k, P*N), each column's scale its sample's."""
+        xp = xp_of(cols[0])
         _, p, n = cols[0].shape
-        return Split("right", (p, self.k, n), self.dtype, self.nc, self.kc,
-                     [(c.reshape(self.nc, self.kc, p, n).transpose(0, 2, 1, 3), s.reshape(1, 1, 1, n))
-                      for c, (_, s) in zip(cols, self.slices, strict=True)])
+        slices = []
+        for i, (c, (_, s)) in enumerate(zip(cols, self.slices, strict=True)):
+            tiled = self.ws.get(xp, f"tiled{i}", (p, n))
+            tiled[...] = s  # the scale of column (position, sample)
+            slices.append((c.reshape(self.nc, self.kc, p * n), tiled.reshape(1, 1, p * n)))
+        return Split("right", (self.k, p * n), self.dtype, self.nc, self.kc, slices)
 
     @staticmethod
     def padded_terms(m: int) -> int:
