@@ -161,6 +161,45 @@ def test_portable_products_are_at_least_as_accurate_as_float32_blas(shape):
     assert rel_error(gemm.matmul(a, b), want) <= rel_error(a @ b, want)
 
 
+def conv_errors(conv: Conv2d, x: np.ndarray, dy: np.ndarray, kinds: tuple[str, ...]) -> dict[str, list[float]]:
+    """Relative errors of y, dW and dx of one Conv2d (batch last inside: x and dy are (C, H, W, N)) with
+    each kind of kernels in float32, against the same layer in float64."""
+    got = {}
+    for kind in ("float64", *kinds):
+        model = conv.materialize(np, "float64" if kind == "float64" else "float32", seed=0)
+        model.ctx.kernels = kernels_for("fast" if kind == "float64" else kind)
+        layer = model.module
+        layer.batch_last = True
+        dtype = model.flat.params.dtype
+        y = np.array(layer.forward_bl(x.astype(dtype)), np.float64)
+        dx = np.array(layer.backward_bl(dy.astype(dtype)), np.float64)
+        got[kind] = [y, np.array(layer.grads["W"], np.float64), dx]
+    return {kind: [rel_error(g, w) for g, w in zip(got[kind], got["float64"], strict=True)] for kind in kinds}
+
+
+@pytest.mark.parametrize("layer,shape,relu", [((1, 6, 5, 1, 2), (1, 28, 28), False),
+                                              ((6, 16, 5, 1, 0), (6, 14, 14), True),
+                                              ((16, 16, 3, 1, 1), (16, 8, 8), True),
+                                              ((8, 12, 3, 2, 1), (8, 9, 9), True)])
+def test_portable_convolutions_are_at_least_as_accurate_as_float32_blas(layer, shape, relu):
+    """Conv2d's output, weight gradient and input gradient from integers with one power of two per sample
+    (gemm.Samples): no less accurate than the fast kernels' float32 BLAS, against float64. LeNet-5's two
+    convolutions (image-like input; ReLU-like input), ResNet's "same" 3 x 3 (its input gradient a
+    convolution of dy: per-sample scales of dy) and a strided one; samples of very different magnitudes."""
+    c_in, c_out, k, stride, pad = layer
+    rng = np.random.default_rng(sum(shape) + k)
+    n = 32
+    x = rng.standard_normal((*shape, n)) * np.exp(rng.standard_normal(n) * 2)  # one magnitude per sample
+    x = np.maximum(x, 0) if relu else np.abs(x)
+    conv = Conv2d(c_in, c_out, k, stride=stride, padding=pad)
+    ho = (shape[1] + 2 * pad - k) // stride + 1
+    dy = rng.standard_normal((c_out, ho, ho, n)) * np.exp(rng.standard_normal(n))
+    x, dy = x.astype(np.float32), dy.astype(np.float32)
+    errors = conv_errors(conv, x, dy, ("fast", "portable"))
+    for name, fast, portable in zip(("y", "dW", "dx"), errors["fast"], errors["portable"], strict=True):
+        assert portable <= fast, (name, portable, fast)
+
+
 # A child process: the portable and the float32 product of fixed operands, the portable and NumPy's
 # float32 exp, and a portable tree sum, as digests (the machine under test is the child's environment).
 CHILD = """

@@ -44,6 +44,7 @@ E_BIG = 1024 + 13  # the exponent assumed where a row holds inf or NaN (its prod
 SLICES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
 LOOP_MIN = 4096  # outputs of at least this many elements are made chunk by chunk (in cache), smaller ones at once
 MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (_on_grid)
+SAMPLE_SLICES = 2  # slices of a convolution's samples (Samples), float32 ones too: see Samples
 SPREAD = 2.0  # the widest ratio of norms within a tile of a prepared weight (mpisgd.portable.gemm.Weight)
 TINY_SUM = 2.0**-1000  # below: a float64 sum of squares whose flushed terms may matter
 TINY_SUM32 = 2.0**-100  # below: a float32 sum of squares whose flushed or subnormal terms may matter
@@ -315,11 +316,16 @@ class Samples:
     ends), the columns' chunks of kc' terms have norm at most sqrt(kc') bound, and dy's slices take a
     gamma' with sqrt(kc') bound (2^gamma' + sqrt(kc')/2) < 2^53 (:meth:`weight_grad`): exact too.
 
-    The scale is a function of each sample alone (never of the batch). Float64 samples take a second
-    slice: r = x s - q (exact, |r| <= 1/2) times s2 = 2^(GAMMA - e2), 2^e2 >= sqrt(kc)/2, under the same
-    bound. Accuracy: each element keeps GAMMA - log2(sqrt(kc)) bits (23.7 for LeNet's first layer, 22.4
-    for its second) relative to its sample's largest, against 26 relative to its column's norm for a
-    split; the products stay within float32's error (tests/test_portable.py)."""
+    The scale is a function of each sample alone (never of the batch). Every sample takes two slices
+    (float32 and float64 alike): r = x s - q (exact, |r| <= 1/2) times s2 = 2^(GAMMA - e2), 2^e2 >=
+    sqrt(kc)/2, under the same bound; the products keep the pairs (0, 0) and (1, 0) with a one-slice W or
+    dy (float32), all three pairs of two (float64). Why two for float32: one slice keeps GAMMA -
+    log2(sqrt(kc)) bits (23.7 for LeNet's first layer, 22.4 for its second) relative to the sample's
+    largest element, 2 to 3 bits fewer than a split's 26 relative to each column's norm; measured on a
+    trained LeNet-5, its second convolution's weight gradient came out 1.6x less accurate than float32
+    BLAS's, and a "same" convolution's input gradient 4x. With the second slice each float32 element is
+    kept whole (to 2^-50 of its sample's largest), and every product's error is W's or dy's rounding
+    alone (tests/test_portable.py: no larger than float32 BLAS's)."""
 
     def __init__(self) -> None:
         self.ws = Workspace()
@@ -349,7 +355,7 @@ class Samples:
         with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN in a sample: its products are not finite
             xp.multiply(x, s, out=q, dtype=np.float64)  # exact: a power of two
             self.slices, self.steps = [(q, s)], [1.0]
-            if SLICES[self.dtype] > 1:
+            if SAMPLE_SLICES > 1:  # the per-sample bound costs bits: the second slice restores them
                 rest = self.ws.get(xp, "rest", x.shape)
                 rest[...] = q
                 xp.rint(q, out=q)
@@ -401,7 +407,8 @@ class Samples:
         gamma = GAMMA
         while norm * (2.0**gamma + root / 2 * (1.0 + 2.0**-40)) >= 2.0**53:  # IEEE operations only
             gamma -= 1
-        right = split(scaled.T, "right", self.ws, "dy", gamma, len(self.slices))
+        right = split(scaled.T, "right", self.ws, "dy", gamma, SLICES[self.dtype])
+        right.dtype = self.dtype  # float64 holding dy's values: the product is in dy's dtype
         left = Split("left", (self.k, m), self.dtype, nc, kc,
                      [(c.reshape(self.k, nc, kc).transpose(1, 0, 2), None if step == 1 else xp.full((1, 1, 1), step))
                       for c, step in zip(cols, self.steps, strict=True)])
@@ -430,13 +437,13 @@ def matmul(a: Array | Split, b: Array | Split | Weight, out: Array = None, ws: W
     if sa.shape[-1] == 0:
         out[...] = 0
         return out
-    if len(sa.slices) != len(sb.slices):
+    if np.dtype(sa.dtype) != np.dtype(sb.dtype):
         raise TypeError(f"matmul: operands of one dtype, got {sa.dtype} and {sb.dtype}")
     assert (sa.nc, sa.kc) == (sb.nc, sb.kc), "both operands are cut by chunking(k)"
     nc = sa.nc
     pad_a, pad_b = len(batch) - (len(sa.shape) - 2), len(batch) - (len(sb.shape) - 2)
 
-    pairs = significant_pairs(len(sa.slices))
+    pairs = significant_pairs(len(sa.slices), len(sb.slices))
     size = m * n * int(np.prod(batch, dtype=np.int64))
     if nc > 1 and size >= LOOP_MIN:  # chunk by chunk: each chunk's product scaled and added while in cache
         prod = ws.get(xp, "prod", (*batch, m, n))
@@ -500,6 +507,8 @@ def _at(x: Array | None, c: int, pad: int) -> Array | None:
     return x.reshape(*((1,) * pad), *x.shape)
 
 
-def significant_pairs(slices: int) -> list[tuple[int, int]]:
-    """The slice products kept, (i, j) with i + j < slices: the others lie below the last slice's bits."""
-    return [(i, j) for i in range(slices) for j in range(slices) if i + j < slices]
+def significant_pairs(left: int, right: int | None = None) -> list[tuple[int, int]]:
+    """The slice products kept, (i, j) with i + j < max(left, right): the others lie below the last slice's
+    bits (an operand of fewer slices holds all of its bits in them)."""
+    right = left if right is None else right
+    return [(i, j) for i in range(left) for j in range(right) if i + j < max(left, right)]
