@@ -64,7 +64,7 @@ class FastKernels:
     def weight(self, w: Array, previous: Any = None) -> Array:
         return w
 
-    def samples(self, x: Array, k: int, previous: Any = None) -> None:
+    def samples(self, x: Array, k: int, previous: Any = None, window: tuple[int, int, int, int] | None = None) -> None:
         """None: a convolution takes its columns from its input itself."""
         return None
 
@@ -130,11 +130,13 @@ class PortableKernels:
         lends its arrays."""
         return (previous if isinstance(previous, gemm.Weight) else gemm.Weight()).prepare(w)
 
-    def samples(self, x: Array, k: int, previous: Any = None) -> gemm.Samples:
-        """A convolution's padded input (..., N) as integers with one power of two per sample, for products
-        whose inner dimension k takes its windows (gemm.Samples); ``previous``, this layer's last one,
-        lends its arrays."""
-        return (previous if isinstance(previous, gemm.Samples) else gemm.Samples()).prepare(x, k)
+    def samples(self, x: Array, k: int, previous: Any = None,
+                window: tuple[int, int, int, int] | None = None) -> gemm.Samples:
+        """A convolution's padded input (C, H, W, N) as integers with one power of two per sample, for
+        products whose inner dimension k takes its windows (gemm.Samples): with ``window`` (kh, stride,
+        Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
+        gradient too (two slices). ``previous``, this layer's last one, lends its arrays."""
+        return (previous if isinstance(previous, gemm.Samples) else gemm.Samples()).prepare(x, k, window)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)

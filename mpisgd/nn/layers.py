@@ -189,8 +189,9 @@ class Conv2d(SpatialModule):
         self.c_in, self.c_out, self.k, self.stride, self.pad, self.bias = c_in, c_out, kernel, stride, padding, bias
         self.param_shapes = [("W", (c_out, c_in, kernel, kernel))] + ([("b", (c_out,))] if bias else [])
         self._xpad: Array = None  # the padded input, kept for backward
-        self._samples: Any = None  # the padded input as the kernels prepared it (portable: integers), for backward
-        self._dy_samples: Any = None  # the same for the padded output gradient (the "same" input gradient)
+        self._samples: Any = None  # the padded input as the kernels prepared it (portable: integers) for forward
+        self._dw_samples: Any = None  # ... for the weight gradient
+        self._dy_samples: Any = None  # the padded output gradient so (the "same" input gradient)
         self._xshape: tuple[int, ...] = ()
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -230,23 +231,26 @@ class Conv2d(SpatialModule):
         cols[:ckk].reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
         return cols
 
-    def _im2col_flat(self, windows: Array, r0: int, r1: int, name: str, width: int) -> Array:
-        """The same columns as (c*k*k, width): the (r1-r0)*Wo*N terms of each row first, the rest zero."""
-        c, k, _, _, wo, n = windows.shape
-        m = (r1 - r0) * wo * n
-        cols = self._buf(name, (c * k * k, width), windows, zeroed=True)
-        cols[:, :m].reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
+    def _im2col_stacked(self, windows: list[Array], r0: int, r1: int, width: int) -> Array:
+        """The columns of each window view as (c*k*k, width), stacked: (len(windows) * c*k*k, width), the
+        (r1-r0)*Wo*N terms of each row first, the rest zero."""
+        c, k, _, _, wo, n = windows[0].shape
+        m, ckk = (r1 - r0) * wo * n, c * k * k
+        cols = self._buf("cols_stacked", (len(windows) * ckk, width), windows[0], zeroed=True)
+        for i, w in enumerate(windows):
+            cols[i * ckk:(i + 1) * ckk, :m].reshape(c, k, k, r1 - r0, wo, n)[...] = w[:, :, :, r0:r1]
         return cols
 
-    def _correlate(self, padded: Array, W: Array, out: Array, samples: Any = None) -> Any:
+    def _correlate(self, padded: Array, W: Array, out: Array, samples: Any = None, by_window: bool = True) -> Any:
         """out (c', Ho, Wo, N) = the correlation of ``padded`` (c, Hp, Wp, N) with the kernels ``W`` (c', c*k*k),
         chunk by chunk of output rows, through the model's kernels. Kernels that prepare the samples
         (mpisgd.kernels: the portable ones, into integers with a scale per sample) get ``padded`` so, and
-        the columns come from the prepared arrays (``samples``: the last call's, whose arrays are reused);
-        returns what the kernels prepared (None for the fast ones)."""
+        the columns come from the prepared arrays (``samples``: the last call's, whose arrays are reused;
+        ``by_window``: scaled by each sample's largest window, one slice, else by its largest element, two:
+        gemm.Samples); returns what the kernels prepared (None for the fast ones)."""
         kernels = self.ctx.kernels
         c_out, ho, wo, n = out.shape
-        samples = kernels.samples(padded, W.shape[1], samples)
+        samples = kernels.samples(padded, W.shape[1], samples, (self.k, self.stride, ho, wo) if by_window else None)
         if samples is not None:
             self._correlate_samples(samples, W, out)
             return samples
@@ -296,10 +300,10 @@ class Conv2d(SpatialModule):
         ops = self.ctx.kernels
         _, ho, wo, n = dy.shape
         c, ckk = self.c_in, self.c_in * self.k * self.k
-        samples = self._samples
+        samples = self._dw_samples = ops.samples(self._xpad, ckk, self._dw_samples)
         if samples is None:
             windows = [self._windows(self._xpad, ho, wo)]
-        else:  # the integers of forward, the scale per sample moved onto dy (gemm.Samples.weight_grad)
+        else:  # integers with a scale per sample, moved onto dy (gemm.Samples.weight_grad)
             windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
         chunks = self._row_chunks(ho, wo, n, windows[0].itemsize)
         dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
@@ -308,10 +312,10 @@ class Conv2d(SpatialModule):
                 cols = self._im2col(windows[0], r0, r1)
                 ops.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
                 continue
-            width = samples.padded_terms((r1 - r0) * wo * n)
-            flat = [self._im2col_flat(w, r0, r1, f"cols_dw{i}", width) for i, w in enumerate(windows)]
-            cols_q, dy_q = samples.weight_grad(flat, dy[:, r0:r1])
-            ops.matmul(cols_q, dy_q, out=dW_chunks[g])
+            cols = self._im2col_stacked(windows, r0, r1, samples.padded_terms((r1 - r0) * wo * n))
+            cols_q, dy_q = samples.weight_grad(cols, dy[:, r0:r1])
+            stacked = self._buf("dW_stacked", (cols.shape[0], self.c_out), dy, dtype=np.float64)
+            samples.combine(ops.matmul(cols_q, dy_q, out=stacked), out=dW_chunks[g])
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
         ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
@@ -336,7 +340,9 @@ class Conv2d(SpatialModule):
         W_flip = self._buf("W_flip", (c, self.c_out, self.k, self.k), dy)
         W_flip[...] = self.params["W"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
         dx = self._buf("dx", (c, h, w, n), dy)
-        self._dy_samples = self._correlate(self._padded(dy, "dypad"), W_flip.reshape(c, -1), dx, self._dy_samples)
+        # dy's windows vary more than an activation's: scaled by its largest element, two slices
+        self._dy_samples = self._correlate(self._padded(dy, "dypad"), W_flip.reshape(c, -1), dx, self._dy_samples,
+                                           by_window=False)
         return dx
 
     def _input_grad_by_offset(self, dy: Array) -> Array:
