@@ -13,10 +13,21 @@ every addition is exact:
    whatever order, blocking or fused multiply-add the library uses. So ``matmul`` in float64 (any
    dgemm: OpenBLAS under any core type, MKL, cuBLAS) returns the same integers everywhere.
 3. Each chunk's product is scaled back (powers of two: exact), the chunks are added in a fixed order
-   (mpisgd.portable.reduce), and the sum is rounded once to the output's dtype.
+   (mpisgd.portable.reduce, or chunk by chunk for large outputs), and the sum is rounded once to the
+   output's dtype.
 
-The norms that choose the scales come from exact squares added in the fixed order, with a margin that
-covers that sum's rounding: the scales, hence the integers, are a function of the inputs alone.
+A float32 operand's slice is held with its scale applied, q_a / s_a = rint(a s_a) / s_a (made by two
+IEEE additions, :func:`_on_grid`): every term of a dot product of two such vectors is the integer
+product q_a q_b times the one power of two 1 / (s_a s_b), so every partial sum is an integer below 2^53
+times that power of two: exact too, as long as that power of two stays within float64's range, which
+float32 operands guarantee (s_a, s_b between about 2^-113 and 2^175: the grid 1 / (s_a s_b) is far
+above float64's smallest subnormal and 2^53 / (s_a s_b) below its largest value). The product then
+needs no scaling back. Float64 operands, whose scales may reach 2^1023, are scaled back as in step 3.
+
+The norms that choose the scales come from squares added in the fixed order (float32 operands' in
+float32, float64 ones' in float64), with a margin that covers that sum's rounding (:func:`_scales`):
+the scales, hence the integers, are a function of the inputs alone. A convolution's columns are not
+split: its input is made integer once, with one power of two per sample (:class:`Samples`).
 
 Accuracy: each element keeps about 26 bits relative to its row's (column's) norm within its chunk, and
 rounding is to nearest, so the error of C is about that of a float32 GEMM or smaller (measured per
