@@ -96,6 +96,16 @@ def test_transposed_batched_and_broadcast_operands_give_the_plain_product():
         assert np.array_equal(gemm.matmul(wi, right, ws=ws), gemm.matmul(wi, cols.transpose(1, 0, 2)[:, :6]))
 
 
+def test_a_shared_workspace_gives_the_bits_of_a_fresh_one():
+    """Inner dimensions 1000 and 999 cut alike (4 chunks of 250): the second's short last chunk must not
+    keep the first's padding (it did: a wrong product)."""
+    rng = np.random.default_rng(12)
+    ws = gemm.Workspace()
+    for k in (1000, 999, 1000):
+        a, b = rng.standard_normal((8, k)).astype(np.float32), rng.standard_normal((k, 5)).astype(np.float32)
+        assert np.array_equal(gemm.matmul(a, b, ws=ws), gemm.matmul(a, b))
+
+
 def test_float64_operands_use_two_slices_to_float64_accuracy():
     a, b = operands(np.random.default_rng(2), 30, 600, 20, "float64")
     assert rel_error(gemm.matmul(a, b), a @ b) < 1e-13

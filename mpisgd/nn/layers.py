@@ -236,7 +236,8 @@ class Conv2d(SpatialModule):
         (r1-r0)*Wo*N terms of each row first, the rest zero."""
         c, k, _, _, wo, n = windows[0].shape
         m, ckk = (r1 - r0) * wo * n, c * k * k
-        cols = self._buf("cols_stacked", (len(windows) * ckk, width), windows[0], zeroed=True)
+        cols = self._buf("cols_stacked", (len(windows) * ckk, width), windows[0])
+        cols[:, m:] = 0  # the padding (a chunk of other m may share this width)
         for i, w in enumerate(windows):
             cols[i * ckk:(i + 1) * ckk, :m].reshape(c, k, k, r1 - r0, wo, n)[...] = w[:, :, :, r0:r1]
         return cols

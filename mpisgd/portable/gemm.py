@@ -69,7 +69,8 @@ def chunking(k: int) -> tuple[int, int]:
 
 class Workspace:
     """Scratch arrays kept by (name, shape, dtype) and reused from call to call: a step's products allocate
-    nothing after the first. Arrays are made zeroed; the split keeps a short last chunk's padding zero."""
+    nothing after the first. Arrays are made zeroed; the split zeroes a short last chunk's padding on every
+    call (another inner dimension with the same chunk shape may have written there)."""
 
     def __init__(self) -> None:
         self._arrays: dict[tuple[str, tuple[int, ...], str, str], Array] = {}
@@ -195,8 +196,10 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
         if nc == 1 and k == kc:  # one chunk, no padding
             return [(x, a[0])]
         if axis == -1:
+            a[nc - 1, ..., k - full:] = 0  # the last chunk's padding: zero (an earlier k of this shape left it)
             body = xp.moveaxis(x[..., :full].reshape(*x.shape[:-1], nc - 1, kc), -2, 0)
             return [(body, a[:nc - 1]), (x[..., full:], a[nc - 1, ..., :k - full])]
+        a[nc - 1, ..., k - full:, :] = 0
         body = xp.moveaxis(x[..., :full, :].reshape(*x.shape[:-2], nc - 1, kc, x.shape[-1]), -3, 0)
         return [(body, a[:nc - 1]), (x[..., full:, :], a[nc - 1, ..., :k - full, :])]
 
