@@ -106,6 +106,8 @@ def layers(steps: int) -> dict[str, Any]:
         model, seen, (logits, labels) = train(name, steps)
         for layer in (m for m in model.modules() if isinstance(m, Linear | Conv2d)):
             x, dy = seen[layer.index]
+            if isinstance(layer, Conv2d) and layer.batch_last:  # captured inside the model's batch-last run
+                x = x.transpose(3, 0, 1, 2)  # the layer alone takes NCHW (its backward, dy as captured)
             ref = one_layer(layer, x, dy, "float64", "fast")
             got = {k: one_layer(layer, x, dy, "float32", k) for k in ("fast", "portable")}
             out[f"{name} {layer!r}"] = {k: {q: rel(got[k][q], ref[q]) for q in QUANTITIES} for k in got}

@@ -25,7 +25,12 @@ weight matrix, used forward as ``W`` and backward as ``W.T``, is prepared once p
 (the fast kernels return W itself; the portable ones split it once for both products and the layer
 keeps the slices until its backward).
 ``columns_nbytes``: how many bytes of im2col columns one product should take (None: the layer's own
-cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger).
+cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger);
+``offset_rows``: whether a convolution's input gradient multiplies a whole row of kernel offsets per
+product (portable) rather than one offset (fast). ``samples(x, k, previous)``: a convolution's padded
+input prepared for products whose inner dimension k takes its windows (fast: None, the layer makes
+its columns from x itself; portable: integers with one power of two per sample, gemm.Samples, whose
+im2col needs no splitting).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class FastKernels:
 
     name = "fast"
     columns_nbytes: int | None = None
+    offset_rows = False  # a convolution's input gradient: one product per kernel offset
 
     def matmul(self, a: Array, b: Array, out: Array = None) -> Array:
         return xp_of(a).matmul(a, b, out=out)
@@ -57,6 +63,10 @@ class FastKernels:
 
     def weight(self, w: Array, previous: Any = None) -> Array:
         return w
+
+    def samples(self, x: Array, k: int, previous: Any = None, window: tuple[int, int, int, int] | None = None) -> None:
+        """None: a convolution takes its columns from its input itself."""
+        return None
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return xp_of(a).sum(a, axis=axis, out=out, keepdims=keepdims)
@@ -101,6 +111,7 @@ class PortableKernels:
 
     name = "portable"
     columns_nbytes: int | None = 4 * 2**20
+    offset_rows = True  # one product per row of kernel offsets (fewer, larger products)
 
     def __init__(self) -> None:
         self.workspace = gemm.Workspace()
@@ -118,6 +129,14 @@ class PortableKernels:
         """``w`` split once for ``matmul(x, w)`` and ``matmul(dy, w.T)``; ``previous``, this layer's last one,
         lends its arrays."""
         return (previous if isinstance(previous, gemm.Weight) else gemm.Weight()).prepare(w)
+
+    def samples(self, x: Array, k: int, previous: Any = None,
+                window: tuple[int, int, int, int] | None = None) -> gemm.Samples:
+        """A convolution's padded input (C, H, W, N) as integers with one power of two per sample, for
+        products whose inner dimension k takes its windows (gemm.Samples): with ``window`` (kh, stride,
+        Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
+        gradient too (two slices). ``previous``, this layer's last one, lends its arrays."""
+        return (previous if isinstance(previous, gemm.Samples) else gemm.Samples()).prepare(x, k, window)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)

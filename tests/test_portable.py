@@ -57,16 +57,19 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
 # -- the GEMM --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("m,k,n", [(5, 7, 3), (64, 257, 33), (128, 784, 40), (3, 1000, 5)])
 def test_the_slices_multiply_to_exact_integers(m, k, n):
-    """Every product of slices is a sum of integers below 2^53: BLAS's float64 result equals NumPy's exact
-    int64 matmul (which no BLAS computes), whatever the chunking."""
+    """Every product of slices is a sum of integers below 2^53 (float32 operands' slices hold them with
+    their powers of two applied): BLAS's float64 result equals NumPy's exact int64 matmul (which no BLAS
+    computes) with those powers of two, whatever the chunking."""
     a, b = operands(np.random.default_rng(k), m, k, n)
     ws = gemm.Workspace()
     sa, sb = gemm.split(a, "left", ws), gemm.split(b, "right", ws)
-    qa, qb = sa.slices[0][0], sb.slices[0][0]
+    qa, qb = sa.integers(), sb.integers()
     assert np.array_equal(qa, np.rint(qa)) and np.array_equal(qb, np.rint(qb))
     exact = np.matmul(qa.astype(np.int64), qb.astype(np.int64))
     assert np.abs(exact).max() < 2**53
-    assert np.array_equal(np.matmul(qa, qb), exact)
+    assert sa.applied and sb.applied
+    scale = sa.slices[0][1] * sb.slices[0][1]  # (nc, m, 1) x (nc, 1, n): powers of two
+    assert np.array_equal(np.matmul(sa.slices[0][0], sb.slices[0][0]) * scale, exact)
     # the norms the scales come from bound the integers as the exactness argument needs
     assert np.sqrt((qa * qa).sum(axis=-1)).max() <= 2**gemm.GAMMA + math.sqrt(sa.kc) / 2
     assert np.sqrt((qb * qb).sum(axis=-2)).max() <= 2**gemm.GAMMA + math.sqrt(sb.kc) / 2
@@ -91,6 +94,16 @@ def test_transposed_batched_and_broadcast_operands_give_the_plain_product():
     for _ in range(3):
         wi = rng.standard_normal((4, 6)).astype(np.float32)
         assert np.array_equal(gemm.matmul(wi, right, ws=ws), gemm.matmul(wi, cols.transpose(1, 0, 2)[:, :6]))
+
+
+def test_a_shared_workspace_gives_the_bits_of_a_fresh_one():
+    """Inner dimensions 1000 and 999 cut alike (4 chunks of 250): the second's short last chunk must not
+    keep the first's padding (it did: a wrong product)."""
+    rng = np.random.default_rng(12)
+    ws = gemm.Workspace()
+    for k in (1000, 999, 1000):
+        a, b = rng.standard_normal((8, k)).astype(np.float32), rng.standard_normal((k, 5)).astype(np.float32)
+        assert np.array_equal(gemm.matmul(a, b, ws=ws), gemm.matmul(a, b))
 
 
 def test_float64_operands_use_two_slices_to_float64_accuracy():
@@ -133,14 +146,16 @@ def test_a_weight_split_once_serves_both_products(spread):
     x, dy = rng.standard_normal((64, 784)).astype(np.float32), rng.standard_normal((64, 300)).astype(np.float32)
     prepared = gemm.Weight().prepare(w)
     assert (prepared.right.slices[0][0].base is prepared.T.slices[0][0].base) == (spread < gemm.SPREAD)
-    for q, _ in (prepared.right.slices[0], prepared.T.slices[0]):
-        assert np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
+    for q in (prepared.right.integers(), prepared.T.integers()):
+        assert np.array_equal(q, np.rint(q)) and np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
     for a, b, wt in ((x, w, prepared), (dy, w.T, prepared.T)):
         want = a.astype(np.float64) @ b.astype(np.float64)
         assert rel_error(gemm.matmul(a, wt), want) <= rel_error(a @ b, want)
-    qa = gemm.split(x, "left", gemm.Workspace()).slices[0][0]
-    qb = prepared.right.slices[0][0]
-    assert np.array_equal(np.matmul(qa, qb), np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
+    sx = gemm.split(x, "left", gemm.Workspace())
+    qa, qb = sx.integers(), prepared.right.integers()
+    scale = sx.slices[0][1] * prepared.right.slices[0][1]
+    assert np.array_equal(np.matmul(sx.slices[0][0], prepared.right.slices[0][0]) * scale,
+                          np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
 
 
 @pytest.mark.parametrize("shape", [(128, 784, 1024), (1024, 128, 1024), (128, 1024, 10), (25, 3584, 6)])
@@ -154,6 +169,45 @@ def test_portable_products_are_at_least_as_accurate_as_float32_blas(shape):
     b = (rng.standard_t(4, (k, n)) * np.exp(rng.standard_normal(n))).astype(np.float32)
     want = a.astype(np.float64) @ b.astype(np.float64)
     assert rel_error(gemm.matmul(a, b), want) <= rel_error(a @ b, want)
+
+
+def conv_errors(conv: Conv2d, x: np.ndarray, dy: np.ndarray, kinds: tuple[str, ...]) -> dict[str, list[float]]:
+    """Relative errors of y, dW and dx of one Conv2d (batch last inside: x and dy are (C, H, W, N)) with
+    each kind of kernels in float32, against the same layer in float64."""
+    got = {}
+    for kind in ("float64", *kinds):
+        model = conv.materialize(np, "float64" if kind == "float64" else "float32", seed=0)
+        model.ctx.kernels = kernels_for("fast" if kind == "float64" else kind)
+        layer = model.module
+        layer.batch_last = True
+        dtype = model.flat.params.dtype
+        y = np.array(layer.forward_bl(x.astype(dtype)), np.float64)
+        dx = np.array(layer.backward_bl(dy.astype(dtype)), np.float64)
+        got[kind] = [y, np.array(layer.grads["W"], np.float64), dx]
+    return {kind: [rel_error(g, w) for g, w in zip(got[kind], got["float64"], strict=True)] for kind in kinds}
+
+
+@pytest.mark.parametrize("layer,shape,relu", [((1, 6, 5, 1, 2), (1, 28, 28), False),
+                                              ((6, 16, 5, 1, 0), (6, 14, 14), True),
+                                              ((16, 16, 3, 1, 1), (16, 8, 8), True),
+                                              ((8, 12, 3, 2, 1), (8, 9, 9), True)])
+def test_portable_convolutions_are_at_least_as_accurate_as_float32_blas(layer, shape, relu):
+    """Conv2d's output, weight gradient and input gradient from integers with one power of two per sample
+    (gemm.Samples): no less accurate than the fast kernels' float32 BLAS, against float64. LeNet-5's two
+    convolutions (image-like input; ReLU-like input), ResNet's "same" 3 x 3 (its input gradient a
+    convolution of dy: per-sample scales of dy) and a strided one; samples of very different magnitudes."""
+    c_in, c_out, k, stride, pad = layer
+    rng = np.random.default_rng(sum(shape) + k)
+    n = 32
+    x = rng.standard_normal((*shape, n)) * np.exp(rng.standard_normal(n) * 2)  # one magnitude per sample
+    x = np.maximum(x, 0) if relu else np.abs(x)
+    conv = Conv2d(c_in, c_out, k, stride=stride, padding=pad)
+    ho = (shape[1] + 2 * pad - k) // stride + 1
+    dy = rng.standard_normal((c_out, ho, ho, n)) * np.exp(rng.standard_normal(n))
+    x, dy = x.astype(np.float32), dy.astype(np.float32)
+    errors = conv_errors(conv, x, dy, ("fast", "portable"))
+    for name, fast, portable in zip(("y", "dW", "dx"), errors["fast"], errors["portable"], strict=True):
+        assert portable <= fast, (name, portable, fast)
 
 
 # A child process: the portable and the float32 product of fixed operands, the portable and NumPy's

@@ -189,6 +189,9 @@ class Conv2d(SpatialModule):
         self.c_in, self.c_out, self.k, self.stride, self.pad, self.bias = c_in, c_out, kernel, stride, padding, bias
         self.param_shapes = [("W", (c_out, c_in, kernel, kernel))] + ([("b", (c_out,))] if bias else [])
         self._xpad: Array = None  # the padded input, kept for backward
+        self._samples: Any = None  # the padded input as the kernels prepared it (portable: integers) for forward
+        self._dw_samples: Any = None  # ... for the weight gradient
+        self._dy_samples: Any = None  # the padded output gradient so (the "same" input gradient)
         self._xshape: tuple[int, ...] = ()
 
     def init_params(self, rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -219,18 +222,39 @@ class Conv2d(SpatialModule):
         rows = max(1, min(ho, (self.ctx.kernels.columns_nbytes or CHUNK_BYTES) // per_row))
         return [(r0, min(ho, r0 + rows)) for r0 in range(0, ho, rows)]
 
-    def _im2col(self, windows: Array, r0: int, r1: int) -> Array:
-        """Columns (c*k*k, (r1-r0)*Wo, N) of output rows [r0, r1): one copy out of the window view."""
+    def _im2col(self, windows: Array, r0: int, r1: int, name: str = "cols", rows: int | None = None) -> Array:
+        """Columns (c*k*k, (r1-r0)*Wo, N) of output rows [r0, r1): one copy out of the window view (into a
+        buffer of ``rows`` rows, those past c*k*k zero, where the kernels want whole chunks)."""
         c, k, _, _, wo, n = windows.shape
-        cols = self._buf("cols", (c * k * k, (r1 - r0) * wo, n), windows)
-        cols.reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
+        ckk = c * k * k
+        cols = self._buf(name, (rows or ckk, (r1 - r0) * wo, n), windows, zeroed=rows is not None)
+        cols[:ckk].reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
         return cols
 
-    def _correlate(self, padded: Array, W: Array, out: Array) -> None:
+    def _im2col_stacked(self, windows: list[Array], r0: int, r1: int, width: int) -> Array:
+        """The columns of each window view as (c*k*k, width), stacked: (len(windows) * c*k*k, width), the
+        (r1-r0)*Wo*N terms of each row first, the rest zero."""
+        c, k, _, _, wo, n = windows[0].shape
+        m, ckk = (r1 - r0) * wo * n, c * k * k
+        cols = self._buf("cols_stacked", (len(windows) * ckk, width), windows[0])
+        cols[:, m:] = 0  # the padding (a chunk of other m may share this width)
+        for i, w in enumerate(windows):
+            cols[i * ckk:(i + 1) * ckk, :m].reshape(c, k, k, r1 - r0, wo, n)[...] = w[:, :, :, r0:r1]
+        return cols
+
+    def _correlate(self, padded: Array, W: Array, out: Array, samples: Any = None, by_window: bool = True) -> Any:
         """out (c', Ho, Wo, N) = the correlation of ``padded`` (c, Hp, Wp, N) with the kernels ``W`` (c', c*k*k),
-        chunk by chunk of output rows, through the model's kernels."""
+        chunk by chunk of output rows, through the model's kernels. Kernels that prepare the samples
+        (mpisgd.kernels: the portable ones, into integers with a scale per sample) get ``padded`` so, and
+        the columns come from the prepared arrays (``samples``: the last call's, whose arrays are reused;
+        ``by_window``: scaled by each sample's largest window, one slice, else by its largest element, two:
+        gemm.Samples); returns what the kernels prepared (None for the fast ones)."""
         kernels = self.ctx.kernels
         c_out, ho, wo, n = out.shape
+        samples = kernels.samples(padded, W.shape[1], samples, (self.k, self.stride, ho, wo) if by_window else None)
+        if samples is not None:
+            self._correlate_samples(samples, W, out)
+            return samples
         windows = self._windows(padded, ho, wo)
         W = kernels.left(W)  # one W for every chunk
         for r0, r1 in self._row_chunks(ho, wo, n, padded.itemsize, padded.shape[0]):
@@ -238,6 +262,18 @@ class Conv2d(SpatialModule):
             # per position: (c', ckk) @ (ckk, N), written straight into out's rows r0..r1
             out_rows = out[:, r0:r1].reshape(c_out, (r1 - r0) * wo, n)
             kernels.matmul(W, cols.transpose(1, 0, 2), out=out_rows.transpose(1, 0, 2))
+        return None
+
+    def _correlate_samples(self, samples: Any, W: Array, out: Array) -> None:
+        """:meth:`_correlate` from prepared samples: each slice's columns, then one product per chunk."""
+        kernels = self.ctx.kernels
+        c_out, ho, wo, n = out.shape
+        windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
+        W = kernels.left(W)
+        for r0, r1 in self._row_chunks(ho, wo, n, windows[0].itemsize, windows[0].shape[0]):
+            cols = [self._im2col(w, r0, r1, f"cols{i}", samples.padded_rows()) for i, w in enumerate(windows)]
+            # one product (c', ckk) @ (ckk, positions x N): the result is the same bits as per position (exact)
+            kernels.matmul(W, samples.columns(cols), out=out[:, r0:r1].reshape(c_out, -1))
 
     def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
@@ -250,7 +286,7 @@ class Conv2d(SpatialModule):
         self._xshape = x.shape
         self._xpad = self._padded(x)
         y = self._buf("y", (self.c_out, ho, wo, n), x)
-        self._correlate(self._xpad, self.params["W"].reshape(self.c_out, -1), y)
+        self._samples = self._correlate(self._xpad, self.params["W"].reshape(self.c_out, -1), y, self._samples)
         if self.bias:
             y += self.params["b"][:, None, None, None]
         return y
@@ -265,12 +301,22 @@ class Conv2d(SpatialModule):
         ops = self.ctx.kernels
         _, ho, wo, n = dy.shape
         c, ckk = self.c_in, self.c_in * self.k * self.k
-        windows = self._windows(self._xpad, ho, wo)
-        chunks = self._row_chunks(ho, wo, n, dy.itemsize)
+        samples = self._dw_samples = ops.samples(self._xpad, ckk, self._dw_samples)
+        if samples is None:
+            windows = [self._windows(self._xpad, ho, wo)]
+        else:  # integers with a scale per sample, moved onto dy (gemm.Samples.weight_grad)
+            windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
+        chunks = self._row_chunks(ho, wo, n, windows[0].itemsize)
         dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
         for g, (r0, r1) in enumerate(chunks):
-            cols = self._im2col(windows, r0, r1)
-            ops.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
+            if samples is None:
+                cols = self._im2col(windows[0], r0, r1)
+                ops.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
+                continue
+            cols = self._im2col_stacked(windows, r0, r1, samples.padded_terms((r1 - r0) * wo * n))
+            cols_q, dy_q = samples.weight_grad(cols, dy[:, r0:r1])
+            stacked = self._buf("dW_stacked", (cols.shape[0], self.c_out), dy, dtype=np.float64)
+            samples.combine(ops.matmul(cols_q, dy_q, out=stacked), out=dW_chunks[g])
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
         ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
@@ -295,7 +341,9 @@ class Conv2d(SpatialModule):
         W_flip = self._buf("W_flip", (c, self.c_out, self.k, self.k), dy)
         W_flip[...] = self.params["W"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
         dx = self._buf("dx", (c, h, w, n), dy)
-        self._correlate(self._padded(dy, "dypad"), W_flip.reshape(c, -1), dx)
+        # dy's windows vary more than an activation's: scaled by its largest element, two slices
+        self._dy_samples = self._correlate(self._padded(dy, "dypad"), W_flip.reshape(c, -1), dx, self._dy_samples,
+                                           by_window=False)
         return dx
 
     def _input_grad_by_offset(self, dy: Array) -> Array:
@@ -310,11 +358,21 @@ class Conv2d(SpatialModule):
         targets = self._windows(dxpad, ho, wo)
         W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
         W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
-        dy_pos = self.ctx.kernels.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
+        ops = self.ctx.kernels
+        if ops.offset_rows:  # a row of offsets per product: W_t[i] as (k*c, c_out) @ dy as (c_out, positions x N)
+            W_rows = ops.left(W_t.reshape(self.k, self.k * c, self.c_out))
+            dy_cols = ops.right(dy.reshape(self.c_out, -1))
+            back = self._buf("back_row", (self.k, c, ho, wo, n), dy)
+            for i in range(self.k):
+                ops.matmul(W_rows[i], dy_cols, out=back.reshape(self.k * c, -1))
+                for j in range(self.k):
+                    targets[:, i, j] += back[j]
+            return dxpad[:, p:p + h, p:p + w] if p else dxpad
+        dy_pos = ops.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
         back = self._buf("back", (c, ho, wo, n), dy)
         for i in range(self.k):
             for j in range(self.k):
-                self.ctx.kernels.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
+                ops.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
                 targets[:, i, j] += back
         return dxpad[:, p:p + h, p:p + w] if p else dxpad
 

@@ -34,6 +34,24 @@ def fold_(a: Array, axis: int) -> Array:
     return a[before + (slice(0, 1),)]
 
 
+def fold_into(a: Array, axis: int, work: Array) -> Array:
+    """The sums of :func:`fold_` (the same tree, the same bits) without overwriting ``a``: the first level
+    of the tree is written into ``work`` (``a``'s shape with ``axis`` of length ceil(n/2)), the rest folded
+    there in place; returns the sums, a view of ``work`` with ``axis`` of length 1."""
+    axis = axis % a.ndim
+    n = a.shape[axis]
+    before = (slice(None),) * axis
+    half = n // 2
+    if half == 0:
+        work[...] = a
+        return work
+    xp_of(a).add(a[before + (slice(0, half),)], a[before + (slice(n - half, n),)],
+                 out=work[before + (slice(0, half),)])
+    if n - half > half:  # n odd: the middle term waits for the next level, as in fold_
+        work[before + (slice(half, half + 1),)] = a[before + (slice(half, half + 1),)]
+    return fold_(work, axis)
+
+
 def tree_sum(x: Array, axis: int, out: Array = None, keepdims: bool = False, dtype: Any = np.float64) -> Array:
     """The sum of ``x`` along ``axis`` in the fixed tree, accumulated in ``dtype`` (float64 by default), then
     rounded once into ``out`` (or returned in ``x``'s dtype)."""
