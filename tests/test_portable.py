@@ -158,6 +158,27 @@ def test_a_weight_split_once_serves_both_products(spread):
                           np.matmul(qa.astype(np.int64), qb.astype(np.int64)))
 
 
+@pytest.mark.parametrize("shape", [(784, 300), (1000, 999), (300, 10), (5, 7)])
+def test_a_weight_split_per_product_is_what_split_makes(shape):
+    """Where tiles would cost bits, Weight makes W's integers for each product in one sweep of its own
+    (blocks of rows, from the norms it folded for the tiles): they, their scales and the products are
+    those of split(W) and split(W.T) (shapes with padded chunks on either side; one that overflows
+    float32's squares, which takes the largest elements instead)."""
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal(shape) * np.exp(rng.uniform(0, np.log(50.0), shape[1]))).astype(np.float32)
+    w[0, :3] = 3e19  # squares overflow float32: these columns and rows take the largest-element bound
+    prepared = gemm.Weight().prepare(w)
+    assert prepared.right.slices[0][0].base is not prepared.T.slices[0][0].base  # per product, not tiles
+    for got, want in ((prepared.right, gemm.split(w, "right", gemm.Workspace())),
+                      (prepared.T, gemm.split(w.T, "right", gemm.Workspace()))):
+        assert (got.nc, got.kc, got.shape, got.applied) == (want.nc, want.kc, want.shape, want.applied)
+        assert np.array_equal(got.slices[0][0], want.slices[0][0])
+        assert np.array_equal(got.slices[0][1], want.slices[0][1])
+    x, dy = rng.standard_normal((9, shape[0])).astype(np.float32), rng.standard_normal((9, shape[1])).astype(np.float32)
+    assert np.array_equal(gemm.matmul(x, prepared), gemm.matmul(x, w))
+    assert np.array_equal(gemm.matmul(dy, prepared.T), gemm.matmul(dy, w.T))
+
+
 @pytest.mark.parametrize("shape", [(128, 784, 1024), (1024, 128, 1024), (128, 1024, 10), (25, 3584, 6)])
 def test_portable_products_are_at_least_as_accurate_as_float32_blas(shape):
     """Against the float64 product of the same float32 operands: the portable product's relative error

@@ -54,6 +54,7 @@ CHUNK = 256  # most terms per chunk of the inner dimension: shorter chunks scale
 E_BIG = 1024 + 13  # the exponent assumed where a row holds inf or NaN (its products are not finite anyway)
 SLICES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
 LOOP_MIN = 65536  # outputs of at least this many elements are made chunk by chunk (in cache), smaller ones at once
+BLOCK = 262144  # elements of output rows made at once (2 MiB of float64: in cache when ranks share the memory bus)
 MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (_on_grid)
 SAMPLE_BITS = 23.5  # a float32 sample takes a second slice where its first keeps fewer bits of its largest (Samples)
 SPREAD = 2.0  # the widest ratio of norms within a tile of a prepared weight (mpisgd.portable.gemm.Weight)
@@ -277,40 +278,86 @@ class Weight:
             return self
         (k, n), (ncr, kcr), (ncc, kcc) = w.shape, chunking(w.shape[0]), chunking(w.shape[1])
         rows, cols = ncr * kcr, ncc * kcc
-        sq = self.ws.get(xp, "sq", (rows, cols), np.float32)  # squares in float32 (_scales covers their rounding)
-        with np.errstate(over="ignore", under="ignore"):  # what _scales handles
-            xp.multiply(w, w, out=sq[:k, :n])  # the padding stays zero
-            col = fold_into(sq.reshape(ncr, kcr, cols), 1,  # (ncr, cols): each column within its k chunk
-                            self.ws.get(xp, "by_col", (ncr, kcr - kcr // 2, cols), np.float32))[:, 0, :]
-            row = fold_into(sq.reshape(rows, ncc, kcc), 2,  # (rows, ncc): each row within its n chunk
-                            self.ws.get(xp, "by_row", (rows, ncc, kcc - kcc // 2), np.float32))[:, :, 0]
+        # One chunk of rows at a time (a few MiB, in cache): every pass over it is made before the next
+        # chunk is read, so W crosses the memory bus twice (norms, then integers) instead of once per pass,
+        # which matters when ranks share the bus. The trees are those of the whole array: the same bits.
+        sq = self.ws.get(xp, "sq", (kcr, cols), np.float32)  # squares in float32 (_scales covers their rounding)
+        by_col = self.ws.get(xp, "by_col", (kcr - kcr // 2, cols), np.float32)
+        by_row = self.ws.get(xp, "by_row", (kcr, ncc, kcc - kcc // 2), np.float32)
+        col = self.ws.get(xp, "col", (ncr, cols), np.float32)  # each column within its k chunk
+        row = self.ws.get(xp, "row", (rows, ncc), np.float32)  # each row within its n chunk
+        for r in range(ncr):
+            r0, r1 = r * kcr, min(k, (r + 1) * kcr)
+            if r1 - r0 < kcr:
+                sq[r1 - r0:] = 0  # the last chunk's padding rows (the padding columns stay zero)
+            with np.errstate(over="ignore", under="ignore"):  # what _scales handles
+                xp.multiply(w[r0:r1], w[r0:r1], out=sq[:r1 - r0, :n])
+                col[r] = fold_into(sq, 0, by_col)[0]
+                row[r0:r0 + kcr] = fold_into(sq.reshape(kcr, ncc, kcc), 2, by_row)[:, :, 0]
         col_t, row_t = col.reshape(ncr, ncc, kcc), row.reshape(ncr, kcr, ncc)
         tile = xp.maximum(col_t.max(axis=2), row_t.max(axis=1))
         weakest = xp.minimum(xp.where(col_t > 0, col_t, np.inf).min(axis=2),
                              xp.where(row_t > 0, row_t, np.inf).min(axis=1))
+        mx: list[Array] = []
+
+        def largest() -> Array:  # |W| padded with zeros (made only where a sum overflowed or is tiny)
+            if not mx:
+                mx.append(self.ws.get(xp, "largest", (rows, cols), np.float32))
+                xp.abs(w, out=mx[0][:k, :n])
+            return mx[0]
+
         if bool((tile > SPREAD**2 * weakest).any()):  # some tile's norms spread too wide: a split per product
-            self.right, self.T = split(w, "right", self.ws, "w"), split(w.T, "right", self.ws, "wT")
-            return self
-        q = self.ws.get(xp, "q", (rows, cols))
-
-        def largest() -> Array:
-            mx = self.ws.get(xp, "largest", (rows, cols), np.float32)  # never for float32 W: no overflow
-            xp.abs(w, out=mx[:k, :n])
-            return mx.reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64)
-
-        t = _scales(xp, tile, max(kcr, kcc), largest)  # (ncr, ncc)
-        tiles = q.reshape(ncr, kcr, ncc, kcc)
-        if (k, n) == (rows, cols):  # no padding: straight into q
-            _on_grid(xp, w.reshape(ncr, kcr, ncc, kcc), t[:, None, :, None], tiles)
-        else:
-            q[:k, :n] = w
-            _on_grid(xp, tiles, t[:, None, :, None], tiles)
+            return self._per_product(w, col[:, None, :n], row[:k], largest)
+        q = self.ws.get(xp, "q", (rows, cols))  # made zeroed: the padding (rows from k, columns from n) stays 0
+        t = _scales(xp, tile, max(kcr, kcc),
+                    lambda: largest().reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64))  # (ncr, ncc)
+        for r in range(ncr):
+            r0, r1 = r * kcr, min(k, (r + 1) * kcr)
+            if n == cols:  # no padding columns: straight into q
+                _on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t[r, None, :, None],
+                         q[r0:r1].reshape(r1 - r0, ncc, kcc))
+            else:
+                q[r0:r1, :n] = w[r0:r1]
+                by_chunk = q[r0:r1].reshape(r1 - r0, ncc, kcc)
+                _on_grid(xp, by_chunk, t[r, None, :, None], by_chunk)
         per_col = xp.repeat(t, kcc, axis=1)[:, :n]  # (ncr, n): the scale of W[chunk c, j]
         per_row = xp.repeat(t, kcr, axis=0)[:k, :]  # (k, ncc): the scale of W[i, chunk J]
         self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
                            [(q[:, :n].reshape(ncr, kcr, n), per_col[:, None, :])], applied=True)
         self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
                        [(q[:k, :].reshape(k, ncc, kcc).transpose(1, 2, 0), per_row.T[:, None, :])], applied=True)
+        return self
+
+    def _per_product(self, w: Array, col: Array, row: Array, largest: Any) -> Weight:
+        """W split for each product, as :func:`split` splits W for x @ W and W.T for dy @ W.T (the same norms,
+        scales and integers, so the same bits), from the norms :meth:`prepare` folded: ``col`` (ncr, 1, n),
+        each column within its k chunk, ``row`` (k, ncc), each row within its n chunk; ``largest()``, |W|
+        padded. Both integer arrays are made in one sweep of chunks of rows, each in cache."""
+        xp = xp_of(w)
+        (k, n), (ncr, kcr), (ncc, kcc) = w.shape, chunking(w.shape[0]), chunking(w.shape[1])
+        rows, cols = ncr * kcr, ncc * kcc
+        t_col = _scales(xp, col, kcr, lambda: largest().reshape(ncr, kcr, cols).max(axis=1, keepdims=True)
+                        [:, :, :n].astype(np.float64))  # (ncr, 1, n)
+        t_row = _scales(xp, row[:, :, None], kcc, lambda: largest()[:k].reshape(k, ncc, kcc).max(axis=2, keepdims=True)
+                        .astype(np.float64))  # (k, ncc, 1)
+        q_col = self.ws.get(xp, "q_col", (rows, n))  # made zeroed: the padding rows stay 0
+        q_row = self.ws.get(xp, "q_row", (k, cols))  # and the padding columns
+        step = max(1, BLOCK // 4 // cols)  # rows per block: each block's passes stay in a core's own cache
+        r0 = 0
+        while r0 < k:
+            r1 = min(k, r0 + step, (r0 // kcr + 1) * kcr)  # within one chunk of rows: one scale per column
+            _on_grid(xp, w[r0:r1], t_col[r0 // kcr], q_col[r0:r1])
+            by_chunk = q_row[r0:r1].reshape(r1 - r0, ncc, kcc)
+            if n == cols:
+                _on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t_row[r0:r1], by_chunk)
+            else:
+                q_row[r0:r1, :n] = w[r0:r1]
+                _on_grid(xp, by_chunk, t_row[r0:r1], by_chunk)
+            r0 = r1
+        self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
+                           [(q_col.reshape(ncr, kcr, n), t_col)], applied=True)
+        self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
+                       [(q_row.reshape(k, ncc, kcc).transpose(1, 2, 0), t_row.transpose(1, 2, 0))], applied=True)
         return self
 
 
@@ -518,19 +565,26 @@ def matmul(a: Array | Split, b: Array | Split | Weight, out: Array = None, ws: W
 
     pairs = significant_pairs(len(sa.slices), len(sb.slices))
     size = m * n * int(np.prod(batch, dtype=np.int64))
-    if nc > 1 and size >= LOOP_MIN:  # chunk by chunk: each chunk's product scaled and added while in cache
-        prod = ws.get(xp, "prod", (*batch, m, n))
-        acc = ws.get(xp, "acc", (*batch, m, n))
-        for c in range(nc):  # in a fixed order: the chunks, and in each the pairs
-            for p, (i, j) in enumerate(pairs):
-                (qa, scale_a), (qb, scale_b) = _scaled(sa, i), _scaled(sb, j)
-                first = c == 0 and p == 0
-                dst = acc if first else prod
-                xp.matmul(_at(qa, c, pad_a), _at(qb, c, pad_b), out=dst)  # exact (see the module's docstring)
-                _unscale(xp, dst, _at(scale_a, c, pad_a), _at(scale_b, c, pad_b))  # powers of two: exact
-                if not first:
-                    acc += prod
-        out[...] = acc  # rounded once
+    if size >= LOOP_MIN and (nc > 1 or not batch):  # in blocks of rows, chunk by chunk: each kept in cache
+        rows = m if batch else max(1, min(m, BLOCK // n))  # a batch of products: its rows together
+        prod = ws.get(xp, "prod", (*batch, rows, n))
+        acc = ws.get(xp, "acc", (*batch, rows, n))
+        one = nc == 1 and len(pairs) == 1  # one product: scaled back and rounded into out in one pass
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            a_rows, p_rows, o_rows = acc[..., :r1 - r0, :], prod[..., :r1 - r0, :], out[..., r0:r1, :]
+            for c in range(nc):  # in a fixed order: the chunks, and in each the pairs
+                for p, (i, j) in enumerate(pairs):
+                    (qa, scale_a), (qb, scale_b) = _scaled(sa, i), _scaled(sb, j)
+                    first = c == 0 and p == 0
+                    dst = a_rows if first else p_rows
+                    xp.matmul(_at(qa, c, pad_a)[..., r0:r1, :], _at(qb, c, pad_b), out=dst)  # exact (module docstring)
+                    _unscale(xp, dst, _rows(_at(scale_a, c, pad_a), r0, r1), _at(scale_b, c, pad_b),
+                             o_rows if one else None)  # powers of two: exact
+                    if not first:
+                        a_rows += p_rows
+            if not one:
+                o_rows[...] = a_rows  # rounded once
         return out
 
     def lift(x: Array, pad: int) -> Array:  # (nc, batch..., r, c) with the missing batch axes as 1
@@ -578,6 +632,11 @@ def _at(x: Array | None, c: int, pad: int) -> Array | None:
         return x
     x = x[c] if x.shape[0] > 1 else x[0]
     return x.reshape(*((1,) * pad), *x.shape)
+
+
+def _rows(scale: Array | None, r0: int, r1: int) -> Array | None:
+    """Rows r0 to r1 of a left operand's scale (..., m, 1); a scale shared by every row (..., 1, 1) as it is."""
+    return scale if scale is None or scale.shape[-2] == 1 else scale[..., r0:r1, :]
 
 
 def significant_pairs(left: int, right: int | None = None) -> list[tuple[int, int]]:
