@@ -578,7 +578,8 @@ def matmul(a: Array | Split, b: Array | Split | Weight, out: Array = None, ws: W
                     (qa, scale_a), (qb, scale_b) = _scaled(sa, i), _scaled(sb, j)
                     first = c == 0 and p == 0
                     dst = a_rows if first else p_rows
-                    xp.matmul(_at(qa, c, pad_a)[..., r0:r1, :], _at(qb, c, pad_b), out=dst)  # exact (module docstring)
+                    rows_a: Array = _at(qa, c, pad_a)
+                    xp.matmul(rows_a[..., r0:r1, :], _at(qb, c, pad_b), out=dst)  # exact (the module's docstring)
                     _unscale(xp, dst, _rows(_at(scale_a, c, pad_a), r0, r1), _at(scale_b, c, pad_b),
                              o_rows if one else None)  # powers of two: exact
                     if not first:
