@@ -29,8 +29,8 @@ cache-sized chunks; the portable kernels, which pay a fixed cost per product, wa
 ``offset_rows``: whether a convolution's input gradient multiplies a whole row of kernel offsets per
 product (portable) rather than one offset (fast). ``samples(x, k, previous)``: a convolution's padded
 input prepared for products whose inner dimension k takes its windows (fast: None, the layer makes
-its columns from x itself; portable: integers with one power of two per sample, gemm.Samples, whose
-im2col needs no splitting).
+its columns from x itself; portable: integers with one power of two per sample,
+mpisgd.portable.samples, whose im2col needs no splitting).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import numpy as np
 
 from mpisgd.backend import xp_of
 from mpisgd.portable import elementwise, gemm, reduce
+from mpisgd.portable.samples import Samples
+from mpisgd.portable.weight import Weight
 
 Array = Any
 
@@ -116,7 +118,9 @@ class PortableKernels:
     def __init__(self) -> None:
         self.workspace = gemm.Workspace()
 
-    def matmul(self, a: Array | gemm.Split, b: Array | gemm.Split, out: Array = None) -> Array:
+    def matmul(self, a: Array | gemm.Split, b: Array | gemm.Split | Weight, out: Array = None) -> Array:
+        if isinstance(b, Weight):  # a layer's W, prepared in forward: its split for x @ W
+            b = b.right
         return gemm.matmul(a, b, out=out, ws=self.workspace)
 
     def left(self, a: Array) -> gemm.Split:
@@ -125,18 +129,18 @@ class PortableKernels:
     def right(self, b: Array) -> gemm.Split:
         return gemm.split(b, "right", self.workspace, tag="prepared-right")
 
-    def weight(self, w: Array, previous: Any = None) -> gemm.Weight:
+    def weight(self, w: Array, previous: Any = None) -> Weight:
         """``w`` split once for ``matmul(x, w)`` and ``matmul(dy, w.T)``; ``previous``, this layer's last one,
         lends its arrays."""
-        return (previous if isinstance(previous, gemm.Weight) else gemm.Weight()).prepare(w)
+        return (previous if isinstance(previous, Weight) else Weight()).prepare(w)
 
     def samples(self, x: Array, k: int, previous: Any = None,
-                window: tuple[int, int, int, int] | None = None) -> gemm.Samples:
+                window: tuple[int, int, int, int] | None = None) -> Samples:
         """A convolution's padded input (C, H, W, N) as integers with one power of two per sample, for
-        products whose inner dimension k takes its windows (gemm.Samples): with ``window`` (kh, stride,
-        Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
+        products whose inner dimension k takes its windows (mpisgd.portable.samples): with ``window``
+        (kh, stride, Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
         gradient too (two slices). ``previous``, this layer's last one, lends its arrays."""
-        return (previous if isinstance(previous, gemm.Samples) else gemm.Samples()).prepare(x, k, window)
+        return (previous if isinstance(previous, Samples) else Samples()).prepare(x, k, window)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)

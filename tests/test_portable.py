@@ -37,7 +37,7 @@ from mpisgd.nn import (
     Sequential,
 )
 from mpisgd.nn.gradcheck import check_gradients
-from mpisgd.portable import elementwise, gemm, reduce, scalar
+from mpisgd.portable import elementwise, gemm, reduce, scalar, weight
 from mpisgd.schedule import Schedule
 
 DEBIAN_PYTHON = Path(os.environ.get("MPISGD_OPENMPI_ENV", "/work/main/.openmpi-env")) / "bin" / "python"
@@ -144,11 +144,11 @@ def test_a_weight_split_once_serves_both_products(spread):
     rng = np.random.default_rng(11)
     w = (rng.standard_normal((784, 300)) * np.exp(rng.uniform(0, np.log(spread), 300))).astype(np.float32)
     x, dy = rng.standard_normal((64, 784)).astype(np.float32), rng.standard_normal((64, 300)).astype(np.float32)
-    prepared = gemm.Weight().prepare(w)
-    assert (prepared.right.slices[0][0].base is prepared.T.slices[0][0].base) == (spread < gemm.SPREAD)
+    prepared = weight.Weight().prepare(w)
+    assert (prepared.right.slices[0][0].base is prepared.T.slices[0][0].base) == (spread < weight.SPREAD)
     for q in (prepared.right.integers(), prepared.T.integers()):
         assert np.array_equal(q, np.rint(q)) and np.sqrt((q * q).sum(axis=-2)).max() <= 2**gemm.GAMMA + 8
-    for a, b, wt in ((x, w, prepared), (dy, w.T, prepared.T)):
+    for a, b, wt in ((x, w, prepared.right), (dy, w.T, prepared.T)):
         want = a.astype(np.float64) @ b.astype(np.float64)
         assert rel_error(gemm.matmul(a, wt), want) <= rel_error(a @ b, want)
     sx = gemm.split(x, "left", gemm.Workspace())
@@ -167,7 +167,7 @@ def test_a_weight_split_per_product_is_what_split_makes(shape):
     rng = np.random.default_rng(12)
     w = (rng.standard_normal(shape) * np.exp(rng.uniform(0, np.log(50.0), shape[1]))).astype(np.float32)
     w[0, :3] = 3e19  # squares overflow float32: these columns and rows take the largest-element bound
-    prepared = gemm.Weight().prepare(w)
+    prepared = weight.Weight().prepare(w)
     assert prepared.right.slices[0][0].base is not prepared.T.slices[0][0].base  # per product, not tiles
     for got, want in ((prepared.right, gemm.split(w, "right", gemm.Workspace())),
                       (prepared.T, gemm.split(w.T, "right", gemm.Workspace()))):
@@ -175,7 +175,7 @@ def test_a_weight_split_per_product_is_what_split_makes(shape):
         assert np.array_equal(got.slices[0][0], want.slices[0][0])
         assert np.array_equal(got.slices[0][1], want.slices[0][1])
     x, dy = rng.standard_normal((9, shape[0])).astype(np.float32), rng.standard_normal((9, shape[1])).astype(np.float32)
-    assert np.array_equal(gemm.matmul(x, prepared), gemm.matmul(x, w))
+    assert np.array_equal(gemm.matmul(x, prepared.right), gemm.matmul(x, w))
     assert np.array_equal(gemm.matmul(dy, prepared.T), gemm.matmul(dy, w.T))
 
 
@@ -214,7 +214,7 @@ def conv_errors(conv: Conv2d, x: np.ndarray, dy: np.ndarray, kinds: tuple[str, .
                                               ((8, 12, 3, 2, 1), (8, 9, 9), True)])
 def test_portable_convolutions_are_at_least_as_accurate_as_float32_blas(layer, shape, relu):
     """Conv2d's output, weight gradient and input gradient from integers with one power of two per sample
-    (gemm.Samples): no less accurate than the fast kernels' float32 BLAS, against float64. LeNet-5's two
+    (mpisgd.portable.samples): no less accurate than the fast kernels' float32 BLAS, against float64. LeNet-5's two
     convolutions (image-like input; ReLU-like input), ResNet's "same" 3 x 3 (its input gradient a
     convolution of dy: per-sample scales of dy) and a strided one; samples of very different magnitudes."""
     c_in, c_out, k, stride, pad = layer

@@ -248,7 +248,7 @@ class Conv2d(SpatialModule):
         (mpisgd.kernels: the portable ones, into integers with a scale per sample) get ``padded`` so, and
         the columns come from the prepared arrays (``samples``: the last call's, whose arrays are reused;
         ``by_window``: scaled by each sample's largest window, one slice, else by its largest element, two:
-        gemm.Samples); returns what the kernels prepared (None for the fast ones)."""
+        mpisgd.portable.samples); returns what the kernels prepared (None for the fast ones)."""
         kernels = self.ctx.kernels
         c_out, ho, wo, n = out.shape
         samples = kernels.samples(padded, W.shape[1], samples, (self.k, self.stride, ho, wo) if by_window else None)
@@ -304,7 +304,7 @@ class Conv2d(SpatialModule):
         samples = self._dw_samples = ops.samples(self._xpad, ckk, self._dw_samples)
         if samples is None:
             windows = [self._windows(self._xpad, ho, wo)]
-        else:  # integers with a scale per sample, moved onto dy (gemm.Samples.weight_grad)
+        else:  # integers with a scale per sample, moved onto dy (mpisgd.portable.samples.Samples.weight_grad)
             windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
         chunks = self._row_chunks(ho, wo, n, windows[0].itemsize)
         dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)

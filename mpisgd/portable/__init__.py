@@ -6,6 +6,9 @@ portable`` computes with (mpisgd.kernels chooses it; docs/reproducible.md says w
   row or column to integers whose products, and every partial sum of them, are exact in float64, so
   that any dgemm — any blocking, FMA use, order or threads — returns the same float64 values; one
   rounding to the output's dtype at the end.
+- ``weight``: a layer's weight matrix split once per forward for both of its products (x @ W, dy @ W.T).
+- ``samples``: a convolution's input as integers with one power of two per sample, so that its im2col
+  columns need no splitting.
 - ``reduce``: sums along an axis in one fixed pairwise order, done with elementwise adds (no library
   reduction decides the order).
 - ``elementwise``: exp, log, expm1, tanh, erf from IEEE +, -, *, / and sqrt only (range reduction and

@@ -17,7 +17,7 @@ every addition is exact:
    output's dtype.
 
 A float32 operand's slice is held with its scale applied, q_a / s_a = rint(a s_a) / s_a (made by two
-IEEE additions, :func:`_on_grid`): every term of a dot product of two such vectors is the integer
+IEEE additions, :func:`on_grid`): every term of a dot product of two such vectors is the integer
 product q_a q_b times the one power of two 1 / (s_a s_b), so every partial sum is an integer below 2^53
 times that power of two: exact too, as long as that power of two stays within float64's range, which
 float32 operands guarantee (s_a, s_b between about 2^-113 and 2^175: the grid 1 / (s_a s_b) is far
@@ -25,9 +25,11 @@ above float64's smallest subnormal and 2^53 / (s_a s_b) below its largest value)
 needs no scaling back. Float64 operands, whose scales may reach 2^1023, are scaled back as in step 3.
 
 The norms that choose the scales come from squares added in the fixed order (float32 operands' in
-float32, float64 ones' in float64), with a margin that covers that sum's rounding (:func:`_scales`):
-the scales, hence the integers, are a function of the inputs alone. A convolution's columns are not
-split: its input is made integer once, with one power of two per sample (:class:`Samples`).
+float32, float64 ones' in float64), with a margin that covers that sum's rounding (:func:`norm_scales`):
+the scales, hence the integers, are a function of the inputs alone. Two operands are prepared by
+modules of their own: a layer's weight matrix, split once for its forward and backward products
+(mpisgd.portable.weight), and a convolution's input, made integer once with one power of two per
+sample so that its im2col columns need no splitting (mpisgd.portable.samples).
 
 Accuracy: each element keeps about 26 bits relative to its row's (column's) norm within its chunk, and
 rounding is to nearest, so the error of C is about that of a float32 GEMM or smaller (measured per
@@ -46,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable.reduce import fold_, fold_into
+from mpisgd.portable.reduce import fold_
 
 Array = Any
 GAMMA = 26  # bits of a scaled row's (column's) norm: two of them and the rounding stay below 2^53
@@ -55,9 +57,7 @@ E_BIG = 1024 + 13  # the exponent assumed where a row holds inf or NaN (its prod
 SLICES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
 LOOP_MIN = 65536  # outputs of at least this many elements: in blocks of rows, chunk by chunk (in cache)
 BLOCK = 262144  # elements of output rows made at once (2 MiB of float64: in cache when ranks share the memory bus)
-MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (_on_grid)
-SAMPLE_BITS = 23.5  # a float32 sample takes a second slice where its first keeps fewer bits of its largest (Samples)
-SPREAD = 4.0  # the widest ratio of norms within a tile of a prepared weight (mpisgd.portable.gemm.Weight)
+MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (on_grid)
 TINY_SUM = 2.0**-1000  # below: a float64 sum of squares whose flushed terms may matter
 TINY_SUM32 = 2.0**-100  # below: a float32 sum of squares whose flushed or subnormal terms may matter
 
@@ -87,7 +87,7 @@ class Workspace:
         return sum(int(a.nbytes) for a in self._arrays.values())
 
 
-def _scales(xp: Any, sq: Array, kc: int, largest: Any, gamma: int = GAMMA) -> Array:
+def norm_scales(xp: Any, sq: Array, kc: int, largest: Any, gamma: int = GAMMA) -> Array:
     """Powers of two s such that every row (column) x of a chunk has ||x s|| < 2^gamma, from ``sq``: the
     fixed-order sums of the squares, in float64 (exact squares of float32 values, rounded ones of float64
     values) or in float32 (each square and each addition rounded). The sum's rounding is covered by a
@@ -118,7 +118,7 @@ def _scales(xp: Any, sq: Array, kc: int, largest: Any, gamma: int = GAMMA) -> Ar
     return xp.ldexp(1.0, gamma - e)
 
 
-def _on_grid(xp: Any, x: Array, s: Array, out: Array) -> None:
+def on_grid(xp: Any, x: Array, s: Array, out: Array) -> None:
     """out = rint(x s) / s (float64) for powers of two s with |x s| < 2^51: x + C - C with C = 1.5 2^52 / s.
     x + C lies in [2^52/s, 2^53/s), where float64's spacing is 1/s, so the addition rounds x to the nearest
     multiple of 1/s, ties to even (C s = 1.5 2^52 is even: as rint); the subtraction is exact. Two IEEE
@@ -174,9 +174,9 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     transposed view (x.T of a C-ordered array, as in x.T @ dy) is split as its transpose, for the other
     side, so that every pass reads memory in order; the slices are then transposed views themselves,
     which BLAS takes as they are. ``gamma``: the bound on each chunk's norm, 2^gamma (GAMMA unless the
-    other operand's integers are bounded otherwise, :class:`Samples`); ``slices``: how many (by default
+    other operand's integers are bounded otherwise, mpisgd.portable.samples); ``slices``: how many (by default
     one for float32, two for float64; one for a float64 operand that holds float32's precision). A
-    float32 operand's squares are summed in float32 (:func:`_scales` covers their rounding), a float64
+    float32 operand's squares are summed in float32 (:func:`norm_scales` covers their rounding), a float64
     one's in float64."""
     if x.ndim >= 2 and x.shape[-1] > 1 and x.shape[-2] > 1 and abs(x.strides[-2]) < abs(x.strides[-1]):
         t = split(x.swapaxes(-1, -2), "right" if side == "left" else "left", ws, tag or side, gamma, slices)
@@ -196,7 +196,7 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     shape = list(x.shape)
     shape[axis] = kc
     work = (nc, *shape)
-    square = dtype  # float32: half the bytes of float64 squares, the rounding covered by _scales' margin
+    square = dtype  # float32: half the bytes of float64 squares, the rounding covered by norm_scales' margin
     sq = ws.get(xp, f"{tag}:sq", work, square)
     full = (nc - 1) * kc  # chunks 0..nc-2 hold kc terms each, the last the rest (padded with zeros)
 
@@ -220,7 +220,7 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     rest: Array = None  # (slices > 1) what is still to split, scaled: x s - q, exact
     total: Array = None
     for i in range(slices):
-        with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what _scales handles
+        with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what norm_scales handles
             if i == 0:  # straight from x
                 for part, dst in chunks(sq):
                     xp.multiply(part, part, out=dst, dtype=square)
@@ -236,11 +236,11 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
                 xp.abs(src, out=mx)
             return mx.max(axis=axis, keepdims=True).astype(np.float64)
 
-        s = _scales(xp, fold_(sq, axis), kc, largest, gamma)  # per (chunk, row or column), the inner axis of length 1
+        s = norm_scales(xp, fold_(sq, axis), kc, largest, gamma)  # per (chunk, row or column): inner axis of 1
         q = ws.get(xp, f"{tag}:q{i}", work)
-        if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (see _on_grid)
+        if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (see on_grid)
             for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
-                _on_grid(xp, part, scale, dst)
+                on_grid(xp, part, scale, dst)
             out.append((q, s))
             break
         if i == 0:
@@ -260,297 +260,11 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     return Split(side, tuple(x.shape), dtype, nc, kc, out, dtype == np.float32)
 
 
-class Weight:
-    """A weight matrix W (k, n) split once for the two products a layer needs, x @ W forward and dy @ W.T
-    backward: integers Q = rint(W t) with one power of two t per tile of (k chunk) x (n chunk), the chunks
-    of both inner dimensions (:func:`chunking`), t chosen so that every column of a tile (x @ W's
-    operands) and every row (dy @ W.T's) has norm below 2^GAMMA. Half the work of splitting W for each
-    product; a tile's weaker columns or rows give up the bits its strongest needs, so tiles are used only
-    where no tile's norms spread wider than SPREAD (at most two bits lost: the weakest column or row keeps
-    24 bits of its norm, float32's own precision; a hidden layer's weights spread about 1.2 at start and
-    2.2 to 2.5 once trained), and W is split for each product otherwise (a classifier's 10 columns of
-    1024 rows spread 10x), in one sweep of row blocks (:meth:`_per_product`). The choice is made from the
-    same exact sums everywhere. It owns its arrays (a layer keeps it from forward to backward;
-    :meth:`prepare` reuses them). Float32 W; a float64 one is split per product as any operand."""
-
-    def __init__(self) -> None:
-        self.ws = Workspace()
-        self.right: Split | None = None  # for x @ W
-        self.T: Split | None = None  # for dy @ W.T  # noqa: N815 - as ndarray.T
-
-    def prepare(self, w: Array) -> Weight:
-        xp = xp_of(w)
-        if w.ndim != 2:
-            raise ValueError(f"a weight matrix is 2-D, got shape {tuple(w.shape)}")
-        if np.dtype(w.dtype) != np.float32:
-            self.right, self.T = split(w, "right", self.ws, "w"), split(w.T, "right", self.ws, "wT")
-            return self
-        (k, n), (ncr, kcr), (ncc, kcc) = w.shape, chunking(w.shape[0]), chunking(w.shape[1])
-        rows, cols = ncr * kcr, ncc * kcc
-        # One chunk of rows at a time (a few MiB, in cache): every pass over it is made before the next
-        # chunk is read, so W crosses the memory bus twice (norms, then integers) instead of once per pass,
-        # which matters when ranks share the bus. The trees are those of the whole array: the same bits.
-        sq = self.ws.get(xp, "sq", (kcr, cols), np.float32)  # squares in float32 (_scales covers their rounding)
-        by_col = self.ws.get(xp, "by_col", (kcr - kcr // 2, cols), np.float32)
-        by_row = self.ws.get(xp, "by_row", (kcr, ncc, kcc - kcc // 2), np.float32)
-        col = self.ws.get(xp, "col", (ncr, cols), np.float32)  # each column within its k chunk
-        row = self.ws.get(xp, "row", (rows, ncc), np.float32)  # each row within its n chunk
-        for r in range(ncr):
-            r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            if r1 - r0 < kcr:
-                sq[r1 - r0:] = 0  # the last chunk's padding rows (the padding columns stay zero)
-            with np.errstate(over="ignore", under="ignore"):  # what _scales handles
-                xp.multiply(w[r0:r1], w[r0:r1], out=sq[:r1 - r0, :n])
-                col[r] = fold_into(sq, 0, by_col)[0]
-                row[r0:r0 + kcr] = fold_into(sq.reshape(kcr, ncc, kcc), 2, by_row)[:, :, 0]
-        col_t, row_t = col.reshape(ncr, ncc, kcc), row.reshape(ncr, kcr, ncc)
-        tile = xp.maximum(col_t.max(axis=2), row_t.max(axis=1))
-        weakest = xp.minimum(xp.where(col_t > 0, col_t, np.inf).min(axis=2),
-                             xp.where(row_t > 0, row_t, np.inf).min(axis=1))
-        mx: list[Array] = []
-
-        def largest() -> Array:  # |W| padded with zeros (made only where a sum overflowed or is tiny)
-            if not mx:
-                mx.append(self.ws.get(xp, "largest", (rows, cols), np.float32))
-                xp.abs(w, out=mx[0][:k, :n])
-            return mx[0]
-
-        if bool((tile > SPREAD**2 * weakest).any()):  # some tile's norms spread too wide: a split per product
-            return self._per_product(w, col[:, None, :n], row[:k], largest)
-        q = self.ws.get(xp, "q", (rows, cols))  # made zeroed: the padding (rows from k, columns from n) stays 0
-        t = _scales(xp, tile, max(kcr, kcc),
-                    lambda: largest().reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64))  # (ncr, ncc)
-        for r in range(ncr):
-            r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            if n == cols:  # no padding columns: straight into q
-                _on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t[r, None, :, None],
-                         q[r0:r1].reshape(r1 - r0, ncc, kcc))
-            else:
-                q[r0:r1, :n] = w[r0:r1]
-                by_chunk = q[r0:r1].reshape(r1 - r0, ncc, kcc)
-                _on_grid(xp, by_chunk, t[r, None, :, None], by_chunk)
-        per_col = xp.repeat(t, kcc, axis=1)[:, :n]  # (ncr, n): the scale of W[chunk c, j]
-        per_row = xp.repeat(t, kcr, axis=0)[:k, :]  # (k, ncc): the scale of W[i, chunk J]
-        self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
-                           [(q[:, :n].reshape(ncr, kcr, n), per_col[:, None, :])], applied=True)
-        self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
-                       [(q[:k, :].reshape(k, ncc, kcc).transpose(1, 2, 0), per_row.T[:, None, :])], applied=True)
-        return self
-
-    def _per_product(self, w: Array, col: Array, row: Array, largest: Any) -> Weight:
-        """W split for each product, as :func:`split` splits W for x @ W and W.T for dy @ W.T (the same norms,
-        scales and integers, so the same bits), from the norms :meth:`prepare` folded: ``col`` (ncr, 1, n),
-        each column within its k chunk, ``row`` (k, ncc), each row within its n chunk; ``largest()``, |W|
-        padded. Both integer arrays are made in one sweep of chunks of rows, each in cache."""
-        xp = xp_of(w)
-        (k, n), (ncr, kcr), (ncc, kcc) = w.shape, chunking(w.shape[0]), chunking(w.shape[1])
-        rows, cols = ncr * kcr, ncc * kcc
-        t_col = _scales(xp, col, kcr, lambda: largest().reshape(ncr, kcr, cols).max(axis=1, keepdims=True)
-                        [:, :, :n].astype(np.float64))  # (ncr, 1, n)
-        t_row = _scales(xp, row[:, :, None], kcc, lambda: largest()[:k].reshape(k, ncc, kcc).max(axis=2, keepdims=True)
-                        .astype(np.float64))  # (k, ncc, 1)
-        q_col = self.ws.get(xp, "q_col", (rows, n))  # made zeroed: the padding rows stay 0
-        q_row = self.ws.get(xp, "q_row", (k, cols))  # and the padding columns
-        step = max(1, BLOCK // 4 // cols)  # rows per block: each block's passes stay in a core's own cache
-        r0 = 0
-        while r0 < k:
-            r1 = min(k, r0 + step, (r0 // kcr + 1) * kcr)  # within one chunk of rows: one scale per column
-            _on_grid(xp, w[r0:r1], t_col[r0 // kcr], q_col[r0:r1])
-            by_chunk = q_row[r0:r1].reshape(r1 - r0, ncc, kcc)
-            if n == cols:
-                _on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t_row[r0:r1], by_chunk)
-            else:
-                q_row[r0:r1, :n] = w[r0:r1]
-                _on_grid(xp, by_chunk, t_row[r0:r1], by_chunk)
-            r0 = r1
-        self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
-                           [(q_col.reshape(ncr, kcr, n), t_col)], applied=True)
-        self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
-                       [(q_row.reshape(k, ncc, kcc).transpose(1, 2, 0), t_row.transpose(1, 2, 0))], applied=True)
-        return self
-
-
-class Samples:
-    """A batch-last array (..., N), a convolution's (padded) input, as integer slices with one power of two
-    per sample: the im2col of the integers is the integer columns of the convolution's products, so the
-    columns (25 to 150 times the input) need no splitting of their own. Made by :meth:`prepare`; the
-    object owns its arrays (a layer keeps it from forward to backward).
-
-    Exactness. The columns enter W @ cols with the inner dimension k = c_in*kh*kw cut into chunks of kc
-    (:func:`chunking`), each column a window of one sample n. The scale is s_n = 2^(GAMMA - e_n) with 2^e_n
-    >= sqrt(kc) max|x_n| (the sample's largest magnitude, exact), so |x s_n| < 2^GAMMA/sqrt(kc), every
-    integer |q| <= ``bound`` = 2^GAMMA/sqrt(kc) + 1/2, and every chunk of a column has norm at most
-    2^GAMMA + sqrt(kc)/2: what :func:`split` gives, so the forward product is exact as any other. In
-    dW = cols @ dy^T the inner dimension runs over positions and samples, where s_n varies: it moves onto
-    dy (dy / s_n, exact in float64: a power of two, float32 values or float64 ones far from its range's
-    ends), the columns' chunks of kc' terms have norm at most sqrt(kc') bound, and dy's slices take a
-    gamma' with sqrt(kc') bound (2^gamma' + sqrt(kc')/2) < 2^53 (:meth:`weight_grad`): exact too.
-
-    The scale is a function of each sample alone (never of the batch). A sample may take a second
-    slice: r = x s - q (exact, |r| <= 1/2) times s2 = 2^(GAMMA - e2), 2^e2 >= sqrt(kc)/2, under the same
-    bound; the weight gradient's product stacks the slices as rows (:meth:`weight_grad`). Float64 samples
-    always take two. Float32 ones take two where one keeps fewer than SAMPLE_BITS bits of the sample's
-    largest element, GAMMA - log2(sqrt(kc)) < 23.5, kc > 36 (a function of k alone): one slice keeps 23.7
-    bits for LeNet's first layer (kc 25), 22.4 for its second (150), 2 to 3 bits fewer than a split's 26
-    relative to each column's norm; measured on a trained LeNet-5, the second convolution's weight
-    gradient came out 1.6x less accurate than float32 BLAS's with one slice, and a "same" convolution's
-    input gradient 4x (the first's weight gradient stayed more accurate than BLAS's). With the second
-    slice a float32 element is kept whole (to 2^-50 of its sample's largest): the error is dy's rounding.
-
-    For W @ cols alone (``window``, the forward product) one slice scaled by each sample's largest window
-    norm (computed from the input: :meth:`_window_exponents`) keeps about a split's accuracy: columns are
-    bounded by 2^GAMMA + sqrt(kc)/2 as :func:`split`'s, single integers only by 2^GAMMA (so no weight
-    gradient from them). tests/test_portable.py checks every path against float32 BLAS."""
-
-    def __init__(self) -> None:
-        self.ws = Workspace()
-        self.slices: list[tuple[Array, Array]] = []  # (q, x's shape, float64; its scale per sample, (N,))
-        self.steps: list[float] = []  # each slice's scale over the first's: 1, s2
-        self.dtype = np.dtype(np.float32)
-        self.k, self.nc, self.kc, self.bound = 0, 1, 1, 0.0
-
-    def prepare(self, x: Array, k: int, window: tuple[int, int, int, int] | None = None) -> Samples:
-        """``x`` (C, H, W, N) for products whose inner dimension k = C kh kw takes its windows. With
-        ``window`` = (kh, stride, Ho, Wo) (a float32 x, for W @ cols only): one slice, each sample's scale
-        from the largest norm of its windows (:meth:`_window_exponents`), every column of norm at most
-        2^GAMMA + sqrt(kc)/2 (but single integers up to 2^GAMMA: no ``bound`` for a weight gradient);
-        without: the largest element's bound above, two slices."""
-        xp = xp_of(x)
-        self.dtype = np.dtype(x.dtype)
-        if self.dtype not in SLICES:
-            raise TypeError(f"portable matmul takes float32 or float64 operands, got {x.dtype}")
-        n = x.shape[-1]
-        self.k = k
-        self.nc, self.kc = chunking(k)
-        root = float(np.sqrt(self.kc))  # correctly rounded (IEEE): the same everywhere
-        self.bound = 2.0**GAMMA / root + 0.5
-        mx = self.ws.get(xp, "abs", x.shape, x.dtype)
-        xp.abs(x, out=mx)
-        big = mx.reshape(-1, n).max(axis=0).astype(np.float64)  # exact, in any order
-        _, e = xp.frexp(big * (root * (1.0 + 2.0**-40)))  # sqrt(kc) max|x_n| (margin: the roundings) < 2^e
-        by_window = window is not None and self.dtype == np.float32
-        if by_window:
-            assert window is not None
-            e = self._window_exponents(x, window, e)
-            self.bound = 2.0**GAMMA + 0.5  # what one integer may reach: not for weight_grad
-        xp.maximum(e, GAMMA - 1023, out=e)  # a sample of zeros
-        s = xp.ldexp(1.0, GAMMA - e)
-        q = self.ws.get(xp, "q0", x.shape)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN in a sample: its products are not finite
-            xp.multiply(x, s, out=q, dtype=np.float64)  # exact: a power of two
-            self.slices, self.steps = [(q, s)], [1.0]
-            two = self.dtype == np.float64 or GAMMA - np.log2(root) < SAMPLE_BITS  # fixed by k alone
-            if two and not by_window:  # the per-sample bound costs bits: the second slice restores them
-                rest = self.ws.get(xp, "rest", x.shape)
-                rest[...] = q
-                xp.rint(q, out=q)
-                rest -= q  # |r| <= 1/2: exact
-                _, e2 = np.frexp(0.5 * root * (1.0 + 2.0**-40))
-                s2 = float(2.0 ** (GAMMA - int(e2)))
-                q1 = self.ws.get(xp, "q1", x.shape)
-                xp.multiply(rest, s2, out=q1)
-                xp.rint(q1, out=q1)
-                self.slices.append((q1, s * s2))
-                self.steps.append(s2)
-            else:
-                xp.rint(q, out=q)
-        return self
-
-    def _window_exponents(self, x: Array, window: tuple[int, int, int, int], by_largest: Array) -> Array:
-        """Per sample, e with 2^e >= the largest norm of its windows (over C x kh x kw, ``stride`` apart,
-        Ho x Wo of them): float32 squares of x summed over the channels (the fixed tree), then along W and
-        along H (kh - 1 adds each, in order). Each square and add rounds by at most 2^-24 on non-negative
-        terms, at most ceil(log2 C) + 2 kh - 1 of them, covered as in :func:`_scales` by 2^-18 (asserted:
-        fewer than 32), squares in the subnormal range by kc 2^-149. Where a sum overflowed (|x| from 2^63)
-        or is tiny (flushed squares may weigh in), ``by_largest`` (sqrt(kc) max|x_n|) instead."""
-        xp = xp_of(x)
-        kh, stride, ho, wo = window
-        c, hp, wp, n = x.shape
-        assert int(np.ceil(np.log2(c))) + 2 * kh - 1 < 32, "the float32 margin covers fewer than 32 roundings"
-        sq = self.ws.get(xp, "sq", x.shape, np.float32)
-        with np.errstate(over="ignore", under="ignore"):
-            xp.multiply(x, x, out=sq)
-            plane = fold_(sq, 0)[0]  # (Hp, Wp, N): over the channels
-            wr, hr = (wo - 1) * stride + 1, (ho - 1) * stride + 1  # the columns and rows where windows start
-            along_w = self.ws.get(xp, "along_w", (hp, wr, n), np.float32)
-            along_w[...] = plane[:, :wr]
-            for j in range(1, kh):
-                along_w += plane[:, j:j + wr]
-            sums = self.ws.get(xp, "sums", (hr, wr, n), np.float32)
-            sums[...] = along_w[:hr]
-            for i in range(1, kh):
-                sums += along_w[i:i + hr]
-        largest = sums[::stride, ::stride].reshape(-1, n).max(axis=0)  # (N,): exact, in any order
-        total = largest.astype(np.float64) * (1.0 + 2.0**-18) + self.k * 2.0**-149
-        _, e = xp.frexp(xp.sqrt(total) * (1.0 + 2.0**-40))
-        fallback = ~(largest < np.inf) | (largest < TINY_SUM32)
-        return xp.where(fallback, by_largest, e)
-
-    def padded_rows(self) -> int:
-        """Rows of the column buffers for the forward product: k padded to whole chunks (the rest zero)."""
-        return self.nc * self.kc
-
-    def columns(self, cols: list[Array]) -> Split:
-        """The right operand of W @ cols as one product: ``cols[i]`` the im2col of slice i, (padded_rows(),
-        P, N) with the rows from k zero; the operand is (k, P*N), each column's scale its sample's."""
-        xp = xp_of(cols[0])
-        _, p, n = cols[0].shape
-        slices = []
-        for i, (c, (_, s)) in enumerate(zip(cols, self.slices, strict=True)):
-            tiled = self.ws.get(xp, f"tiled{i}", (p, n))
-            tiled[...] = s  # the scale of column (position, sample)
-            slices.append((c.reshape(self.nc, self.kc, p * n), tiled.reshape(1, 1, p * n)))
-        return Split("right", (self.k, p * n), self.dtype, self.nc, self.kc, slices)
-
-    @staticmethod
-    def padded_terms(m: int) -> int:
-        """Columns of the buffers for :meth:`weight_grad` over m terms: m padded to whole chunks."""
-        nc, kc = chunking(m)
-        return nc * kc
-
-    def weight_grad(self, cols: Array, dy: Array) -> tuple[Split, Split]:
-        """The operands of the weight gradient's product, cols @ dy^T: ``cols`` the im2col of every slice
-        stacked, (slices x k, padded_terms(m)), slice i in rows i k to (i + 1) k, the columns from m zero;
-        ``dy`` the output gradient (c_out, ..., N) of the same m = positions x N terms. The slices are one
-        operand (one product, each row scaled by its slice's step), so the product is (slices x k, c_out):
-        :meth:`combine` adds the slices."""
-        xp = xp_of(dy)
-        c_out, n = dy.shape[0], dy.shape[-1]
-        m = int(np.prod(dy.shape[1:]))
-        nc, kc = chunking(m)
-        scaled = self.ws.get(xp, "dy", (c_out, m))
-        xp.divide(dy.reshape(c_out, -1, n), self.slices[0][1], out=scaled.reshape(c_out, -1, n))  # exact
-        root = float(np.sqrt(kc))
-        norm = root * self.bound * (1.0 + 2.0**-40)  # the columns' chunks' norms are at most this
-        gamma = GAMMA
-        while norm * (2.0**gamma + root / 2 * (1.0 + 2.0**-40)) >= 2.0**53:  # IEEE operations only
-            gamma -= 1
-        right = split(scaled.T, "right", self.ws, "dy", gamma, SLICES[self.dtype])
-        right.dtype = self.dtype  # float64 holding dy's values: the product is in dy's dtype
-        rows = len(self.slices) * self.k
-        steps = self.ws.get(xp, "steps", (1, rows, 1))
-        for i, step in enumerate(self.steps):
-            steps[0, i * self.k:(i + 1) * self.k] = step
-        left = Split("left", (rows, m), self.dtype, nc, kc, [(cols.reshape(rows, nc, kc).transpose(1, 0, 2), steps)])
-        return left, right
-
-    def combine(self, stacked: Array, out: Array) -> Array:
-        """The weight gradient from :meth:`weight_grad`'s product (float64, (slices x k, c_out)): the slices'
-        rows added in order (float64), rounded once into ``out`` (k, c_out)."""
-        k = self.k
-        for i in range(1, len(self.slices)):
-            stacked[:k] += stacked[i * k:(i + 1) * k]
-        out[...] = stacked[:k]
-        return out
-
-
-def matmul(a: Array | Split, b: Array | Split | Weight, out: Array = None, ws: Workspace | None = None) -> Array:
+def matmul(a: Array | Split, b: Array | Split, out: Array = None, ws: Workspace | None = None) -> Array:
     """a @ b (a: (..., m, k), b: (..., k, n), batch dimensions broadcast; either may be a :class:`Split`
     made once for several products) computed exactly in float64 from integer slices, rounded once into
     ``out`` (made in the operands' dtype when None). Float32 and float64 only."""
     ws = ws or Workspace()
-    if isinstance(b, Weight):
-        b = b.right
     sa = a if isinstance(a, Split) else split(a, "left", ws)
     sb = b if isinstance(b, Split) else split(b, "right", ws)
     if sa.side != "left" or sb.side != "right":
