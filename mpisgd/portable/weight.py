@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable.gemm import BLOCK, Split, Workspace, chunking, norm_scales, on_grid, split
+from mpisgd.portable.gemm import Split, Workspace, chunking, norm_scales, on_grid, split
 from mpisgd.portable.reduce import fold_into
 
 Array = Any
@@ -77,13 +77,7 @@ class Weight:
                     lambda: largest().reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64))  # (ncr, ncc)
         for r in range(ncr):
             r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            if n == cols:  # no padding columns: straight into q
-                on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t[r, None, :, None],
-                         q[r0:r1].reshape(r1 - r0, ncc, kcc))
-            else:
-                q[r0:r1, :n] = w[r0:r1]
-                by_chunk = q[r0:r1].reshape(r1 - r0, ncc, kcc)
-                on_grid(xp, by_chunk, t[r, None, :, None], by_chunk)
+            _rows_on_grid(xp, w[r0:r1], t[r, None, :, None], q[r0:r1], ncc, kcc)
         per_col = xp.repeat(t, kcc, axis=1)[:, :n]  # (ncr, n): the scale of W[chunk c, j]
         per_row = xp.repeat(t, kcr, axis=0)[:k, :]  # (k, ncc): the scale of W[i, chunk J]
         self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
@@ -106,20 +100,24 @@ class Weight:
                             .max(axis=2, keepdims=True).astype(np.float64))  # (k, ncc, 1)
         q_col = self.ws.get(xp, "q_col", (rows, n))  # made zeroed: the padding rows stay 0
         q_row = self.ws.get(xp, "q_row", (k, cols))  # and the padding columns
-        step = max(1, BLOCK // 4 // cols)  # rows per block: each block's passes stay in a core's own cache
-        r0 = 0
-        while r0 < k:
-            r1 = min(k, r0 + step, (r0 // kcr + 1) * kcr)  # within one chunk of rows: one scale per column
-            on_grid(xp, w[r0:r1], t_col[r0 // kcr], q_col[r0:r1])
-            by_chunk = q_row[r0:r1].reshape(r1 - r0, ncc, kcc)
-            if n == cols:
-                on_grid(xp, w[r0:r1].reshape(r1 - r0, ncc, kcc), t_row[r0:r1], by_chunk)
-            else:
-                q_row[r0:r1, :n] = w[r0:r1]
-                on_grid(xp, by_chunk, t_row[r0:r1], by_chunk)
-            r0 = r1
+        for r in range(ncr):  # a chunk of rows at a time, in cache
+            r0, r1 = r * kcr, min(k, (r + 1) * kcr)
+            on_grid(xp, w[r0:r1], t_col[r], q_col[r0:r1])
+            _rows_on_grid(xp, w[r0:r1], t_row[r0:r1], q_row[r0:r1], ncc, kcc)
         self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
                            [(q_col.reshape(ncr, kcr, n), t_col)], applied=True)
         self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
                        [(q_row.reshape(k, ncc, kcc).transpose(1, 2, 0), t_row.transpose(1, 2, 0))], applied=True)
         return self
+
+
+def _rows_on_grid(xp: Any, w_rows: Array, t: Array, dst: Array, ncc: int, kcc: int) -> None:
+    """dst (rows, ncc*kcc) = rows of W (rows, n) on the grid of t, a scale per chunk of n (per row or shared
+    by the rows), the padding columns from n zero (dst's stay zero: it is made zeroed, and 0 stays 0)."""
+    rows, n = w_rows.shape
+    by_chunk = dst.reshape(rows, ncc, kcc)
+    if n == ncc * kcc:  # no padding columns: straight from W
+        on_grid(xp, w_rows.reshape(rows, ncc, kcc), t, by_chunk)
+    else:
+        dst[:, :n] = w_rows
+        on_grid(xp, by_chunk, t, by_chunk)
