@@ -305,8 +305,8 @@ class AutoReducer(Reducer):
         return "; ".join(out)
 
     def origin_summary(self) -> str:
-        """Where this run's choices came from, in words: "measured now", "tuned 2026-12-01", "tuned
-        2026-11-20, re-checked", "tuned 2026-11-20, 1 of 3 re-measured, 2 measured now"."""
+        """Where this run's choices came from, in words: "measured now", "tuned <date>", "tuned <date>,
+        re-checked", "tuned <date>, 1 of 3 re-measured, 2 measured now" (the date the plan file records)."""
         origins = {n: o for n, o in self.origin.items() if not o.startswith("fixed")}
         parts = []
         from_file = [n for n, o in origins.items() if o != "measured"]
