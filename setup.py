@@ -1,4 +1,10 @@
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The portable level's memory-bound passes in C (mpisgd/portable/_passes.c): optional, since NumPy gives the
+# same bits more slowly (mpisgd.portable.passes). No contraction into fused multiply-adds, no reassociation:
+# its results must be IEEE's, operation by operation.
+PASSES = Extension("mpisgd.portable._passes", ["mpisgd/portable/_passes.c"], optional=True,
+                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"])
 
 setup(
     name="mpisgd",
@@ -7,6 +13,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mpisgd", "mpisgd.*"]),
+    ext_modules=[PASSES],
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "mpi4py>=3.1", "threadpoolctl>=3.1", "tqdm>=4.60"],
     extras_require={

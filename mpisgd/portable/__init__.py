@@ -7,6 +7,8 @@ portable`` computes with (mpisgd.kernels chooses it; docs/reproducible.md says w
   that any dgemm — any blocking, FMA use, order or threads — returns the same float64 values; one
   rounding to the output's dtype at the end.
 - ``weight``: a layer's weight matrix split once per forward for both of its products (x @ W, dy @ W.T).
+- ``passes``: the splits' memory-bound passes (sums of squares in the fixed tree, rounding onto a grid),
+  as NumPy's ufuncs or compiled (``_passes.c``, built where a C compiler is): the same bits either way.
 - ``samples``: a convolution's input as integers with one power of two per sample, so that its im2col
   columns need no splitting.
 - ``reduce``: sums along an axis in one fixed pairwise order, done with elementwise adds (no library

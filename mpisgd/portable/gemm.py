@@ -17,7 +17,7 @@ every addition is exact:
    output's dtype.
 
 A float32 operand's slice is held with its scale applied, q_a / s_a = rint(a s_a) / s_a (made by two
-IEEE additions, :func:`on_grid`): every term of a dot product of two such vectors is the integer
+IEEE additions, mpisgd.portable.passes' ``on_grid``): every term of a dot product of two such vectors is the integer
 product q_a q_b times the one power of two 1 / (s_a s_b), so every partial sum is an integer below 2^53
 times that power of two: exact too, as long as that power of two stays within float64's range, which
 float32 operands guarantee (s_a, s_b between about 2^-113 and 2^175: the grid 1 / (s_a s_b) is far
@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
+from mpisgd.portable.passes import passes_for
 from mpisgd.portable.reduce import fold_
 
 Array = Any
@@ -57,7 +58,6 @@ E_BIG = 1024 + 13  # the exponent assumed where a row holds inf or NaN (its prod
 SLICES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
 LOOP_MIN = 65536  # outputs of at least this many elements: in blocks of rows, chunk by chunk (in cache)
 BLOCK = 262144  # elements of output rows made at once (2 MiB of float64: in cache when ranks share the memory bus)
-MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (on_grid)
 TINY_SUM = 2.0**-1000  # below: a float64 sum of squares whose flushed terms may matter
 TINY_SUM32 = 2.0**-100  # below: a float32 sum of squares whose flushed or subnormal terms may matter
 
@@ -116,25 +116,6 @@ def norm_scales(xp: Any, sq: Array, kc: int, largest: Any, gamma: int = GAMMA) -
         fallback = e_max + int(np.ceil(np.log2(np.sqrt(kc)))) + 1
         e[over] = xp.where(big < np.inf, fallback, E_BIG)[over]  # inf or NaN in the row: any scale
     return xp.ldexp(1.0, gamma - e)
-
-
-def on_grid(xp: Any, x: Array, s: Array, out: Array) -> None:
-    """out = rint(x s) / s (float64) for powers of two s with |x s| < 2^51: x + C - C with C = 1.5 2^52 / s.
-    x + C lies in [2^52/s, 2^53/s), where float64's spacing is 1/s, so the addition rounds x to the nearest
-    multiple of 1/s, ties to even (C s = 1.5 2^52 is even: as rint); the subtraction is exact. Two IEEE
-    operations, each its own ufunc (nothing fuses them), so the same bits everywhere. A float32 x is first
-    copied into out (exact), a scale per block of columns repeated along the row: NumPy's loops then run
-    contiguous, without a cast, which is faster."""
-    with np.errstate(over="ignore", invalid="ignore"):  # a row holding inf or NaN (E_BIG): not finite anyway
-        c = MAGIC / s  # exact: a power of two times 1.5
-        if c.shape[-1] == 1 < x.shape[-1] and 8 * c.size * x.shape[-1] <= x.size:  # a few scales: as rows
-            c = xp.repeat(c, x.shape[-1], axis=-1)
-        if np.dtype(x.dtype) == np.float32:
-            xp.copyto(out, x)
-            xp.add(out, c, out=out)
-        else:
-            xp.add(x, c, out=out, dtype=np.float64)
-        xp.subtract(out, c, out=out)
 
 
 @dataclass
@@ -200,17 +181,29 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     sq = ws.get(xp, f"{tag}:sq", work, square)
     full = (nc - 1) * kc  # chunks 0..nc-2 hold kc terms each, the last the rest (padded with zeros)
 
-    def chunks(a: Array) -> list[tuple[Array, Array]]:
-        """(part of x, where it goes in a (nc, ...) buffer): the full chunks as one view, then the last."""
+    def parts() -> list[tuple[Array, Any]]:
+        """(part of x, its place along a (nc, ...) buffer's chunk axis): the full chunks as one view, then
+        the last (shorter than kc where k is not a multiple of it: the buffers' padding is zero)."""
         if nc == 1 and k == kc:  # one chunk, no padding
-            return [(x, a[0])]
+            return [(x, 0)]
         if axis == -1:
-            a[nc - 1, ..., k - full:] = 0  # the last chunk's padding: zero (an earlier k of this shape left it)
             body = xp.moveaxis(x[..., :full].reshape(*x.shape[:-1], nc - 1, kc), -2, 0)
-            return [(body, a[:nc - 1]), (x[..., full:], a[nc - 1, ..., :k - full])]
-        a[nc - 1, ..., k - full:, :] = 0
+            return [(body, slice(0, nc - 1)), (x[..., full:], nc - 1)]
         body = xp.moveaxis(x[..., :full, :].reshape(*x.shape[:-2], nc - 1, kc, x.shape[-1]), -3, 0)
-        return [(body, a[:nc - 1]), (x[..., full:, :], a[nc - 1, ..., :k - full, :])]
+        return [(body, slice(0, nc - 1)), (x[..., full:, :], nc - 1)]
+
+    def chunks(a: Array) -> list[tuple[Array, Array]]:
+        """(part of x, where it goes in the (nc, ...) buffer ``a``), the last chunk's padding zeroed (an
+        earlier k of this shape may have written there)."""
+        out = []
+        for part, at in parts():
+            dst = a[at]
+            if part.shape[axis] < kc:
+                pad = (Ellipsis, slice(part.shape[axis], None)) + ((slice(None),) if axis == -2 else ())
+                dst[pad] = 0
+                dst = dst[(Ellipsis, slice(0, part.shape[axis])) + ((slice(None),) if axis == -2 else ())]
+            out.append((part, dst))
+        return out
 
     def per_chunk(s: Array) -> list[Array]:
         """The scales for the parts :func:`chunks` gives."""
@@ -219,13 +212,14 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     out: list[tuple[Array, Array]] = []
     rest: Array = None  # (slices > 1) what is still to split, scaled: x s - q, exact
     total: Array = None
+    passes = passes_for(xp)
     for i in range(slices):
-        with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what norm_scales handles
-            if i == 0:  # straight from x
-                for part, dst in chunks(sq):
-                    xp.multiply(part, part, out=dst, dtype=square)
-            else:
+        if i == 0:  # straight from x
+            sums = passes.squares(xp, parts(), axis, kc, sq)
+        else:
+            with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what norm_scales handles
                 xp.multiply(rest, rest, out=sq)
+                sums = fold_(sq, axis)
 
         def largest(src: Array = rest, first: bool = i == 0) -> Array:
             mx = ws.get(xp, f"{tag}:largest", work, x.dtype)
@@ -236,11 +230,11 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
                 xp.abs(src, out=mx)
             return mx.max(axis=axis, keepdims=True).astype(np.float64)
 
-        s = norm_scales(xp, fold_(sq, axis), kc, largest, gamma)  # per (chunk, row or column): inner axis of 1
+        s = norm_scales(xp, sums, kc, largest, gamma)  # per (chunk, row or column): inner axis of 1
         q = ws.get(xp, f"{tag}:q{i}", work)
-        if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (see on_grid)
+        if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (passes' on_grid)
             for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
-                on_grid(xp, part, scale, dst)
+                passes.on_grid(xp, part, scale, dst)
             out.append((q, s))
             break
         if i == 0:

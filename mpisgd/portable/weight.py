@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable.gemm import Split, Workspace, chunking, norm_scales, on_grid, split
-from mpisgd.portable.reduce import fold_into
+from mpisgd.portable.gemm import Split, Workspace, chunking, norm_scales, split
+from mpisgd.portable.passes import UfuncPasses, passes_for
 
 Array = Any
 SPREAD = 4.0  # the widest ratio of norms within a tile of a prepared weight (Weight)
@@ -50,14 +50,10 @@ class Weight:
         by_row = self.ws.get(xp, "by_row", (kcr, ncc, kcc - kcc // 2), np.float32)
         col = self.ws.get(xp, "col", (ncr, cols), np.float32)  # each column within its k chunk
         row = self.ws.get(xp, "row", (rows, ncc), np.float32)  # each row within its n chunk
+        passes = passes_for(xp)
         for r in range(ncr):
             r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            if r1 - r0 < kcr:
-                sq[r1 - r0:] = 0  # the last chunk's padding rows (the padding columns stay zero)
-            with np.errstate(over="ignore", under="ignore"):  # what norm_scales handles
-                xp.multiply(w[r0:r1], w[r0:r1], out=sq[:r1 - r0, :n])
-                col[r] = fold_into(sq, 0, by_col)[0]
-                row[r0:r0 + kcr] = fold_into(sq.reshape(kcr, ncc, kcc), 2, by_row)[:, :, 0]
+            passes.tile_squares(xp, w[r0:r1], col[r], row[r0:r0 + kcr], sq, by_col, by_row)
         col_t, row_t = col.reshape(ncr, ncc, kcc), row.reshape(ncr, kcr, ncc)
         tile = xp.maximum(col_t.max(axis=2), row_t.max(axis=1))
         weakest = xp.minimum(xp.where(col_t > 0, col_t, np.inf).min(axis=2),
@@ -77,7 +73,7 @@ class Weight:
                     lambda: largest().reshape(ncr, kcr, ncc, kcc).max(axis=(1, 3)).astype(np.float64))  # (ncr, ncc)
         for r in range(ncr):
             r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            _rows_on_grid(xp, w[r0:r1], t[r, None, :, None], q[r0:r1], ncc, kcc)
+            _rows_on_grid(passes, xp, w[r0:r1], t[r, None, :, None], q[r0:r1], ncc, kcc)
         per_col = xp.repeat(t, kcc, axis=1)[:, :n]  # (ncr, n): the scale of W[chunk c, j]
         per_row = xp.repeat(t, kcr, axis=0)[:k, :]  # (k, ncc): the scale of W[i, chunk J]
         self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
@@ -98,12 +94,13 @@ class Weight:
                             .max(axis=1, keepdims=True)[:, :, :n].astype(np.float64))  # (ncr, 1, n)
         t_row = norm_scales(xp, row[:, :, None], kcc, lambda: largest()[:k].reshape(k, ncc, kcc)
                             .max(axis=2, keepdims=True).astype(np.float64))  # (k, ncc, 1)
+        passes = passes_for(xp)
         q_col = self.ws.get(xp, "q_col", (rows, n))  # made zeroed: the padding rows stay 0
         q_row = self.ws.get(xp, "q_row", (k, cols))  # and the padding columns
         for r in range(ncr):  # a chunk of rows at a time, in cache
             r0, r1 = r * kcr, min(k, (r + 1) * kcr)
-            on_grid(xp, w[r0:r1], t_col[r], q_col[r0:r1])
-            _rows_on_grid(xp, w[r0:r1], t_row[r0:r1], q_row[r0:r1], ncc, kcc)
+            passes.on_grid(xp, w[r0:r1], t_col[r], q_col[r0:r1])
+            _rows_on_grid(passes, xp, w[r0:r1], t_row[r0:r1], q_row[r0:r1], ncc, kcc)
         self.right = Split("right", (k, n), np.dtype(np.float32), ncr, kcr,
                            [(q_col.reshape(ncr, kcr, n), t_col)], applied=True)
         self.T = Split("right", (n, k), np.dtype(np.float32), ncc, kcc,
@@ -111,13 +108,13 @@ class Weight:
         return self
 
 
-def _rows_on_grid(xp: Any, w_rows: Array, t: Array, dst: Array, ncc: int, kcc: int) -> None:
+def _rows_on_grid(passes: UfuncPasses, xp: Any, w_rows: Array, t: Array, dst: Array, ncc: int, kcc: int) -> None:
     """dst (rows, ncc*kcc) = rows of W (rows, n) on the grid of t, a scale per chunk of n (per row or shared
     by the rows), the padding columns from n zero (dst's stay zero: it is made zeroed, and 0 stays 0)."""
     rows, n = w_rows.shape
     by_chunk = dst.reshape(rows, ncc, kcc)
     if n == ncc * kcc:  # no padding columns: straight from W
-        on_grid(xp, w_rows.reshape(rows, ncc, kcc), t, by_chunk)
+        passes.on_grid(xp, w_rows.reshape(rows, ncc, kcc), t, by_chunk)
     else:
         dst[:, :n] = w_rows
-        on_grid(xp, by_chunk, t, by_chunk)
+        passes.on_grid(xp, by_chunk, t, by_chunk)

@@ -1,0 +1,247 @@
+/* The portable level's memory-bound passes, each in one trip through memory (mpisgd.portable.passes).
+
+   Every value is the one NumPy's ufuncs give for the same operations: IEEE float32 or float64 additions
+   and multiplications, each rounded to nearest, in the order of mpisgd.portable.reduce's fixed tree. The
+   file must be compiled without contraction into fused multiply-adds and without reassociation
+   (setup.py: -ffp-contract=off, no -ffast-math); tests/test_portable.py compares every function with
+   its NumPy form bit for bit.
+
+   Arrays arrive through the buffer protocol: up to 4 dimensions, any strides (a multiple of the item
+   size), 0 for a broadcast axis. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXDIM 4
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t shape[MAXDIM];  /* padded in front with 1 */
+    Py_ssize_t step[MAXDIM];   /* strides in items, padded in front with 0 */
+    char kind;                 /* 'f' or 'd' */
+    int held;
+} Arr;
+
+static void release(Arr *a) {
+    if (a->held) PyBuffer_Release(&a->view);
+    a->held = 0;
+}
+
+/* A float32 or float64 array of at most MAXDIM dimensions, native byte order, whose strides are whole items. */
+static int take(PyObject *obj, Arr *a, int writable, const char *name) {
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    a->held = 0;
+    if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
+    a->held = 1;
+    const char *f = a->view.format ? a->view.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if ((*f != 'f' && *f != 'd') || f[1] != '\0' || a->view.ndim > MAXDIM) {
+        PyErr_Format(PyExc_TypeError, "%s: a float32 or float64 array of at most %d dimensions", name, MAXDIM);
+        release(a);
+        return -1;
+    }
+    a->kind = *f;
+    int pad = MAXDIM - a->view.ndim;
+    for (int i = 0; i < MAXDIM; i++) {
+        if (i < pad) {
+            a->shape[i] = 1;
+            a->step[i] = 0;
+            continue;
+        }
+        Py_ssize_t s = a->view.strides[i - pad];
+        if (s % a->view.itemsize != 0) {
+            PyErr_Format(PyExc_ValueError, "%s: strides must be whole items", name);
+            release(a);
+            return -1;
+        }
+        a->shape[i] = a->view.shape[i - pad];
+        a->step[i] = s / a->view.itemsize;
+    }
+    return 0;
+}
+
+static int same_shape(const Arr *a, const Arr *b) {
+    for (int i = 0; i < MAXDIM; i++)
+        if (a->shape[i] != b->shape[i]) return 0;
+    return 1;
+}
+
+/* out = (x + c) - c in float64: with c = 1.5 2^52 / s, x rounded to the nearest multiple of 1/s
+   (mpisgd.portable.gemm.on_grid). */
+#define ON_GRID_ROWS(T)                                                                                \
+    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                            \
+        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                        \
+            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                  \
+                const T *xr = (const T *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2]; \
+                const double *cr = (const double *)c.view.buf + i0 * c.step[0] + i1 * c.step[1] +      \
+                                   i2 * c.step[2];                                                      \
+                double *orow = (double *)o.view.buf + i0 * o.step[0] + i1 * o.step[1] + i2 * o.step[2]; \
+                Py_ssize_t len = n[3], sx = x.step[3], sc = c.step[3], so = o.step[3];                 \
+                if (sx == 1 && so == 1 && sc == 0) {                                                    \
+                    const double k = cr[0];                                                             \
+                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
+                        double v = (double)xr[j] + k;                                                   \
+                        orow[j] = v - k;                                                                \
+                    }                                                                                   \
+                } else if (sx == 1 && so == 1 && sc == 1) {                                             \
+                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
+                        double v = (double)xr[j] + cr[j];                                               \
+                        orow[j] = v - cr[j];                                                            \
+                    }                                                                                   \
+                } else {                                                                                \
+                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
+                        double k = cr[j * sc];                                                          \
+                        double v = (double)xr[j * sx] + k;                                              \
+                        orow[j * so] = v - k;                                                           \
+                    }                                                                                   \
+                }                                                                                       \
+            }
+
+static PyObject *on_grid(PyObject *self, PyObject *args) {
+    PyObject *ox, *oc, *oo;
+    Arr x, c, o;
+    if (!PyArg_ParseTuple(args, "OOO", &ox, &oc, &oo)) return NULL;
+    if (take(ox, &x, 0, "on_grid x") < 0) return NULL;
+    if (take(oc, &c, 0, "on_grid c") < 0) { release(&x); return NULL; }
+    if (take(oo, &o, 1, "on_grid out") < 0) { release(&x); release(&c); return NULL; }
+    if (c.kind != 'd' || o.kind != 'd' || !same_shape(&x, &o) || !same_shape(&c, &o)) {
+        PyErr_SetString(PyExc_ValueError, "on_grid: x, c (float64, broadcast) and out (float64) of one shape");
+        release(&x); release(&c); release(&o);
+        return NULL;
+    }
+    const Py_ssize_t *n = o.shape;
+    Py_BEGIN_ALLOW_THREADS
+    if (x.kind == 'f') {
+        ON_GRID_ROWS(float)
+    } else {
+        ON_GRID_ROWS(double)
+    }
+    Py_END_ALLOW_THREADS
+    release(&x); release(&c); release(&o);
+    Py_RETURN_NONE;
+}
+
+/* The fixed tree of mpisgd.portable.reduce.fold_ over buf[0..n): the last n/2 terms onto the first, until one. */
+static float fold(float *buf, Py_ssize_t n) {
+    while (n > 1) {
+        Py_ssize_t half = n / 2, from = n - half;
+        for (Py_ssize_t i = 0; i < half; i++) buf[i] += buf[from + i];
+        n = from;
+    }
+    return buf[0];
+}
+
+/* Sums of squares of float32 x along its last axis, each the fold of `terms` squares (the rest of them,
+   past x's length, zero): out[..] has x's shape without the last axis. */
+static void squares_last(const Arr *x, const Arr *o, Py_ssize_t terms, float *buf) {
+    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)
+        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++)
+            for (Py_ssize_t i2 = 0; i2 < x->shape[2]; i2++) {
+                const float *xr = (const float *)x->view.buf + i0 * x->step[0] + i1 * x->step[1] + i2 * x->step[2];
+                Py_ssize_t len = x->shape[3], sx = x->step[3];
+                if (sx == 1)
+                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j] * xr[j];
+                else
+                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j * sx] * xr[j * sx];
+                for (Py_ssize_t j = len; j < terms; j++) buf[j] = 0.0f;
+                /* out has one axis fewer: its steps are o->step[1..3] for x's axes 0..2 */
+                float *dst = (float *)o->view.buf + i0 * o->step[1] + i1 * o->step[2] + i2 * o->step[3];
+                *dst = fold(buf, terms);
+            }
+}
+
+/* Sums of squares of float32 x along its second-last axis (a column's terms), the fold of `terms` rows
+   (the rest zero) made a row at a time, every column at once: the same additions as fold_ along that axis.
+   buf holds ceil(terms / 2) rows of x's last axis. */
+static void squares_rows(const Arr *x, const Arr *o, Py_ssize_t terms, float *buf) {
+    Py_ssize_t rows = x->shape[2], cols = x->shape[3], sx = x->step[3];
+    Py_ssize_t half = terms / 2, from = terms - half;
+    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)
+        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++) {
+            const float *xm = (const float *)x->view.buf + i0 * x->step[0] + i1 * x->step[1];
+            for (Py_ssize_t i = 0; i < from; i++) {  /* the tree's first level, straight from x */
+                float *b = buf + i * cols;
+                const float *lo = xm + i * x->step[2];
+                if (i >= rows) {
+                    memset(b, 0, (size_t)cols * sizeof(float));
+                    continue;
+                }
+                if (i < half && from + i < rows) {  /* two rows: the squares added */
+                    const float *hi = xm + (from + i) * x->step[2];
+                    if (sx == 1)
+                        for (Py_ssize_t j = 0; j < cols; j++) {
+                            float a = lo[j] * lo[j], c = hi[j] * hi[j];
+                            b[j] = a + c;
+                        }
+                    else
+                        for (Py_ssize_t j = 0; j < cols; j++) {
+                            float a = lo[j * sx] * lo[j * sx], c = hi[j * sx] * hi[j * sx];
+                            b[j] = a + c;
+                        }
+                } else if (sx == 1) {  /* one row (its partner is padding, or the middle term waits) */
+                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j] * lo[j];
+                } else {
+                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j * sx] * lo[j * sx];
+                }
+            }
+            Py_ssize_t n = from;
+            while (n > 1) {
+                Py_ssize_t h = n / 2, f = n - h;
+                for (Py_ssize_t i = 0; i < h; i++) {
+                    float *d = buf + i * cols;
+                    const float *s = buf + (f + i) * cols;
+                    for (Py_ssize_t j = 0; j < cols; j++) d[j] += s[j];
+                }
+                n = f;
+            }
+            float *dst = (float *)o->view.buf + i0 * o->step[1] + i1 * o->step[2];
+            for (Py_ssize_t j = 0; j < cols; j++) dst[j * o->step[3]] = buf[j];
+        }
+}
+
+static PyObject *sum_squares(PyObject *self, PyObject *args) {
+    PyObject *ox, *oo;
+    Py_ssize_t terms;
+    int axis;
+    Arr x, o;
+    if (!PyArg_ParseTuple(args, "OOni", &ox, &oo, &terms, &axis)) return NULL;
+    if (take(ox, &x, 0, "sum_squares x") < 0) return NULL;
+    if (take(oo, &o, 1, "sum_squares out") < 0) { release(&x); return NULL; }
+    int nd = x.view.ndim, ok = x.kind == 'f' && o.kind == 'f' && nd >= 1 && o.view.ndim == nd - 1 &&
+                               (axis == -1 || (axis == -2 && nd >= 2));
+    int red = MAXDIM + axis;  /* the summed axis, in the padded shape */
+    for (int i = 0, k = 1; ok && i < MAXDIM; i++) {  /* out: x's padded shape without that axis */
+        if (i == red) continue;
+        ok = o.shape[k++] == x.shape[i];
+    }
+    Py_ssize_t len = x.shape[red];
+    if (!ok || terms < len || terms < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sum_squares: float32 x, out of x's shape without the axis (-1 or -2), terms >= its length");
+        release(&x); release(&o);
+        return NULL;
+    }
+    Py_ssize_t width = axis == -1 ? terms : (terms - terms / 2) * x.shape[3];
+    float *buf = malloc((size_t)(width > 0 ? width : 1) * sizeof(float));
+    if (!buf) { release(&x); release(&o); return PyErr_NoMemory(); }
+    Py_BEGIN_ALLOW_THREADS
+    if (axis == -1) squares_last(&x, &o, terms, buf);
+    else squares_rows(&x, &o, terms, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    release(&x); release(&o);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"on_grid", on_grid, METH_VARARGS,
+     "on_grid(x, c, out): out = (x + c) - c in float64 (x float32 or float64; c float64, broadcast to out)"},
+    {"sum_squares", sum_squares, METH_VARARGS,
+     "sum_squares(x, out, terms, axis): the fixed-tree sums of terms float32 squares of x along axis -1 or -2"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_passes", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__passes(void) { return PyModule_Create(&module); }
