@@ -269,8 +269,9 @@ def child(env: dict[str, str], python: str = sys.executable) -> dict[str, str]:
 
 def test_the_same_bits_under_every_emulated_machine_and_the_fast_kernels_differ():
     """Four OpenBLAS core types x three NumPy dispatch levels (and 1 or 2 threads), NumPy's passes in place
-    of the compiled ones, and Debian's NumPy and OpenBLAS where installed: the portable results agree bit for bit, while the float32 GEMM, NumPy's
-    exp and tanh take several values (the negative control: the emulation changes what it should)."""
+    of the compiled ones, and Debian's NumPy and OpenBLAS where installed: the portable results agree bit
+    for bit, while the float32 GEMM, NumPy's exp and tanh take several values (the negative control: the
+    emulation changes what it should)."""
     runs = [child(env) for env in machines()]
     runs.append(child({"MPISGD_PORTABLE_PASSES": "ufunc"}))  # NumPy's passes where the C ones are built
     if DEBIAN_PYTHON.exists():
