@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable import elementwise, gemm, reduce
+from mpisgd.portable import elementwise, gemm, passes, reduce
 from mpisgd.portable.samples import Samples
 from mpisgd.portable.weight import Weight
 
@@ -116,6 +116,7 @@ class PortableKernels:
     offset_rows = True  # one product per row of kernel offsets (fewer, larger products)
 
     def __init__(self) -> None:
+        passes.wanted()  # a bad MPISGD_PORTABLE_PASSES: one UsageError at set-up
         self.workspace = gemm.Workspace()
 
     def matmul(self, a: Array | gemm.Split, b: Array | gemm.Split | Weight, out: Array = None) -> Array:

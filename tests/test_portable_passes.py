@@ -11,8 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import TINY, train_here
 
 import mpisgd.portable
+from mpisgd.errors import UsageError
+from mpisgd.kernels import PortableKernels
 from mpisgd.portable import gemm, passes
 from mpisgd.portable.passes import CompiledPasses, UfuncPasses, passes_for
 from mpisgd.portable.reduce import fold_
@@ -261,17 +264,30 @@ def test_the_strategy_is_chosen_by_the_environment(monkeypatch):
     assert type(passes_for(np)) is UfuncPasses
     monkeypatch.setattr(passes, "_CHOSEN", {})
     monkeypatch.setenv(passes.ENV, "fast")
-    with pytest.raises(ValueError, match="MPISGD_PORTABLE_PASSES='fast': use ufunc or compiled"):
+    with pytest.raises(UsageError, match="MPISGD_PORTABLE_PASSES='fast': use ufunc"):
         passes_for(np)
+    with pytest.raises(UsageError, match="MPISGD_PORTABLE_PASSES='fast'"):  # at set-up, before any product
+        PortableKernels()
     monkeypatch.setattr(passes, "_CHOSEN", {})
     monkeypatch.setenv(passes.ENV, "compiled")
     monkeypatch.setitem(sys.modules, "mpisgd.portable._passes", None)  # as if not built
     monkeypatch.delattr(mpisgd.portable, "_passes", raising=False)
-    with pytest.raises(RuntimeError, match="not built"):
+    with pytest.raises(UsageError, match="not built"):
         passes_for(np)
     monkeypatch.setattr(passes, "_CHOSEN", {})
     monkeypatch.delenv(passes.ENV)
     assert type(passes_for(np)) is UfuncPasses  # not built, not asked for: the ufuncs, silently
+
+
+@pytest.mark.mpi
+def test_a_bad_choice_is_one_line_on_every_rank(monkeypatch):
+    """The training CLI with a bad MPISGD_PORTABLE_PASSES: refused at set-up, one line naming it, exit 2
+    on every rank (not a model check's complaint about the samples' shape)."""
+    monkeypatch.setenv(passes.ENV, "avx")
+    r = train_here([*TINY, "--reproducible", "portable", "--max-steps", "2"])
+    assert r.statuses == (2,) * len(r.statuses), (r.statuses, r.err)
+    assert r.error.startswith("mpisgd: error: ") and "MPISGD_PORTABLE_PASSES='avx'" in r.error
+    assert "cannot take samples" not in r.error
 
 
 @built

@@ -183,7 +183,7 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
                                                      ctx.local_size, preflight.state_buffers(cfg)))
     xp = ctx.xp
     model = module.materialize(xp, cfg.dtype, cfg.seed)
-    model.ctx.kernels = kernels_for("portable" if level == "portable" else "fast")
+    model.ctx.kernels = stage("the kernels", lambda: kernels_for("portable" if level == "portable" else "fast"))
     stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
     warnings += stage("the backward of your own modules", lambda: _check_user_modules(cfg, module, run_data))
     if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.errors import UsageError
 from mpisgd.portable.reduce import fold_, fold_into
 
 Array = Any
@@ -139,17 +140,28 @@ def passes_for(xp: Any) -> UfuncPasses:
     return chosen
 
 
-def _choose(xp: Any) -> UfuncPasses:
-    wanted = os.environ.get(ENV, "")
-    if wanted not in ("", "ufunc", "compiled"):
-        raise ValueError(f"{ENV}={wanted!r}: use ufunc or compiled")
-    if xp is not np or wanted == "ufunc":
-        return UfuncPasses()
+def wanted() -> str:
+    """MPISGD_PORTABLE_PASSES: ``ufunc``, ``compiled`` or empty (compiled where built); anything else, or
+    ``compiled`` where the extension is not built, is a UsageError (the portable kernels check it at
+    set-up, so a bad value is one line on every rank, not a failed first product)."""
+    value = os.environ.get(ENV, "")
+    if value not in ("", "ufunc", "compiled"):
+        raise UsageError(f"{ENV}={value!r}: use ufunc (NumPy's passes) or compiled (mpisgd's C passes), or unset it")
+    if value == "compiled" and _native() is None:
+        raise UsageError(f"{ENV}=compiled, but mpisgd.portable._passes is not built: install mpisgd with a C "
+                         "compiler and Python's headers (bash scripts/install.sh), or unset it")
+    return value
+
+
+def _native() -> Any:
     try:
         from mpisgd.portable import _passes  # type: ignore[attr-defined]  # built by setup.py where a compiler is
     except ImportError:
-        if wanted == "compiled":
-            raise RuntimeError(f"{ENV}=compiled, but mpisgd.portable._passes is not built: "
-                               "pip install -e . with a C compiler") from None
-        return UfuncPasses()
-    return CompiledPasses(_passes)
+        return None
+    return _passes
+
+
+def _choose(xp: Any) -> UfuncPasses:
+    value = wanted()
+    native = _native() if xp is np and value != "ufunc" else None
+    return UfuncPasses() if native is None else CompiledPasses(native)
