@@ -43,9 +43,12 @@ def test_the_port_gives_ddps_losses_at_k2():
     ours = run_mpi(2, str(EXAMPLES / "torch_model.py"), *args, timeout=400)
     assert ours.returncode == 0, ours.stderr[-2000:]
     env = {**clean_env(), "PYTHONPATH": str(ROOT)}
-    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(EXAMPLES / "torch_ddp.py"), *args], capture_output=True, text=True, timeout=400,
-                            env=env, cwd=ROOT)
+    for _ in range(2):  # once more after a SIGABRT: gloo's rare abort in torchrun's ranks (2026-12-03, one CI run)
+        theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", str(EXAMPLES / "torch_ddp.py"), *args], capture_output=True, text=True,
+                                timeout=400, env=env, cwd=ROOT)
+        if theirs.returncode == 0 or "Signal 6 (SIGABRT)" not in theirs.stderr:
+            break
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (ours, theirs))
     assert len(a) == len(b) == 40
