@@ -24,13 +24,10 @@ weight matrix, used forward as ``W`` and backward as ``W.T``, is prepared once p
 ``self._w = ops.weight(W, self._w)``, then ``ops.matmul(x, self._w)`` and ``ops.matmul(dy, self._w.T)``
 (the fast kernels return W itself; the portable ones split it once for both products and the layer
 keeps the slices until its backward).
-``columns_nbytes``: how many bytes of im2col columns one product should take (None: the layer's own
-cache-sized chunks; the portable kernels, which pay a fixed cost per product, want fewer, larger);
-``offset_rows``: whether a convolution's input gradient multiplies a whole row of kernel offsets per
-product (portable) rather than one offset (fast). ``samples(x, k, previous)``: a convolution's padded
-input prepared for products whose inner dimension k takes its windows (fast: None, the layer makes
-its columns from x itself; portable: integers with one power of two per sample,
-mpisgd.portable.samples, whose im2col needs no splitting).
+The portable kernels' ``samples(x, k, previous)``: a convolution's padded input as integers with one
+power of two per sample (mpisgd.portable.samples), whose im2col needs no splitting. A convolution's
+products (how it chunks its columns, whether it prepares its samples) are a strategy of their own,
+chosen by the kernels' ``name``: mpisgd.nn.conv_products.
 """
 
 from __future__ import annotations
@@ -51,8 +48,6 @@ class FastKernels:
     """The array module's own kernels (NumPy or CuPy): the default."""
 
     name = "fast"
-    columns_nbytes: int | None = None
-    offset_rows = False  # a convolution's input gradient: one product per kernel offset
 
     def matmul(self, a: Array, b: Array, out: Array = None) -> Array:
         return xp_of(a).matmul(a, b, out=out)
@@ -65,10 +60,6 @@ class FastKernels:
 
     def weight(self, w: Array, previous: Any = None) -> Array:
         return w
-
-    def samples(self, x: Array, k: int, previous: Any = None, window: tuple[int, int, int, int] | None = None) -> None:
-        """None: a convolution takes its columns from its input itself."""
-        return None
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return xp_of(a).sum(a, axis=axis, out=out, keepdims=keepdims)
@@ -112,8 +103,6 @@ class PortableKernels:
     the GEMMs' float64 scratch between calls)."""
 
     name = "portable"
-    columns_nbytes: int | None = 4 * 2**20
-    offset_rows = True  # one product per row of kernel offsets (fewer, larger products)
 
     def __init__(self) -> None:
         passes.wanted()  # a bad MPISGD_PORTABLE_PASSES: one UsageError at set-up

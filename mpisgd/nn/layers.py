@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
+from mpisgd.nn.conv_products import products_for
 from mpisgd.nn.layout import SpatialModule
 from mpisgd.nn.module import Array, Module
 
@@ -215,11 +216,12 @@ class Conv2d(SpatialModule):
     def _windows(self, a: Array, ho: int, wo: int) -> Array:
         return window_view(a, self.k, self.stride, ho, wo)
 
-    def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int, c: int | None = None) -> list[tuple[int, int]]:
+    def _row_chunks(self, ho: int, wo: int, n: int, itemsize: int, c: int | None = None,
+                    nbytes: int | None = None) -> list[tuple[int, int]]:
         """Output rows [r0, r1) of each chunk: as many rows as keep a chunk's columns (of ``c`` input
-        channels, c_in by default) within CHUNK_BYTES (or what the kernels ask for: mpisgd.kernels)."""
+        channels, c_in by default) within ``nbytes`` (CHUNK_BYTES by default: mpisgd.nn.conv_products)."""
         per_row = (self.c_in if c is None else c) * self.k * self.k * wo * n * itemsize
-        rows = max(1, min(ho, (self.ctx.kernels.columns_nbytes or CHUNK_BYTES) // per_row))
+        rows = max(1, min(ho, (nbytes or CHUNK_BYTES) // per_row))
         return [(r0, min(ho, r0 + rows)) for r0 in range(0, ho, rows)]
 
     def _im2col(self, windows: Array, r0: int, r1: int, name: str = "cols", rows: int | None = None) -> Array:
@@ -231,49 +233,12 @@ class Conv2d(SpatialModule):
         cols[:ckk].reshape(c, k, k, r1 - r0, wo, n)[...] = windows[:, :, :, r0:r1]
         return cols
 
-    def _im2col_stacked(self, windows: list[Array], r0: int, r1: int, width: int) -> Array:
-        """The columns of each window view as (c*k*k, width), stacked: (len(windows) * c*k*k, width), the
-        (r1-r0)*Wo*N terms of each row first, the rest zero."""
-        c, k, _, _, wo, n = windows[0].shape
-        m, ckk = (r1 - r0) * wo * n, c * k * k
-        cols = self._buf("cols_stacked", (len(windows) * ckk, width), windows[0])
-        cols[:, m:] = 0  # the padding (a chunk of other m may share this width)
-        for i, w in enumerate(windows):
-            cols[i * ckk:(i + 1) * ckk, :m].reshape(c, k, k, r1 - r0, wo, n)[...] = w[:, :, :, r0:r1]
-        return cols
-
-    def _correlate(self, padded: Array, W: Array, out: Array, samples: Any = None, by_window: bool = True) -> Any:
+    def _correlate(self, padded: Array, W: Array, out: Array, state: Any = None, by_window: bool = True) -> Any:
         """out (c', Ho, Wo, N) = the correlation of ``padded`` (c, Hp, Wp, N) with the kernels ``W`` (c', c*k*k),
-        chunk by chunk of output rows, through the model's kernels. Kernels that prepare the samples
-        (mpisgd.kernels: the portable ones, into integers with a scale per sample) get ``padded`` so, and
-        the columns come from the prepared arrays (``samples``: the last call's, whose arrays are reused;
-        ``by_window``: scaled by each sample's largest window, one slice, else by its largest element, two:
-        mpisgd.portable.samples); returns what the kernels prepared (None for the fast ones)."""
-        kernels = self.ctx.kernels
-        c_out, ho, wo, n = out.shape
-        samples = kernels.samples(padded, W.shape[1], samples, (self.k, self.stride, ho, wo) if by_window else None)
-        if samples is not None:
-            self._correlate_samples(samples, W, out)
-            return samples
-        windows = self._windows(padded, ho, wo)
-        W = kernels.left(W)  # one W for every chunk
-        for r0, r1 in self._row_chunks(ho, wo, n, padded.itemsize, padded.shape[0]):
-            cols = self._im2col(windows, r0, r1)
-            # per position: (c', ckk) @ (ckk, N), written straight into out's rows r0..r1
-            out_rows = out[:, r0:r1].reshape(c_out, (r1 - r0) * wo, n)
-            kernels.matmul(W, cols.transpose(1, 0, 2), out=out_rows.transpose(1, 0, 2))
-        return None
-
-    def _correlate_samples(self, samples: Any, W: Array, out: Array) -> None:
-        """:meth:`_correlate` from prepared samples: each slice's columns, then one product per chunk."""
-        kernels = self.ctx.kernels
-        c_out, ho, wo, n = out.shape
-        windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
-        W = kernels.left(W)
-        for r0, r1 in self._row_chunks(ho, wo, n, windows[0].itemsize, windows[0].shape[0]):
-            cols = [self._im2col(w, r0, r1, f"cols{i}", samples.padded_rows()) for i, w in enumerate(windows)]
-            # one product (c', ckk) @ (ckk, positions x N): the result is the same bits as per position (exact)
-            kernels.matmul(W, samples.columns(cols), out=out[:, r0:r1].reshape(c_out, -1))
+        chunk by chunk of output rows, by the products of the model's kernels (mpisgd.nn.conv_products);
+        returns what they keep for the next call (the portable ones: the input as integers, ``state`` the
+        last call's; ``by_window``: each sample scaled by its largest window rather than its largest element)."""
+        return products_for(self.ctx.kernels).correlate(self, padded, W, out, state, by_window)
 
     def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
@@ -299,24 +264,8 @@ class Conv2d(SpatialModule):
         """dW = sum over chunks of cols (ckk, M) @ dy^T (M, c_out), M = the chunk's positions x N (a long inner
         dimension: what BLAS likes for a reduction), with the columns made again; db = sum of dy."""
         ops = self.ctx.kernels
-        _, ho, wo, n = dy.shape
         c, ckk = self.c_in, self.c_in * self.k * self.k
-        samples = self._dw_samples = ops.samples(self._xpad, ckk, self._dw_samples)
-        if samples is None:
-            windows = [self._windows(self._xpad, ho, wo)]
-        else:  # integers with a scale per sample, moved onto dy (mpisgd.portable.samples.Samples.weight_grad)
-            windows = [self._windows(q, ho, wo) for q, _ in samples.slices]
-        chunks = self._row_chunks(ho, wo, n, windows[0].itemsize)
-        dW_chunks = self._buf("dW_chunks", (len(chunks), ckk, self.c_out), dy)
-        for g, (r0, r1) in enumerate(chunks):
-            if samples is None:
-                cols = self._im2col(windows[0], r0, r1)
-                ops.matmul(cols.reshape(ckk, -1), dy[:, r0:r1].reshape(self.c_out, -1).T, out=dW_chunks[g])
-                continue
-            cols = self._im2col_stacked(windows, r0, r1, samples.padded_terms((r1 - r0) * wo * n))
-            cols_q, dy_q = samples.weight_grad(cols, dy[:, r0:r1])
-            stacked = self._buf("dW_stacked", (cols.shape[0], self.c_out), dy, dtype=np.float64)
-            samples.combine(ops.matmul(cols_q, dy_q, out=stacked), out=dW_chunks[g])
+        dW_chunks, self._dw_samples = products_for(ops).weight_grad_chunks(self, dy, self._dw_samples)
         dW = self._grad_out("W", (self.c_out, c, self.k, self.k), dy)
         ops.sum(dW_chunks, axis=0, out=dW.reshape(self.c_out, ckk).T)
         self._grad_done("W", dW)
@@ -358,22 +307,7 @@ class Conv2d(SpatialModule):
         targets = self._windows(dxpad, ho, wo)
         W_t = self._buf("W_t", (self.k, self.k, c, self.c_out), dy)  # [i, j] contiguous, as BLAS needs
         W_t[...] = self.params["W"].transpose(2, 3, 1, 0)
-        ops = self.ctx.kernels
-        if ops.offset_rows:  # a row of offsets per product: W_t[i] as (k*c, c_out) @ dy as (c_out, positions x N)
-            W_rows = ops.left(W_t.reshape(self.k, self.k * c, self.c_out))
-            dy_cols = ops.right(dy.reshape(self.c_out, -1))
-            back = self._buf("back_row", (self.k, c, ho, wo, n), dy)
-            for i in range(self.k):
-                ops.matmul(W_rows[i], dy_cols, out=back.reshape(self.k * c, -1))
-                for j in range(self.k):
-                    targets[:, i, j] += back[j]
-            return dxpad[:, p:p + h, p:p + w] if p else dxpad
-        dy_pos = ops.right(dy.reshape(self.c_out, ho * wo, n).transpose(1, 0, 2))  # (positions, c_out, N)
-        back = self._buf("back", (c, ho, wo, n), dy)
-        for i in range(self.k):
-            for j in range(self.k):
-                ops.matmul(W_t[i, j], dy_pos, out=back.reshape(c, ho * wo, n).transpose(1, 0, 2))
-                targets[:, i, j] += back
+        products_for(self.ctx.kernels).add_back(self, dy, W_t, targets)
         return dxpad[:, p:p + h, p:p + w] if p else dxpad
 
     def __repr__(self) -> str:
