@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable.passes import passes_for
+from mpisgd.portable.passes import passes_for, placed
 from mpisgd.portable.reduce import fold_
 
 Array = Any
@@ -192,21 +192,8 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
         body = xp.moveaxis(x[..., :full, :].reshape(*x.shape[:-2], nc - 1, kc, x.shape[-1]), -3, 0)
         return [(body, slice(0, nc - 1)), (x[..., full:, :], nc - 1)]
 
-    def chunks(a: Array) -> list[tuple[Array, Array]]:
-        """(part of x, where it goes in the (nc, ...) buffer ``a``), the last chunk's padding zeroed (an
-        earlier k of this shape may have written there)."""
-        out = []
-        for part, at in parts():
-            dst = a[at]
-            if part.shape[axis] < kc:
-                pad = (Ellipsis, slice(part.shape[axis], None)) + ((slice(None),) if axis == -2 else ())
-                dst[pad] = 0
-                dst = dst[(Ellipsis, slice(0, part.shape[axis])) + ((slice(None),) if axis == -2 else ())]
-            out.append((part, dst))
-        return out
-
     def per_chunk(s: Array) -> list[Array]:
-        """The scales for the parts :func:`chunks` gives."""
+        """The scales for the parts :func:`parts` gives."""
         return [s[0]] if nc == 1 and k == kc else [s[:nc - 1], s[nc - 1]]
 
     out: list[tuple[Array, Array]] = []
@@ -224,7 +211,7 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
         def largest(src: Array = rest, first: bool = i == 0) -> Array:
             mx = ws.get(xp, f"{tag}:largest", work, x.dtype)
             if first:
-                for part, dst in chunks(mx):
+                for part, dst in placed(parts(), mx, axis, kc):
                     xp.abs(part, out=dst)
             else:
                 xp.abs(src, out=mx)
@@ -233,12 +220,12 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
         s = norm_scales(xp, sums, kc, largest, gamma)  # per (chunk, row or column): inner axis of 1
         q = ws.get(xp, f"{tag}:q{i}", work)
         if dtype == np.float32:  # the integers with their scale applied: rint(x s) / s (passes' on_grid)
-            for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
+            for (part, dst), scale in zip(placed(parts(), q, axis, kc), per_chunk(s), strict=True):
                 passes.on_grid(xp, part, scale, dst)
             out.append((q, s))
             break
         if i == 0:
-            for (part, dst), scale in zip(chunks(q), per_chunk(s), strict=True):
+            for (part, dst), scale in zip(placed(parts(), q, axis, kc), per_chunk(s), strict=True):
                 xp.multiply(part, scale, out=dst, dtype=np.float64)  # exact: a power of two
         else:
             xp.multiply(rest, s, out=q)

@@ -8,7 +8,7 @@ Two strategies with the same results, bit for bit, chosen once per array module 
   arrays of float32 (sums of squares) and float32 or float64 (the grid) of at most 4 dimensions; the
   ufuncs for the rest. It makes the same IEEE operations in the same order (compiled without fused
   multiply-adds or reassociation, setup.py), so a run's bits do not depend on which strategy it has;
-  tests/test_portable.py checks that on every shape and special value it takes.
+  tests/test_portable_passes.py checks that on every shape and special value it takes.
 
 The extension is built by ``pip install`` where a C compiler exists (setup.py marks it optional);
 ``MPISGD_PORTABLE_PASSES=ufunc`` chooses the ufuncs even where it is built.
@@ -57,12 +57,7 @@ class UfuncPasses:
         dtype: ``parts`` are (part of an operand, its place in work's leading chunk axis), a part shorter
         than kc along ``axis`` padded with zeros. ``work`` (chunks, ..., kc along ``axis``) is the scratch
         space. Returns the sums, (chunks, ...) with ``axis`` of length 1 (a view of work)."""
-        for part, at in parts:
-            dst = work[at]
-            length = part.shape[axis]
-            if length < kc:  # the last chunk's padding: zero (an earlier operand may have written there)
-                _along(dst, axis, slice(length, None))[...] = 0
-                dst = _along(dst, axis, slice(0, length))
+        for part, dst in placed(parts, work, axis, kc):
             with np.errstate(over="ignore", under="ignore"):  # what norm_scales handles
                 xp.multiply(part, part, out=dst, dtype=work.dtype)
         with np.errstate(over="ignore"):
@@ -121,6 +116,21 @@ class CompiledPasses(UfuncPasses):
         if full < n:
             self.native.sum_squares(rows[:, full:], row[:r, full // kcc], kcc, -1)
         row[r:] = 0
+
+
+def placed(parts: list[tuple[Array, Any]], buffer: Array, axis: int, kc: int) -> list[tuple[Array, Array]]:
+    """(part, where it goes in ``buffer``) for each (part, its place along buffer's leading chunk axis): a
+    part shorter than kc along ``axis`` gets the first of its chunk's kc places, the rest zeroed (an
+    earlier operand of another length may have written there)."""
+    out = []
+    for part, at in parts:
+        dst = buffer[at]
+        length = part.shape[axis]
+        if length < kc:
+            _along(dst, axis, slice(length, None))[...] = 0
+            dst = _along(dst, axis, slice(0, length))
+        out.append((part, dst))
+    return out
 
 
 def _along(a: Array, axis: int, index: slice) -> Array:
