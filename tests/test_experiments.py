@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,16 @@ def test_gpt_steps_samples_quick_run_and_its_arithmetic(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["rows"]) == {"8", "16"} and summary["rows"]["8"]["steps_run"] == 40
     assert "| 8 | 0.0005 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_portable_products_prints_each_product_and_the_step():
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "portable_products.py"), "--batch-size", "8",
+                        "--repeats", "2"], capture_output=True, text=True, timeout=300,
+                       env={**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if " @ " in line]
+    assert len(rows) == 5 and all(len(line.split()[-4:]) == 4 for line in rows), r.stdout
+    total = [float(v) for v in next(x for x in r.stdout.splitlines() if x.startswith("sum")).split()[1:]]
+    assert len(total) == 4 and all(v > 0 for v in total)
+    ratios = re.findall(r"([0-9.]+)x$", r.stdout, re.M)  # the step's ratio, then the GEMMs' ceiling
+    assert len(ratios) == 2 and all(0 < float(v) for v in ratios), r.stdout

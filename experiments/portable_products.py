@@ -1,0 +1,98 @@
+"""Where the portable level's MLP step goes, on one rank: its products against the BLAS alone.
+
+The experiment behind docs/reproducible.md's "Cost" (results/portable/throughput-compiled-passes-*.md):
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python experiments/portable_products.py [--batch-size 128] [--repeats 30]
+
+For each of the MLP's five large products at batch b (784-1024-1024-10: x @ W1, h @ W2, their weight
+gradients, dy @ W2.T), the median time of the portable product with its splits, of the product of
+operands split beforehand, of one float64 GEMM of the same shapes and of the float32 GEMM the default runs.
+Then the whole forward and backward of one step (fast, then portable kernels, alternating so that
+machine noise hits both alike), and the ratio the portable step would reach with every pass but the
+float64 GEMMs free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from mpisgd.kernels import kernels_for
+from mpisgd.nn import SoftmaxCrossEntropy, mlp
+from mpisgd.portable import gemm
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
+def products(b: int) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    return [("x @ W1", (b, 784), (784, 1024)), ("h @ W2", (b, 1024), (1024, 1024)),
+            ("x.T @ dy (dW1)", (784, b), (b, 1024)), ("h.T @ dy (dW2)", (1024, b), (b, 1024)),
+            ("dy @ W2.T", (b, 1024), (1024, 1024))]
+
+
+def product_times(rng: np.random.Generator, sa: tuple[int, int], sb: tuple[int, int], repeats: int) -> np.ndarray:
+    """ms: the portable product with its splits, of split operands, float64 dgemm, float32 sgemm."""
+    a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    ws = gemm.Workspace()
+    a_split, b_split = gemm.split(a, "left", ws, "a"), gemm.split(b, "right", ws, "b")
+    out, out64 = np.empty((sa[0], sb[1]), np.float32), np.empty((sa[0], sb[1]))
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return np.array([median_ms(lambda: gemm.matmul(a, b, out=out, ws=ws), repeats),
+                     median_ms(lambda: gemm.matmul(a_split, b_split, out=out, ws=ws), repeats),
+                     median_ms(lambda: np.matmul(a64, b64, out=out64), repeats),
+                     median_ms(lambda: np.matmul(a, b, out=out), repeats)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=30)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    rows, total = [], np.zeros(4)
+    for name, sa, sb in products(args.batch_size):
+        t = product_times(rng, sa, sb, args.repeats)
+        total += t
+        rows.append((f"{sa[0]}x{sa[1]} @ {sb[0]}x{sb[1]} ({name})", t))
+    rows.append(("sum", total))
+    print(f"{'product (ms, median of ' + str(args.repeats) + ')':<40} {'split+product':>13} {'of splits':>10} "
+          f"{'dgemm':>8} {'sgemm':>8}")
+    for name, t in rows:
+        print(f"{name:<40} {t[0]:>13.2f} {t[1]:>10.2f} {t[2]:>8.2f} {t[3]:>8.2f}")
+
+    x = rng.standard_normal((args.batch_size, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, args.batch_size)
+    steps = {}
+    for kind in ("fast", "portable"):
+        model = mlp().materialize(np, "float32", seed=0)
+        model.ctx.kernels = kernels_for(kind)
+        loss = SoftmaxCrossEntropy(model.ctx.kernels)
+
+        def step(model=model, loss=loss) -> None:
+            loss.forward_array(model.forward(x), y)
+            model.backward(loss.backward())
+
+        steps[kind] = step
+    times: dict[str, list[float]] = {"fast": [], "portable": []}
+    for _ in range(args.repeats):  # alternating
+        for kind, step in steps.items():
+            times[kind].append(median_ms(step, 1))
+    fast, portable = (float(np.median(times[k])) for k in ("fast", "portable"))
+    print(f"\nforward and backward, ms (median of {args.repeats}, alternating): default {fast:.2f}, "
+          f"portable {portable:.2f}: {fast / portable:.3f}x")
+    print(f"with every pass but the float64 GEMMs free: {fast / total[2]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
