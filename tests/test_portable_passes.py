@@ -66,16 +66,17 @@ SQUARES = [  # (x's shape, axis, kc: the chunk length; x's summed axis is cut in
 
 
 def square_sums(p: UfuncPasses, x: np.ndarray, axis: int, kc: int) -> np.ndarray:
-    """What gemm.split asks of ``squares``: x's summed axis in chunks of kc, (chunks, ..., 1 along axis)."""
+    """What gemm.split asks of ``squares``: x's summed axis in chunks of kc, (chunks, ..., 1 along axis), the
+    squares summed in x's dtype."""
     k = x.shape[axis]
     nc = -(-k // kc)
     full = (nc - 1) * kc
     if axis == -1:
-        work = np.full((nc, *x.shape[:-1], kc), 7.0, np.float32)  # garbage: the padding must be zeroed
+        work = np.full((nc, *x.shape[:-1], kc), 7.0, x.dtype)  # garbage: the padding must be zeroed
         body = np.moveaxis(x[..., :full].reshape(*x.shape[:-1], nc - 1, kc), -2, 0)
         parts = [(body, slice(0, nc - 1)), (x[..., full:], nc - 1)]
     else:
-        work = np.full((nc, *x.shape[:-2], kc, x.shape[-1]), 7.0, np.float32)
+        work = np.full((nc, *x.shape[:-2], kc, x.shape[-1]), 7.0, x.dtype)
         body = np.moveaxis(x[..., :full, :].reshape(*x.shape[:-2], nc - 1, kc, x.shape[-1]), -3, 0)
         parts = [(body, slice(0, nc - 1)), (x[..., full:, :], nc - 1)]
     return np.array(p.squares(np, parts, axis, kc, work))
@@ -84,13 +85,18 @@ def square_sums(p: UfuncPasses, x: np.ndarray, axis: int, kc: int) -> np.ndarray
 @built
 @pytest.mark.parametrize("shape,axis,kc", SQUARES)
 @pytest.mark.parametrize("layout", ["c", "fortran", "strided"])
-def test_compiled_sums_of_squares_are_the_ufuncs_bits(shape, axis, kc, layout):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_sums_of_squares_are_the_ufuncs_bits(shape, axis, kc, layout, dtype):
+    """float32 squares summed in float32 (a float32 operand's norms), float64 ones in float64 (a float64
+    operand's, such as a convolution's dy over a sample's power of two)."""
     rng = np.random.default_rng(sum(shape) + kc)
-    x = wild(rng, shape)
+    x = wild(rng, shape, dtype)
+    if dtype == np.float64:  # float64's own range: squares that overflow and flush to zero, not float32's
+        x = x * 2.0 ** rng.integers(-600, 500, shape)
     if layout == "fortran":
         x = np.asfortranarray(x)
     elif layout == "strided":  # every other element of a wider array, in both last axes
-        wide = wild(rng, tuple(s * 2 for s in shape))
+        wide = wild(rng, tuple(s * 2 for s in shape), dtype)
         x = wide[(Ellipsis, slice(None, None, 2), slice(1, None, 2))]
         if len(shape) == 1:
             x = wide[::2]
@@ -103,17 +109,18 @@ def test_compiled_sums_of_squares_are_the_ufuncs_bits(shape, axis, kc, layout):
 
 @built
 @pytest.mark.parametrize("shape,axis,kc", [((9, 200), -1, 64), ((200, 9), -2, 64), ((4, 3, 300), -1, 128)])
-def test_the_comparison_can_fail_other_orders_give_other_sums(shape, axis, kc):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_comparison_can_fail_other_orders_give_other_sums(shape, axis, kc, dtype):
     """The negative control: the same squares summed in another order (NumPy's pairwise sum, which
     np.sum uses) give other bits on these values, so the comparison above tells orders apart."""
     rng = np.random.default_rng(5)
-    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-10, 10, shape)).astype(np.float32)
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-10, 10, shape)).astype(dtype)
     got = square_sums(compiled(), x, axis, kc)
     nc = got.shape[0]
     pad = nc * kc - shape[axis]
     padded = np.pad(x, [(0, 0)] * (x.ndim + axis) + [(0, pad)] + [(0, 0)] * (-1 - axis))
     chunked = np.moveaxis(np.stack(np.split(padded, nc, axis=axis)), 0, 0)
-    other = np.sum(chunked * chunked, axis=axis, keepdims=True, dtype=np.float32)
+    other = np.sum(chunked * chunked, axis=axis, keepdims=True, dtype=dtype)
     tree = fold_(np.array(chunked * chunked), axis)
     assert bits(tree) == bits(got)  # the fixed tree, as reduce.fold_ makes it
     assert bits(other) != bits(got)
@@ -170,6 +177,59 @@ def test_ties_round_to_even_in_both():
     assert want.tolist() == [0.0, 2.0, 2.0, -0.0, -2.0, 4.0, 0.0] and bits(got) == bits(want)
 
 
+# -- a float64 slice's integers --------------------------------------------------------------------
+@built
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(17,), (5, 33), (3, 4, 65), (2, 3, 4, 9)])
+@pytest.mark.parametrize("kind", ["row", "column", "block", "one"])
+@pytest.mark.parametrize("layout", ["c", "transposed", "rest", "rest in place"])
+def test_compiled_integers_are_the_ufuncs_bits(dtype, shape, kind, layout):
+    """q = rint(x s) into a fresh output, from a column-major view, with what is left (x s - q) for the next
+    slice, and that next slice's pass made in place on what was left (split's second slice)."""
+    rng = np.random.default_rng(len(shape) * 10 + shape[-1])
+    x = wild(rng, shape, dtype)
+    if dtype == np.float64:  # x s reaching float64's ends: products that overflow or round as subnormals
+        x = x * 2.0 ** rng.integers(-900, 900, shape)
+    if layout == "transposed" and x.ndim > 1:
+        x = np.swapaxes(np.ascontiguousarray(np.swapaxes(x, -1, -2)), -1, -2)  # the same values, column-major
+    s = grid_scales(rng, x, kind)
+    results = []
+    for p in (UFUNC, compiled()):
+        q = np.full(shape, 3.0)
+        rest = np.full(shape, 5.0) if layout.startswith("rest") else None
+        if layout == "rest in place":
+            rest = x.astype(np.float64)  # the next slice's input is what the last left
+            p.integers(np, rest, s, q, rest)
+        else:
+            p.integers(np, x, s, q, rest)
+        results.append(bits(q) + (b"" if rest is None else bits(rest)))
+    assert results[0] == results[1]
+    q = np.frombuffer(results[0][:8 * int(np.prod(shape))]).reshape(shape)
+    finite = np.isfinite(q)
+    assert finite.any() and (not finite.all() or x.size < 100)  # the specials reached it
+    assert np.array_equal(np.rint(q[finite]), q[finite])  # integers indeed
+
+
+@built
+def test_integers_round_ties_to_even_and_keep_the_sign_of_zero():
+    """The rounding the compiled pass makes from additions (mpisgd/portable/_passes.c's round_even) is
+    NumPy's rint: ties to even, -0.3 to -0.0, from 2^52 on and for inf and NaN the value itself. The
+    comparison can fail: rounding ties away from zero, or losing the sign of zero, gives other bits."""
+    x = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -0.3, -0.0, 0.0, 2.0**52 + 1, -(2.0**53) - 2, 2.0**51 + 0.5,
+                  -(2.0**51) - 0.5, 2.0**52 - 0.5, np.inf, -np.inf, np.nan, 5e-324])
+    s = np.ones(1)
+    want, got, rest = np.empty(x.shape), np.empty(x.shape), np.empty(x.shape)
+    UFUNC.integers(np, x, s, want)
+    compiled().integers(np, x, s, got, rest)
+    assert bits(got) == bits(want) == bits(np.rint(x))
+    assert bits(got[:9]) == bits(np.array([0.0, 2.0, 2.0, -0.0, -2.0, 4.0, -0.0, -0.0, 0.0]))
+    away = np.where(np.isfinite(x), np.copysign(np.floor(np.abs(x) + 0.5), x), x)
+    unsigned = np.where(np.rint(x) == 0, 0.0, np.rint(x))
+    assert bits(away) != bits(got) and bits(unsigned) != bits(got)
+    finite = np.isfinite(x)
+    assert np.array_equal((x - got)[finite], rest[finite]) and np.all(np.abs(rest[finite]) <= 0.5)
+
+
 # -- tiles of a weight ------------------------------------------------------------------------------
 @built
 @pytest.mark.parametrize("r,n,kcr,kcc", [(64, 128, 64, 64), (50, 100, 64, 64), (1, 3, 8, 4), (33, 7, 64, 8)])
@@ -203,7 +263,7 @@ def digest(*arrays: np.ndarray) -> str:
 
 
 PRODUCTS = [((8, 100), (100, 30), False), ((3, 70, 50), (50, 9), False), ((300, 64), (300, 20), True),
-            ((4, 1100), (1100, 5), False)]
+            ((4, 1100), (1100, 5), False), ((2, 2, 9, 40), (40, 3), False)]  # the last: float64 slices past 4-D
 
 
 @built
@@ -313,3 +373,11 @@ def test_the_extension_refuses_what_it_does_not_take():
     frozen.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):
         native.on_grid(x, np.ones((3, 4)), frozen)
+    with pytest.raises(ValueError, match="of one dtype"):
+        native.sum_squares(x, np.empty(3), 4, -1)  # float32 squares into float64
+    with pytest.raises(ValueError, match="of one shape"):
+        native.integers(x, np.ones((3, 4)), np.empty((3, 4), np.float32), None)  # q must be float64
+    with pytest.raises(ValueError, match="of one shape"):
+        native.integers(x, np.ones((3, 4)), np.empty((3, 4)), np.empty((3, 5)))
+    with pytest.raises((ValueError, BufferError)):
+        native.integers(x, np.ones((3, 4)), frozen, None)

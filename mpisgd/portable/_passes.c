@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define MAXDIM 4
@@ -122,83 +123,158 @@ static PyObject *on_grid(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The fixed tree of mpisgd.portable.reduce.fold_ over buf[0..n): the last n/2 terms onto the first, until one. */
-static float fold(float *buf, Py_ssize_t n) {
-    while (n > 1) {
-        Py_ssize_t half = n / 2, from = n - half;
-        for (Py_ssize_t i = 0; i < half; i++) buf[i] += buf[from + i];
-        n = from;
+/* rint(y) as IEEE roundToIntegralTiesToEven makes it (NumPy's rint, in the default rounding mode), from
+   additions only: below 2^52, |y| + 2^52 - 2^52 rounds |y| to the nearest integer, ties to even (float64's
+   spacing there is 1), and the sign is y's (rint(-0.3) is -0.0); from 2^52 on, and for inf and NaN, y is
+   its own rint. */
+static inline double round_even(double y) {
+    const double big = 4503599627370496.0;  /* 2^52 */
+    double a = fabs(y);
+    double t = (a + big) - big;
+    return a < big ? copysign(t, y) : y;
+}
+
+/* q = rint(x s) and, where rest is given, rest = x s - q (exact): the integers of a split's float64 slice
+   (mpisgd.portable.passes.UfuncPasses.integers), x s rounded once as NumPy's multiply rounds it. */
+#define INTEGERS_ROWS(T)                                                                                   \
+    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                                \
+        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                            \
+            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                      \
+                const T *xr = (const T *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2];     \
+                const double *sr = (const double *)s.view.buf + i0 * s.step[0] + i1 * s.step[1] +          \
+                                   i2 * s.step[2];                                                          \
+                double *qr = (double *)q.view.buf + i0 * q.step[0] + i1 * q.step[1] + i2 * q.step[2];       \
+                double *rr = has_rest ? (double *)r.view.buf + i0 * r.step[0] + i1 * r.step[1] +           \
+                                        i2 * r.step[2] : NULL;                                              \
+                Py_ssize_t len = n[3], sx = x.step[3], ss = s.step[3], sq = q.step[3];                     \
+                if (!has_rest && sx == 1 && sq == 1 && ss == 0) {                                           \
+                    const double k = sr[0];                                                                 \
+                    for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * k);             \
+                } else if (!has_rest && sx == 1 && sq == 1 && ss == 1) {                                    \
+                    for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * sr[j]);         \
+                } else {                                                                                    \
+                    Py_ssize_t sr_ = has_rest ? r.step[3] : 0;                                              \
+                    for (Py_ssize_t j = 0; j < len; j++) {                                                  \
+                        double v = (double)xr[j * sx] * sr[j * ss];                                         \
+                        double i = round_even(v);                                                           \
+                        qr[j * sq] = i;                                                                     \
+                        if (has_rest) rr[j * sr_] = v - i;                                                  \
+                    }                                                                                       \
+                }                                                                                           \
+            }
+
+static PyObject *integers(PyObject *self, PyObject *args) {
+    PyObject *ox, *os, *oq, *orest;
+    Arr x, s, q, r;
+    if (!PyArg_ParseTuple(args, "OOOO", &ox, &os, &oq, &orest)) return NULL;
+    int has_rest = orest != Py_None;
+    r.held = 0;
+    if (take(ox, &x, 0, "integers x") < 0) return NULL;
+    if (take(os, &s, 0, "integers s") < 0) { release(&x); return NULL; }
+    if (take(oq, &q, 1, "integers q") < 0) { release(&x); release(&s); return NULL; }
+    if (has_rest && take(orest, &r, 1, "integers rest") < 0) { release(&x); release(&s); release(&q); return NULL; }
+    if (s.kind != 'd' || q.kind != 'd' || !same_shape(&x, &q) || !same_shape(&s, &q) ||
+        (has_rest && (r.kind != 'd' || !same_shape(&r, &q)))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "integers: x, s (float64, broadcast), q and rest (float64, or None) of one shape");
+        release(&x); release(&s); release(&q); release(&r);
+        return NULL;
     }
-    return buf[0];
+    const Py_ssize_t *n = q.shape;
+    Py_BEGIN_ALLOW_THREADS
+    if (x.kind == 'f') {
+        INTEGERS_ROWS(float)
+    } else {
+        INTEGERS_ROWS(double)
+    }
+    Py_END_ALLOW_THREADS
+    release(&x); release(&s); release(&q); release(&r);
+    Py_RETURN_NONE;
 }
 
-/* Sums of squares of float32 x along its last axis, each the fold of `terms` squares (the rest of them,
-   past x's length, zero): out[..] has x's shape without the last axis. */
-static void squares_last(const Arr *x, const Arr *o, Py_ssize_t terms, float *buf) {
-    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)
-        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++)
-            for (Py_ssize_t i2 = 0; i2 < x->shape[2]; i2++) {
-                const float *xr = (const float *)x->view.buf + i0 * x->step[0] + i1 * x->step[1] + i2 * x->step[2];
-                Py_ssize_t len = x->shape[3], sx = x->step[3];
-                if (sx == 1)
-                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j] * xr[j];
-                else
-                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j * sx] * xr[j * sx];
-                for (Py_ssize_t j = len; j < terms; j++) buf[j] = 0.0f;
-                /* out has one axis fewer: its steps are o->step[1..3] for x's axes 0..2 */
-                float *dst = (float *)o->view.buf + i0 * o->step[1] + i1 * o->step[2] + i2 * o->step[3];
-                *dst = fold(buf, terms);
-            }
+/* The fixed tree of mpisgd.portable.reduce.fold_ over buf[0..n): the last n/2 terms onto the first, until one.
+   SQUARES(T, S) defines fold_S, squares_last_S and squares_rows_S for items of type T (float32 or float64:
+   squares and sums in x's own type, as UfuncPasses.squares makes them in its work array's). */
+#define SQUARES(T, S)                                                                                         \
+static T fold_##S(T *buf, Py_ssize_t n) {                                                                     \
+    while (n > 1) {                                                                                           \
+        Py_ssize_t half = n / 2, from = n - half;                                                             \
+        for (Py_ssize_t i = 0; i < half; i++) buf[i] += buf[from + i];                                        \
+        n = from;                                                                                             \
+    }                                                                                                         \
+    return buf[0];                                                                                            \
+}                                                                                                             \
+                                                                                                              \
+/* Sums of squares of x along its last axis, each the fold of `terms` squares (the rest of them, past x's    \
+   length, zero): out[..] has x's shape without the last axis. */                                             \
+static void squares_last_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                          \
+    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)                                                           \
+        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++)                                                       \
+            for (Py_ssize_t i2 = 0; i2 < x->shape[2]; i2++) {                                                 \
+                const T *xr = (const T *)x->view.buf + i0 * x->step[0] + i1 * x->step[1] + i2 * x->step[2];   \
+                Py_ssize_t len = x->shape[3], sx = x->step[3];                                                \
+                if (sx == 1)                                                                                  \
+                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j] * xr[j];                              \
+                else                                                                                          \
+                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j * sx] * xr[j * sx];                    \
+                for (Py_ssize_t j = len; j < terms; j++) buf[j] = 0;                                          \
+                /* out has one axis fewer: its steps are o->step[1..3] for x's axes 0..2 */                   \
+                T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2] + i2 * o->step[3];              \
+                *dst = fold_##S(buf, terms);                                                                  \
+            }                                                                                                 \
+}                                                                                                             \
+                                                                                                              \
+/* Sums of squares of x along its second-last axis (a column's terms), the fold of `terms` rows (the rest    \
+   zero) made a row at a time, every column at once: the same additions as fold_ along that axis. buf holds  \
+   ceil(terms / 2) rows of x's last axis. */                                                                  \
+static void squares_rows_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                          \
+    Py_ssize_t rows = x->shape[2], cols = x->shape[3], sx = x->step[3];                                       \
+    Py_ssize_t half = terms / 2, from = terms - half;                                                         \
+    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)                                                           \
+        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++) {                                                     \
+            const T *xm = (const T *)x->view.buf + i0 * x->step[0] + i1 * x->step[1];                         \
+            for (Py_ssize_t i = 0; i < from; i++) {  /* the tree's first level, straight from x */            \
+                T *b = buf + i * cols;                                                                        \
+                const T *lo = xm + i * x->step[2];                                                            \
+                if (i >= rows) {                                                                              \
+                    memset(b, 0, (size_t)cols * sizeof(T));                                                   \
+                    continue;                                                                                 \
+                }                                                                                             \
+                if (i < half && from + i < rows) {  /* two rows: the squares added */                         \
+                    const T *hi = xm + (from + i) * x->step[2];                                               \
+                    if (sx == 1)                                                                              \
+                        for (Py_ssize_t j = 0; j < cols; j++) {                                               \
+                            T a = lo[j] * lo[j], c = hi[j] * hi[j];                                           \
+                            b[j] = a + c;                                                                     \
+                        }                                                                                     \
+                    else                                                                                      \
+                        for (Py_ssize_t j = 0; j < cols; j++) {                                               \
+                            T a = lo[j * sx] * lo[j * sx], c = hi[j * sx] * hi[j * sx];                       \
+                            b[j] = a + c;                                                                     \
+                        }                                                                                     \
+                } else if (sx == 1) {  /* one row (its partner is padding, or the middle term waits) */       \
+                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j] * lo[j];                               \
+                } else {                                                                                      \
+                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j * sx] * lo[j * sx];                     \
+                }                                                                                             \
+            }                                                                                                 \
+            Py_ssize_t n = from;                                                                              \
+            while (n > 1) {                                                                                   \
+                Py_ssize_t h = n / 2, f = n - h;                                                              \
+                for (Py_ssize_t i = 0; i < h; i++) {                                                          \
+                    T *d = buf + i * cols;                                                                    \
+                    const T *s = buf + (f + i) * cols;                                                        \
+                    for (Py_ssize_t j = 0; j < cols; j++) d[j] += s[j];                                       \
+                }                                                                                             \
+                n = f;                                                                                        \
+            }                                                                                                 \
+            T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2];                                    \
+            for (Py_ssize_t j = 0; j < cols; j++) dst[j * o->step[3]] = buf[j];                               \
+        }                                                                                                     \
 }
 
-/* Sums of squares of float32 x along its second-last axis (a column's terms), the fold of `terms` rows
-   (the rest zero) made a row at a time, every column at once: the same additions as fold_ along that axis.
-   buf holds ceil(terms / 2) rows of x's last axis. */
-static void squares_rows(const Arr *x, const Arr *o, Py_ssize_t terms, float *buf) {
-    Py_ssize_t rows = x->shape[2], cols = x->shape[3], sx = x->step[3];
-    Py_ssize_t half = terms / 2, from = terms - half;
-    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)
-        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++) {
-            const float *xm = (const float *)x->view.buf + i0 * x->step[0] + i1 * x->step[1];
-            for (Py_ssize_t i = 0; i < from; i++) {  /* the tree's first level, straight from x */
-                float *b = buf + i * cols;
-                const float *lo = xm + i * x->step[2];
-                if (i >= rows) {
-                    memset(b, 0, (size_t)cols * sizeof(float));
-                    continue;
-                }
-                if (i < half && from + i < rows) {  /* two rows: the squares added */
-                    const float *hi = xm + (from + i) * x->step[2];
-                    if (sx == 1)
-                        for (Py_ssize_t j = 0; j < cols; j++) {
-                            float a = lo[j] * lo[j], c = hi[j] * hi[j];
-                            b[j] = a + c;
-                        }
-                    else
-                        for (Py_ssize_t j = 0; j < cols; j++) {
-                            float a = lo[j * sx] * lo[j * sx], c = hi[j * sx] * hi[j * sx];
-                            b[j] = a + c;
-                        }
-                } else if (sx == 1) {  /* one row (its partner is padding, or the middle term waits) */
-                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j] * lo[j];
-                } else {
-                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j * sx] * lo[j * sx];
-                }
-            }
-            Py_ssize_t n = from;
-            while (n > 1) {
-                Py_ssize_t h = n / 2, f = n - h;
-                for (Py_ssize_t i = 0; i < h; i++) {
-                    float *d = buf + i * cols;
-                    const float *s = buf + (f + i) * cols;
-                    for (Py_ssize_t j = 0; j < cols; j++) d[j] += s[j];
-                }
-                n = f;
-            }
-            float *dst = (float *)o->view.buf + i0 * o->step[1] + i1 * o->step[2];
-            for (Py_ssize_t j = 0; j < cols; j++) dst[j * o->step[3]] = buf[j];
-        }
-}
+SQUARES(float, f)
+SQUARES(double, d)
 
 static PyObject *sum_squares(PyObject *self, PyObject *args) {
     PyObject *ox, *oo;
@@ -208,7 +284,7 @@ static PyObject *sum_squares(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOni", &ox, &oo, &terms, &axis)) return NULL;
     if (take(ox, &x, 0, "sum_squares x") < 0) return NULL;
     if (take(oo, &o, 1, "sum_squares out") < 0) { release(&x); return NULL; }
-    int nd = x.view.ndim, ok = x.kind == 'f' && o.kind == 'f' && nd >= 1 && o.view.ndim == nd - 1 &&
+    int nd = x.view.ndim, ok = x.kind == o.kind && nd >= 1 && o.view.ndim == nd - 1 &&
                                (axis == -1 || (axis == -2 && nd >= 2));
     int red = MAXDIM + axis;  /* the summed axis, in the padded shape */
     for (int i = 0, k = 1; ok && i < MAXDIM; i++) {  /* out: x's padded shape without that axis */
@@ -218,16 +294,22 @@ static PyObject *sum_squares(PyObject *self, PyObject *args) {
     Py_ssize_t len = x.shape[red];
     if (!ok || terms < len || terms < 1) {
         PyErr_SetString(PyExc_ValueError,
-                        "sum_squares: float32 x, out of x's shape without the axis (-1 or -2), terms >= its length");
+                        "sum_squares: x and out of one dtype, out of x's shape without the axis (-1 or -2), "
+                        "terms >= its length");
         release(&x); release(&o);
         return NULL;
     }
     Py_ssize_t width = axis == -1 ? terms : (terms - terms / 2) * x.shape[3];
-    float *buf = malloc((size_t)(width > 0 ? width : 1) * sizeof(float));
+    void *buf = malloc((size_t)(width > 0 ? width : 1) * (size_t)x.view.itemsize);
     if (!buf) { release(&x); release(&o); return PyErr_NoMemory(); }
     Py_BEGIN_ALLOW_THREADS
-    if (axis == -1) squares_last(&x, &o, terms, buf);
-    else squares_rows(&x, &o, terms, buf);
+    if (x.kind == 'f') {
+        if (axis == -1) squares_last_f(&x, &o, terms, buf);
+        else squares_rows_f(&x, &o, terms, buf);
+    } else {
+        if (axis == -1) squares_last_d(&x, &o, terms, buf);
+        else squares_rows_d(&x, &o, terms, buf);
+    }
     Py_END_ALLOW_THREADS
     free(buf);
     release(&x); release(&o);
@@ -238,7 +320,11 @@ static PyMethodDef methods[] = {
     {"on_grid", on_grid, METH_VARARGS,
      "on_grid(x, c, out): out = (x + c) - c in float64 (x float32 or float64; c float64, broadcast to out)"},
     {"sum_squares", sum_squares, METH_VARARGS,
-     "sum_squares(x, out, terms, axis): the fixed-tree sums of terms float32 squares of x along axis -1 or -2"},
+     "sum_squares(x, out, terms, axis): the fixed-tree sums of terms squares of x (float32 or float64, out's dtype "
+     "too) along axis -1 or -2"},
+    {"integers", integers, METH_VARARGS,
+     "integers(x, s, q, rest): q = rint(x s) in float64 (x float32 or float64; s float64, broadcast to q); "
+     "rest (float64, or None) = x s - q"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -201,12 +201,8 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
     total: Array = None
     passes = passes_for(xp)
     for i in range(slices):
-        if i == 0:  # straight from x
-            sums = passes.squares(xp, parts(), axis, kc, sq)
-        else:
-            with np.errstate(over="ignore", under="ignore"):  # overflow and flushing are what norm_scales handles
-                xp.multiply(rest, rest, out=sq)
-                sums = fold_(sq, axis)
+        # the squares straight from x, then from what the slices before left (x s - q, exact)
+        sums = passes.squares(xp, parts() if i == 0 else [(rest, slice(None))], axis, kc, sq)
 
         def largest(src: Array = rest, first: bool = i == 0) -> Array:
             mx = ws.get(xp, f"{tag}:largest", work, x.dtype)
@@ -224,17 +220,14 @@ def split(x: Array, side: str, ws: Workspace, tag: str | None = None, gamma: int
                 passes.on_grid(xp, part, scale, dst)
             out.append((q, s))
             break
+        more = i + 1 < slices  # a slice after this one: keep x s - q for it
         if i == 0:
-            for (part, dst), scale in zip(placed(parts(), q, axis, kc), per_chunk(s), strict=True):
-                xp.multiply(part, scale, out=dst, dtype=np.float64)  # exact: a power of two
+            rest = ws.get(xp, f"{tag}:rest", work) if more else None
+            lefts = [left for _, left in placed(parts(), rest, axis, kc)] if more else [None] * len(parts())
+            for (part, dst), left, scale in zip(placed(parts(), q, axis, kc), lefts, per_chunk(s), strict=True):
+                passes.integers(xp, part, scale, dst, left)  # x s: exact, a power of two
         else:
-            xp.multiply(rest, s, out=q)
-        if i + 1 < slices:
-            rest = ws.get(xp, f"{tag}:rest", work)
-            rest[...] = q
-        xp.rint(q, out=q)
-        if i + 1 < slices:
-            rest -= q  # |x s - rint(x s)| <= 1/2: exact
+            passes.integers(xp, rest, s, q, rest if more else None)
         with np.errstate(over="ignore"):  # a vanishing row's (below 1e-290) second scale overflows: dropped
             total = s if total is None else total * s
         out.append((q, total))

@@ -1,14 +1,15 @@
-"""The slices' memory-bound passes: sums of squares in the fixed tree, and rounding onto a grid.
+"""The slices' memory-bound passes: sums of squares in the fixed tree, rounding onto a grid, and a float64
+slice's integers.
 
 Two strategies with the same results, bit for bit, chosen once per array module (:func:`passes_for`):
 
 - :class:`UfuncPasses`: NumPy's (or CuPy's) ufuncs, one pass through memory per operation (a copy, two
-  additions; squares, then each level of the tree);
+  additions; squares, then each level of the tree; a product, a copy, rint, a subtraction);
 - :class:`CompiledPasses`: mpisgd/portable/_passes.c, each pass in one trip through memory, for NumPy
-  arrays of float32 (sums of squares) and float32 or float64 (the grid) of at most 4 dimensions; the
-  ufuncs for the rest. It makes the same IEEE operations in the same order (compiled without fused
-  multiply-adds or reassociation, setup.py), so a run's bits do not depend on which strategy it has;
-  tests/test_portable_passes.py checks that on every shape and special value it takes.
+  arrays of float32 or float64 of at most 4 dimensions; the ufuncs for the rest. It makes the same IEEE
+  operations in the same order (compiled without fused multiply-adds or reassociation, setup.py), so a
+  run's bits do not depend on which strategy it has; tests/test_portable_passes.py checks that on every
+  shape and special value it takes.
 
 The extension is built by ``pip install`` where a C compiler exists (setup.py marks it optional);
 ``MPISGD_PORTABLE_PASSES=ufunc`` chooses the ufuncs even where it is built.
@@ -27,6 +28,7 @@ from mpisgd.portable.reduce import fold_, fold_into
 Array = Any
 MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (on_grid)
 ENV = "MPISGD_PORTABLE_PASSES"
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what the compiled passes take
 
 
 class UfuncPasses:
@@ -51,6 +53,18 @@ class UfuncPasses:
             else:
                 xp.add(x, c, out=out, dtype=np.float64)
             xp.subtract(out, c, out=out)
+
+    def integers(self, xp: Any, x: Array, s: Array, q: Array, rest: Array = None) -> None:
+        """q = rint(x s) in float64 (x float32 or float64, s powers of two broadcast to q's shape) and, where
+        ``rest`` is given, rest = x s - q (exact: |x s - rint(x s)| <= 1/2): a float64 slice's integers
+        and what is left for the next slice. ``x`` may be ``rest`` itself (the next slice's pass)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # a row holding inf or NaN: not finite anyway
+            xp.multiply(x, s, out=q, dtype=np.float64)  # exact but where it over- or underflows: as in C
+            if rest is not None:
+                rest[...] = q
+            xp.rint(q, out=q)
+            if rest is not None:
+                rest -= q
 
     def squares(self, xp: Any, parts: list[tuple[Array, Any]], axis: int, kc: int, work: Array) -> Array:
         """The fixed-tree sums of the squares of chunks of kc terms along ``axis`` (-1 or -2), in ``work``'s
@@ -94,8 +108,14 @@ class CompiledPasses(UfuncPasses):
             c = np.divide(MAGIC, s, dtype=np.float64)
         self.native.on_grid(x, np.broadcast_to(c, out.shape), out)
 
+    def integers(self, xp: Any, x: Array, s: Array, q: Array, rest: Array = None) -> None:
+        if q.ndim > 4 or np.dtype(q.dtype) != np.float64 or np.dtype(x.dtype) not in FLOATS:
+            return super().integers(xp, x, s, q, rest)
+        self.native.integers(x, np.broadcast_to(np.asarray(s, dtype=np.float64), q.shape), q, rest)
+
     def squares(self, xp: Any, parts: list[tuple[Array, Any]], axis: int, kc: int, work: Array) -> Array:
-        if np.dtype(work.dtype) != np.float32 or any(part.ndim > 4 or part.dtype != np.float32 for part, _ in parts):
+        dtype = np.dtype(work.dtype)
+        if dtype not in FLOATS or any(part.ndim > 4 or part.dtype != dtype for part, _ in parts):
             return super().squares(xp, parts, axis, kc, work)
         sums = _along(work, axis, slice(0, 1))
         for part, at in parts:

@@ -10,6 +10,7 @@ import numpy as np
 
 from mpisgd.backend import xp_of
 from mpisgd.portable.gemm import GAMMA, SLICES, TINY_SUM32, Split, Workspace, chunking, split
+from mpisgd.portable.passes import passes_for
 from mpisgd.portable.reduce import fold_
 
 Array = Any
@@ -82,24 +83,20 @@ class Samples:
         xp.maximum(e, GAMMA - 1023, out=e)  # a sample of zeros
         s = xp.ldexp(1.0, GAMMA - e)
         q = self.ws.get(xp, "q0", x.shape)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN in a sample: its products are not finite
-            xp.multiply(x, s, out=q, dtype=np.float64)  # exact: a power of two
-            self.slices, self.steps = [(q, s)], [1.0]
-            two = self.dtype == np.float64 or GAMMA - np.log2(root) < SAMPLE_BITS  # fixed by k alone
-            if two and not by_window:  # the per-sample bound costs bits: the second slice restores them
-                rest = self.ws.get(xp, "rest", x.shape)
-                rest[...] = q
-                xp.rint(q, out=q)
-                rest -= q  # |r| <= 1/2: exact
-                _, e2 = np.frexp(0.5 * root * (1.0 + 2.0**-40))
-                s2 = float(2.0 ** (GAMMA - int(e2)))
-                q1 = self.ws.get(xp, "q1", x.shape)
-                xp.multiply(rest, s2, out=q1)
-                xp.rint(q1, out=q1)
-                self.slices.append((q1, s * s2))
-                self.steps.append(s2)
-            else:
-                xp.rint(q, out=q)
+        passes = passes_for(xp)
+        self.slices, self.steps = [(q, s)], [1.0]  # x s: exact, a power of two (inf or NaN: not finite anyway)
+        two = self.dtype == np.float64 or GAMMA - np.log2(root) < SAMPLE_BITS  # fixed by k alone
+        if two and not by_window:  # the per-sample bound costs bits: the second slice restores them
+            rest = self.ws.get(xp, "rest", x.shape)
+            passes.integers(xp, x, s, q, rest)  # rest = x s - q, |rest| <= 1/2: exact
+            _, e2 = np.frexp(0.5 * root * (1.0 + 2.0**-40))
+            s2 = float(2.0 ** (GAMMA - int(e2)))
+            q1 = self.ws.get(xp, "q1", x.shape)
+            passes.integers(xp, rest, s2, q1)
+            self.slices.append((q1, s * s2))
+            self.steps.append(s2)
+        else:
+            passes.integers(xp, x, s, q)
         return self
 
     def _window_exponents(self, x: Array, window: tuple[int, int, int, int], by_largest: Array) -> Array:
