@@ -4,7 +4,7 @@ The experiment behind docs/benchmarks.md ("Where a step's time goes (one rank)")
 results/throughput/profile-*.txt and results/cnn/profile-*.txt.
 
     OMP_NUM_THREADS=1 python experiments/profile_step.py [--hidden 1024,1024] [--batch-size 128] [--steps 200]
-    OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15]
+    OMP_NUM_THREADS=1 python experiments/profile_step.py --model cnn [--lines 15] [--kernels portable]
     OMP_NUM_THREADS=1 python experiments/profile_step.py --model gpt [--data kjv.txt --batch-size 32 --context 64]
     OMP_NUM_THREADS=1 python experiments/profile_step.py --model resnet --steps 40
 
@@ -27,6 +27,10 @@ batch-last run. `--lines N` (either model) adds the N costliest lines of
 mpisgd/nn/layers.py, timed with sys.settrace (whose own cost, about a
 microsecond per line, inflates lines that are cheap anyway).
 
+`--kernels portable` runs the layers on `--reproducible portable`'s kernels (exact slice products,
+fixed-order sums: docs/reproducible.md) instead of the default's, for the same tables; the MLP's GEMM
+comparison is left out then (experiments/portable_products.py breaks those products down).
+
 `--model gpt` (docs/gpt.md) trains the GPT recipe's model (AdamW) on windows of
 `--data` (the King James Bible by default) and prints the median
 milliseconds per step of each kind of layer, forward and backward, each
@@ -47,6 +51,7 @@ from threadpoolctl import threadpool_limits
 
 from mpisgd.blas import finite_sq_norm
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, load_fashion_mnist
+from mpisgd.kernels import kernels_for
 from mpisgd.nn import SoftmaxCrossEntropy, build_model
 from mpisgd.optim import SGD
 
@@ -81,6 +86,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="default: 128, 32 for --model gpt")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kernels", choices=["fast", "portable"], default="fast",
+                        help="the layers' kernels: fast (the default run's) or portable (--reproducible portable's)")
     parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with this thread's CPU clock: on a machine shared with others, the time the "
@@ -98,8 +105,9 @@ def main() -> None:
     train, _, _ = load_fashion_mnist(None)
     b = args.batch_size
     model = build_model(args.model, (1, 28, 28), 10, args.hidden).materialize(np, "float32", seed=0)
+    model.ctx.kernels = kernels_for(args.kernels)
     opt = SGD(model.flat, momentum=0.9)
-    loss = SoftmaxCrossEntropy()
+    loss = SoftmaxCrossEntropy(model.ctx.kernels)
     loader = BatchLoader(train, np, "float32")
     batches = GlobalBatches(len(train), b, 0, 1)
     perm = epoch_permutation(len(train), 0, 0)
@@ -134,7 +142,8 @@ def main() -> None:
     total = sum(med.values())
     mlp = f"MLP 784-{'-'.join(map(str, args.hidden))}-10"
     workload = {"cnn": "LeNet-5", "resnet": "ResNet-20"}.get(args.model, mlp)
-    print(f"{workload}, b={b}, float32, {args.threads} BLAS thread(s): median step {total:.2f} ms"
+    print(f"{workload}, b={b}, float32, {args.threads} BLAS thread(s)"
+          + (", portable kernels" if args.kernels == "portable" else "") + f": median step {total:.2f} ms"
           + (" (CPU time of this thread)" if args.cpu_time else ""))
     for k, v in med.items():
         print(f"  {k:<13}{v:8.2f} ms  {100 * v / total:5.1f} %")
@@ -144,7 +153,7 @@ def main() -> None:
         layer_ms.remove()
     if args.lines:
         line_profile(timed_step, args.lines)
-    if args.model != "mlp":
+    if args.model != "mlp" or args.kernels != "fast":
         return
     flat = model.flat
     need = 3 * flat.nbytes + train.images.nbytes + train.labels.nbytes + sum(
@@ -307,8 +316,9 @@ def profile_gpt(args: argparse.Namespace) -> None:
     d = load_tokens(args.data, args.context, 0.05)
     b = args.batch_size
     model = gpt(GPTShape(d.vocab.size, args.context)).materialize(np, "float32", seed=0)
+    model.ctx.kernels = kernels_for(args.kernels)
     opt = AdamW(model.flat, (0.9, 0.99), 1e-8, 0.1, decay_mask=matrices(model.flat))
-    loss = TokenCrossEntropy()
+    loss = TokenCrossEntropy(kernels=model.ctx.kernels)
     loader = BatchLoader(d.train, np, "float32")
     batches = GlobalBatches(len(d.train), b, 0, 1)
     perm = epoch_permutation(len(d.train), 0, 0)
@@ -333,7 +343,8 @@ def profile_gpt(args: argparse.Namespace) -> None:
             opt_ms.append(1e3 * (t4 - t3))
     total = statistics.median(step_ms)
     print(f"GPT {model.flat.size:,} parameters (4 layers, 4 heads, 128 dims), b={b}, T={args.context}, float32, "
-          f"{args.threads} BLAS thread(s): median step {total:.1f} ms, {b * args.context / total * 1e3:.0f} tokens/s")
+          f"{args.threads} BLAS thread(s){', portable kernels' if args.kernels == 'portable' else ''}: "
+          f"median step {total:.1f} ms, {b * args.context / total * 1e3:.0f} tokens/s")
     print(f"  {'kind of layer (its own time)':<36}{'forward':>9}{'backward':>10}{'share':>8}")
     rows = [(k, statistics.median(f for f, _ in v), statistics.median(bw for _, bw in v)) for k, v in kinds.ms.items()]
     rows += [("loss (softmax cross-entropy)", statistics.median(loss_ms), 0.0),

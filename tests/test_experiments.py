@@ -91,6 +91,17 @@ def test_profile_step_reports_phases_gemm_efficiency_and_spread():
     assert float(spread.split(" ms")[0]) > 0 and "forward+backward" in spread
 
 
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist absent")
+def test_profile_step_tables_a_cnns_layers_on_the_portable_kernels():
+    r = subprocess.run([sys.executable, "experiments/profile_step.py", "--model", "cnn", "--kernels", "portable",
+                        "--steps", "22"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("LeNet-5, b=128, float32, 1 BLAS thread(s), portable kernels: median step ")
+    conv = [line.split(")")[-1].split() for line in r.stdout.splitlines() if "Conv2d(6, 16" in line]
+    assert len(conv) == 1 and float(conv[0][1]) > 0  # its backward
+    assert "GEMM efficiency" not in r.stdout
+
+
 @pytest.mark.alone  # compares step times: run apart (pytest.ini)
 def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
     r = subprocess.run([sys.executable, "experiments/straggler.py", "--ks", "2", "--delays-ms", "0,10",
