@@ -1,10 +1,14 @@
 from setuptools import Extension, find_packages, setup
 
-# The portable level's memory-bound passes in C (mpisgd/portable/_passes.c): optional, since NumPy gives the
-# same bits more slowly (mpisgd.portable.passes). No contraction into fused multiply-adds, no reassociation:
-# its results must be IEEE's, operation by operation.
-PASSES = Extension("mpisgd.portable._passes", ["mpisgd/portable/_passes.c"], optional=True,
-                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"])
+# The portable level's memory-bound passes and elementwise functions in C (mpisgd/portable/_passes.c,
+# _functions.c): optional, since NumPy gives the same bits more slowly (mpisgd.portable.passes, .elementwise).
+# No contraction into fused multiply-adds, no reassociation: their results must be IEEE's, operation by operation.
+IEEE = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
+HEADERS = ["mpisgd/portable/_arrays.h", "mpisgd/portable/_ieee.h"]
+PASSES = Extension("mpisgd.portable._passes", ["mpisgd/portable/_passes.c"], depends=HEADERS, optional=True,
+                   extra_compile_args=IEEE)
+FUNCTIONS = Extension("mpisgd.portable._functions", ["mpisgd/portable/_functions.c"], depends=HEADERS, optional=True,
+                      extra_compile_args=IEEE)
 
 setup(
     name="mpisgd",
@@ -13,7 +17,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mpisgd", "mpisgd.*"]),
-    ext_modules=[PASSES],
+    ext_modules=[PASSES, FUNCTIONS],
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "mpi4py>=3.1", "threadpoolctl>=3.1", "tqdm>=4.60"],
     extras_require={

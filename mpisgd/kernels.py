@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable import elementwise, gemm, passes, reduce
+from mpisgd.portable import elementwise, gemm, native, reduce
 from mpisgd.portable.samples import Samples
 from mpisgd.portable.weight import Weight
 
@@ -105,7 +105,7 @@ class PortableKernels:
     name = "portable"
 
     def __init__(self) -> None:
-        passes.wanted()  # a bad MPISGD_PORTABLE_PASSES: one UsageError at set-up
+        native.wanted()  # a bad MPISGD_PORTABLE_PASSES: one UsageError at set-up
         self.workspace = gemm.Workspace()
 
     def matmul(self, a: Array | gemm.Split, b: Array | gemm.Split | Weight, out: Array = None) -> Array:

@@ -114,10 +114,12 @@ if ! mpi_library >/dev/null; then
        "as root run ldconfig, or point MPI4PY_LIBMPI at libmpi.so" >&2
   exit 1
 fi
-# the portable level's passes in C (setup.py, optional): without a C compiler NumPy's give the same bits, slower
-case $(python3 -c 'import numpy; from mpisgd.portable.passes import passes_for; print(passes_for(numpy).name)' 2>&1) in
-  compiled) echo "[install] the portable level's compiled passes: built" ;;
-  *) echo "[install] the portable level's compiled passes were not built (a C compiler and Python's headers:" \
-          "apt-get install gcc python3-dev, then this again); NumPy's passes give the same bits, slower" ;;
+# the portable level's passes and functions in C (setup.py, optional): without a C compiler NumPy's give the same
+# bits, slower
+case $(python3 -c 'import numpy; from mpisgd.portable.passes import passes_for; from mpisgd.portable.elementwise import functions_for
+print(passes_for(numpy).name, functions_for(numpy).name)' 2>&1) in
+  "compiled compiled") echo "[install] the portable level's compiled passes and functions: built" ;;
+  *) echo "[install] the portable level's compiled passes and functions were not built (a C compiler and Python's" \
+          "headers: apt-get install gcc python3-dev, then this again); NumPy's give the same bits, slower" ;;
 esac
 echo "[install] ready: $(mpi_library)"

@@ -17,6 +17,7 @@ import mpisgd.portable
 from mpisgd.errors import UsageError
 from mpisgd.kernels import PortableKernels
 from mpisgd.portable import gemm, passes
+from mpisgd.portable.native import ENV
 from mpisgd.portable.passes import CompiledPasses, UfuncPasses, passes_for
 from mpisgd.portable.reduce import fold_
 from mpisgd.portable.weight import Weight
@@ -320,22 +321,22 @@ def test_a_models_gradients_have_the_same_bits_under_both_strategies(model, stra
 # -- choosing, and bad input ---------------------------------------------------------------------------
 def test_the_strategy_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setattr(passes, "_CHOSEN", {})
-    monkeypatch.setenv(passes.ENV, "ufunc")
+    monkeypatch.setenv(ENV, "ufunc")
     assert type(passes_for(np)) is UfuncPasses
     monkeypatch.setattr(passes, "_CHOSEN", {})
-    monkeypatch.setenv(passes.ENV, "fast")
+    monkeypatch.setenv(ENV, "fast")
     with pytest.raises(UsageError, match="MPISGD_PORTABLE_PASSES='fast': use ufunc"):
         passes_for(np)
     with pytest.raises(UsageError, match="MPISGD_PORTABLE_PASSES='fast'"):  # at set-up, before any product
         PortableKernels()
     monkeypatch.setattr(passes, "_CHOSEN", {})
-    monkeypatch.setenv(passes.ENV, "compiled")
+    monkeypatch.setenv(ENV, "compiled")
     monkeypatch.setitem(sys.modules, "mpisgd.portable._passes", None)  # as if not built
     monkeypatch.delattr(mpisgd.portable, "_passes", raising=False)
     with pytest.raises(UsageError, match="not built"):
         passes_for(np)
     monkeypatch.setattr(passes, "_CHOSEN", {})
-    monkeypatch.delenv(passes.ENV)
+    monkeypatch.delenv(ENV)
     assert type(passes_for(np)) is UfuncPasses  # not built, not asked for: the ufuncs, silently
 
 
@@ -343,7 +344,7 @@ def test_the_strategy_is_chosen_by_the_environment(monkeypatch):
 def test_a_bad_choice_is_one_line_on_every_rank(monkeypatch):
     """The training CLI with a bad MPISGD_PORTABLE_PASSES: refused at set-up, one line naming it, exit 2
     on every rank (not a model check's complaint about the samples' shape)."""
-    monkeypatch.setenv(passes.ENV, "avx")
+    monkeypatch.setenv(ENV, "avx")
     r = train_here([*TINY, "--reproducible", "portable", "--max-steps", "2"])
     assert r.statuses == (2,) * len(r.statuses), (r.statuses, r.err)
     assert r.error.startswith("mpisgd: error: ") and "MPISGD_PORTABLE_PASSES='avx'" in r.error

@@ -3,70 +3,16 @@
    Every value is the one NumPy's ufuncs give for the same operations: IEEE float32 or float64 additions
    and multiplications, each rounded to nearest, in the order of mpisgd.portable.reduce's fixed tree. The
    file must be compiled without contraction into fused multiply-adds and without reassociation
-   (setup.py: -ffp-contract=off, no -ffast-math); tests/test_portable.py compares every function with
-   its NumPy form bit for bit.
+   (setup.py: -ffp-contract=off, no -ffast-math); tests/test_portable_passes.py compares every function
+   with its NumPy form bit for bit.
 
-   Arrays arrive through the buffer protocol: up to 4 dimensions, any strides (a multiple of the item
-   size), 0 for a broadcast axis. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+   Arrays arrive through the buffer protocol (_arrays.h): up to 4 dimensions, any strides (a multiple of
+   the item size), 0 for a broadcast axis. */
+#include "_arrays.h"
+#include "_ieee.h"
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
-
-#define MAXDIM 4
-
-typedef struct {
-    Py_buffer view;
-    Py_ssize_t shape[MAXDIM];  /* padded in front with 1 */
-    Py_ssize_t step[MAXDIM];   /* strides in items, padded in front with 0 */
-    char kind;                 /* 'f' or 'd' */
-    int held;
-} Arr;
-
-static void release(Arr *a) {
-    if (a->held) PyBuffer_Release(&a->view);
-    a->held = 0;
-}
-
-/* A float32 or float64 array of at most MAXDIM dimensions, native byte order, whose strides are whole items. */
-static int take(PyObject *obj, Arr *a, int writable, const char *name) {
-    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    a->held = 0;
-    if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
-    a->held = 1;
-    const char *f = a->view.format ? a->view.format : "B";
-    if (*f == '@' || *f == '=' || *f == '<') f++;
-    if ((*f != 'f' && *f != 'd') || f[1] != '\0' || a->view.ndim > MAXDIM) {
-        PyErr_Format(PyExc_TypeError, "%s: a float32 or float64 array of at most %d dimensions", name, MAXDIM);
-        release(a);
-        return -1;
-    }
-    a->kind = *f;
-    int pad = MAXDIM - a->view.ndim;
-    for (int i = 0; i < MAXDIM; i++) {
-        if (i < pad) {
-            a->shape[i] = 1;
-            a->step[i] = 0;
-            continue;
-        }
-        Py_ssize_t s = a->view.strides[i - pad];
-        if (s % a->view.itemsize != 0) {
-            PyErr_Format(PyExc_ValueError, "%s: strides must be whole items", name);
-            release(a);
-            return -1;
-        }
-        a->shape[i] = a->view.shape[i - pad];
-        a->step[i] = s / a->view.itemsize;
-    }
-    return 0;
-}
-
-static int same_shape(const Arr *a, const Arr *b) {
-    for (int i = 0; i < MAXDIM; i++)
-        if (a->shape[i] != b->shape[i]) return 0;
-    return 1;
-}
 
 /* out = (x + c) - c in float64: with c = 1.5 2^52 / s, x rounded to the nearest multiple of 1/s
    (mpisgd.portable.gemm.on_grid). */
@@ -121,17 +67,6 @@ static PyObject *on_grid(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     release(&x); release(&c); release(&o);
     Py_RETURN_NONE;
-}
-
-/* rint(y) as IEEE roundToIntegralTiesToEven makes it (NumPy's rint, in the default rounding mode), from
-   additions only: below 2^52, |y| + 2^52 - 2^52 rounds |y| to the nearest integer, ties to even (float64's
-   spacing there is 1), and the sign is y's (rint(-0.3) is -0.0); from 2^52 on, and for inf and NaN, y is
-   its own rint. */
-static inline double round_even(double y) {
-    const double big = 4503599627370496.0;  /* 2^52 */
-    double a = fabs(y);
-    double t = (a + big) - big;
-    return a < big ? copysign(t, y) : y;
 }
 
 /* q = rint(x s) and, where rest is given, rest = x s - q (exact): the integers of a split's float64 slice

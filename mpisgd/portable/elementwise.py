@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
+from mpisgd.portable.native import serving
 
 Array = Any
 
@@ -38,6 +39,9 @@ ERF_CF = 60  # continued-fraction levels of erfc at and above ERF_SPLIT
 ERF_ONE = 6.0  # erf is 1 in float64 from here
 TWO_OVER_SQRT_PI = 1.12837916709551257390
 INV_SQRT_PI = 0.56418958354775628695
+ERF_TERMS = [(-1.0) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(ERF_SERIES)]  # of a^2, times a
+LOG_LOW = 0.70710678118654752440  # mantissas below: doubled (log64)
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what the compiled functions take
 
 
 def _work(x: Array) -> tuple[Any, Array]:
@@ -100,7 +104,7 @@ def log64(x: Array) -> Array:
     log(1 + f) = f - f^2/2 + s (f^2/2 + R(s^2)) with R the atanh series (fdlibm's arrangement)."""
     xp = xp_of(x)
     m, e = xp.frexp(x)
-    low = m < 0.70710678118654752440
+    low = m < LOG_LOW
     m = xp.where(low, m * 2.0, m)
     e = (e - low).astype(np.float64)
     f = m - 1.0
@@ -130,8 +134,7 @@ def erf64(x: Array) -> Array:
     a = xp.abs(x)
     # series: (2/sqrt(pi)) sum (-1)^n a^(2n+1) / (n! (2n+1)) = (2/sqrt(pi)) a sum c_n (a^2)^n
     t = xp.minimum(a, ERF_SPLIT)
-    coeffs = [(-1.0) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(ERF_SERIES)]
-    series = TWO_OVER_SQRT_PI * (t * _horner(xp, t * t, coeffs))
+    series = TWO_OVER_SQRT_PI * (t * _horner(xp, t * t, ERF_TERMS))
     # Laplace's continued fraction: erfc(a) = e^(-a^2)/sqrt(pi) / (a + (1/2)/(a + 1/(a + (3/2)/(a + ...))))
     z = xp.maximum(a, ERF_SPLIT)
     d = xp.array(z, copy=True)
@@ -144,29 +147,77 @@ def erf64(x: Array) -> Array:
     return xp.copysign(y, x)
 
 
+class UfuncFunctions:
+    """The functions as above: one ufunc of the array's module per operation, any array module."""
+
+    name = "ufunc"
+
+    def apply(self, name: str, x: Array, out: Array = None) -> Array:
+        """``name`` (exp, expm1, log, tanh or erf) of x, in float64, rounded once into ``out`` (or returned
+        in x's dtype)."""
+        xp, w = _work(x)
+        return _result(xp, FUNCTIONS64[name](w), x, out)
+
+
+class CompiledFunctions(UfuncFunctions):
+    """The same operations per element in C (mpisgd/portable/_functions.c), for NumPy arrays of float32 or
+    float64 of at most 4 dimensions; the ufuncs otherwise."""
+
+    name = "compiled"
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        native.constants(LN2_HI, LN2_LO, INV_LN2, EXP_MAX, EXP_MIN, EXP_MIN - 1.0, EXP_MAX + 1.0, 0.5 * LN2_HI,
+                         LOG_LOW, ERF_SPLIT, ERF_ONE, TWO_OVER_SQRT_PI, INV_SQRT_PI, ERF_CF, EXP_TERMS,
+                         EXPM1_TERMS, LOG_TERMS, ERF_TERMS)
+
+    def apply(self, name: str, x: Array, out: Array = None) -> Array:
+        if x.ndim > 4 or np.dtype(x.dtype) not in FLOATS or (out is not None and (
+                out.ndim > 4 or np.dtype(out.dtype) not in FLOATS or out.shape != x.shape)):
+            return super().apply(name, x, out)
+        if out is None:
+            out = np.empty(x.shape, x.dtype)
+        elif out is not x and np.may_share_memory(x, out):  # each element is read before it is written, not others
+            x = x.copy()
+        getattr(self.native, name)(x, out)
+        return out
+
+
+_CHOSEN: dict[str, UfuncFunctions] = {}
+
+
+def functions_for(xp: Any) -> UfuncFunctions:
+    """The functions for arrays of module ``xp``: compiled for NumPy where the extension is built (and
+    MPISGD_PORTABLE_PASSES is not ``ufunc``: mpisgd.portable.native), the ufuncs otherwise. Chosen once per
+    module."""
+    chosen = _CHOSEN.get(xp.__name__)
+    if chosen is None:
+        native = serving("_functions", xp)
+        chosen = _CHOSEN[xp.__name__] = UfuncFunctions() if native is None else CompiledFunctions(native)
+    return chosen
+
+
 def exp(x: Array, out: Array = None) -> Array:
-    xp, w = _work(x)
-    return _result(xp, exp64(w), x, out)
+    return functions_for(xp_of(x)).apply("exp", x, out)
 
 
 def expm1(x: Array, out: Array = None) -> Array:
-    xp, w = _work(x)
-    return _result(xp, expm1_64(w), x, out)
+    return functions_for(xp_of(x)).apply("expm1", x, out)
 
 
 def log(x: Array, out: Array = None) -> Array:
-    xp, w = _work(x)
-    return _result(xp, log64(w), x, out)
+    return functions_for(xp_of(x)).apply("log", x, out)
 
 
 def tanh(x: Array, out: Array = None) -> Array:
-    xp, w = _work(x)
-    return _result(xp, tanh64(w), x, out)
+    return functions_for(xp_of(x)).apply("tanh", x, out)
 
 
 def erf(x: Array, out: Array = None) -> Array:
-    xp, w = _work(x)
-    return _result(xp, erf64(w), x, out)
+    return functions_for(xp_of(x)).apply("erf", x, out)
+
+
+FUNCTIONS64 = {"exp": exp64, "expm1": expm1_64, "log": log64, "tanh": tanh64, "erf": erf64}
 
 
 def rsqrt(x: Array, out: Array = None) -> Array:

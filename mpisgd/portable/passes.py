@@ -12,22 +12,20 @@ Two strategies with the same results, bit for bit, chosen once per array module 
   shape and special value it takes.
 
 The extension is built by ``pip install`` where a C compiler exists (setup.py marks it optional);
-``MPISGD_PORTABLE_PASSES=ufunc`` chooses the ufuncs even where it is built.
+``MPISGD_PORTABLE_PASSES=ufunc`` chooses the ufuncs even where it is built (mpisgd.portable.native).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from mpisgd.errors import UsageError
+from mpisgd.portable.native import serving
 from mpisgd.portable.reduce import fold_, fold_into
 
 Array = Any
 MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (on_grid)
-ENV = "MPISGD_PORTABLE_PASSES"
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what the compiled passes take
 
 
@@ -170,28 +168,6 @@ def passes_for(xp: Any) -> UfuncPasses:
     return chosen
 
 
-def wanted() -> str:
-    """MPISGD_PORTABLE_PASSES: ``ufunc``, ``compiled`` or empty (compiled where built); anything else, or
-    ``compiled`` where the extension is not built, is a UsageError (the portable kernels check it at
-    set-up, so a bad value is one line on every rank, not a failed first product)."""
-    value = os.environ.get(ENV, "")
-    if value not in ("", "ufunc", "compiled"):
-        raise UsageError(f"{ENV}={value!r}: use ufunc (NumPy's passes) or compiled (mpisgd's C passes), or unset it")
-    if value == "compiled" and _native() is None:
-        raise UsageError(f"{ENV}=compiled, but mpisgd.portable._passes is not built: install mpisgd with a C "
-                         "compiler and Python's headers (bash scripts/install.sh), or unset it")
-    return value
-
-
-def _native() -> Any:
-    try:
-        from mpisgd.portable import _passes  # type: ignore[attr-defined]  # built by setup.py where a compiler is
-    except ImportError:
-        return None
-    return _passes
-
-
 def _choose(xp: Any) -> UfuncPasses:
-    value = wanted()
-    native = _native() if xp is np and value != "ufunc" else None
+    native = serving("_passes", xp)
     return UfuncPasses() if native is None else CompiledPasses(native)

@@ -1,0 +1,63 @@
+/* Arrays through the buffer protocol, for mpisgd's C passes and functions (_passes.c, _functions.c): float32
+   or float64, native byte order, up to MAXDIM dimensions (padded in front with 1), any strides that are
+   whole items (0 for a broadcast axis). */
+#ifndef MPISGD_ARRAYS_H
+#define MPISGD_ARRAYS_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define MAXDIM 4
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t shape[MAXDIM];  /* padded in front with 1 */
+    Py_ssize_t step[MAXDIM];   /* strides in items, padded in front with 0 */
+    char kind;                 /* 'f' or 'd' */
+    int held;
+} Arr;
+
+static void release(Arr *a) {
+    if (a->held) PyBuffer_Release(&a->view);
+    a->held = 0;
+}
+
+/* A float32 or float64 array of at most MAXDIM dimensions, native byte order, whose strides are whole items. */
+static int take(PyObject *obj, Arr *a, int writable, const char *name) {
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    a->held = 0;
+    if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
+    a->held = 1;
+    const char *f = a->view.format ? a->view.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if ((*f != 'f' && *f != 'd') || f[1] != '\0' || a->view.ndim > MAXDIM) {
+        PyErr_Format(PyExc_TypeError, "%s: a float32 or float64 array of at most %d dimensions", name, MAXDIM);
+        release(a);
+        return -1;
+    }
+    a->kind = *f;
+    int pad = MAXDIM - a->view.ndim;
+    for (int i = 0; i < MAXDIM; i++) {
+        if (i < pad) {
+            a->shape[i] = 1;
+            a->step[i] = 0;
+            continue;
+        }
+        Py_ssize_t s = a->view.strides[i - pad];
+        if (s % a->view.itemsize != 0) {
+            PyErr_Format(PyExc_ValueError, "%s: strides must be whole items", name);
+            release(a);
+            return -1;
+        }
+        a->shape[i] = a->view.shape[i - pad];
+        a->step[i] = s / a->view.itemsize;
+    }
+    return 0;
+}
+
+static int same_shape(const Arr *a, const Arr *b) {
+    for (int i = 0; i < MAXDIM; i++)
+        if (a->shape[i] != b->shape[i]) return 0;
+    return 1;
+}
+
+#endif
