@@ -8,6 +8,12 @@ their order is fixed, so the float64 result is a function of the input alone; it
 to the input's dtype. Accuracy: within a few float64 ulps (tests/test_portable.py measures it against
 the C library over many points), so float32 results are correctly rounded but in rare near-ties.
 
+Two strategies give these bits, chosen once per array module (:func:`functions_for`): :class:`UfuncFunctions`,
+the operations as ufuncs as above, and :class:`CompiledFunctions`, mpisgd/portable/_functions.c, which
+makes the same operations element by element (exp, expm1 and tanh in blocks the compiler vectorizes, for
+the widest instruction set the CPU has), for NumPy arrays where the extension is built; several times
+faster, since each ufunc here is a pass through memory. tests/test_portable_functions.py compares them.
+
 The polynomials are truncated Taylor series (coefficients 1/k! and 2/(2k+1), correctly rounded when
 Python divides), long enough that the truncation lies below float64's rounding on the reduced range.
 """
