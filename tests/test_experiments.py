@@ -239,3 +239,21 @@ def test_portable_products_prints_each_product_and_the_step():
     assert len(total) == 4 and all(v > 0 for v in total)
     ratios = re.findall(r"([0-9.]+)x$", r.stdout, re.M)  # the step's ratio, then the GEMMs' ceiling
     assert len(ratios) == 2 and all(0 < float(v) for v in ratios), r.stdout
+
+
+@pytest.mark.parametrize("model,only", [("cnn", None), ("gpt", "functions")])
+def test_portable_compiled_compares_the_strategies_and_their_bits(model, only):
+    from mpisgd.portable.native import extension
+
+    if extension("_passes") is None or extension("_functions") is None:
+        pytest.skip("the C passes and functions are not built")
+    if model == "gpt" and not Path("/usr/local/share/mpisgd/kjv.txt").is_file():
+        pytest.skip("the King James Bible (scripts/install.sh) absent")
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "portable_compiled.py"), "--model", model,
+                        "--steps", "2", "--batch-size", "4", *(["--only", only] if only else [])],
+                       capture_output=True, text=True, timeout=300,
+                       env={**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert f"({only or 'passes and functions'})" in r.stdout
+    assert re.search(r"NumPy's [0-9.]+ ms, compiled [0-9.]+ ms: [0-9.]+x; paired saving -?[0-9.]+ ms", r.stdout)
+    assert "the same loss and gradients, bit for bit: yes" in r.stdout
