@@ -16,14 +16,16 @@
 
 #define TERMS 64
 
-static struct {
+typedef struct {
     int ready;
     double ln2_hi, ln2_lo, inv_ln2, exp_max, exp_min, clip_lo, clip_hi, expm1_small, log_low;
     double erf_split, erf_one, two_over_sqrt_pi, inv_sqrt_pi;
     int erf_cf;
     int n_exp, n_expm1, n_log, n_erf;
     double exp_t[TERMS], expm1_t[TERMS], log_t[TERMS], erf_t[TERMS];
-} K;
+} Constants;
+
+static Constants K;  /* elementwise.py's, set by constants() */
 
 /* sum(c[i] t^i), Horner's rule from the highest: elementwise.py's _horner. */
 static inline double horner(double t, const double *c, int n) {
@@ -336,15 +338,16 @@ static int series(PyObject *seq, double *c, int *n, const char *name) {
 
 static PyObject *constants(PyObject *self, PyObject *args) {
     PyObject *exp_t, *expm1_t, *log_t, *erf_t;
-    K.ready = 0;
-    if (!PyArg_ParseTuple(args, "dddddddddddddiOOOO", &K.ln2_hi, &K.ln2_lo, &K.inv_ln2, &K.exp_max, &K.exp_min,
-                          &K.clip_lo, &K.clip_hi, &K.expm1_small, &K.log_low, &K.erf_split, &K.erf_one,
-                          &K.two_over_sqrt_pi, &K.inv_sqrt_pi, &K.erf_cf, &exp_t, &expm1_t, &log_t, &erf_t))
+    Constants k = {0};  /* parsed whole first: K changes only once all of it is valid */
+    if (!PyArg_ParseTuple(args, "dddddddddddddiOOOO", &k.ln2_hi, &k.ln2_lo, &k.inv_ln2, &k.exp_max, &k.exp_min,
+                          &k.clip_lo, &k.clip_hi, &k.expm1_small, &k.log_low, &k.erf_split, &k.erf_one,
+                          &k.two_over_sqrt_pi, &k.inv_sqrt_pi, &k.erf_cf, &exp_t, &expm1_t, &log_t, &erf_t))
         return NULL;
-    if (series(exp_t, K.exp_t, &K.n_exp, "exp terms") < 0 || series(expm1_t, K.expm1_t, &K.n_expm1, "expm1 terms") < 0 ||
-        series(log_t, K.log_t, &K.n_log, "log terms") < 0 || series(erf_t, K.erf_t, &K.n_erf, "erf terms") < 0)
+    if (series(exp_t, k.exp_t, &k.n_exp, "exp terms") < 0 || series(expm1_t, k.expm1_t, &k.n_expm1, "expm1 terms") < 0 ||
+        series(log_t, k.log_t, &k.n_log, "log terms") < 0 || series(erf_t, k.erf_t, &k.n_erf, "erf terms") < 0)
         return NULL;
-    K.ready = 1;
+    k.ready = 1;
+    K = k;
     Py_RETURN_NONE;
 }
 

@@ -178,7 +178,7 @@ class CompiledFunctions(UfuncFunctions):
                          EXPM1_TERMS, LOG_TERMS, ERF_TERMS)
 
     def apply(self, name: str, x: Array, out: Array = None) -> Array:
-        if x.ndim > 4 or np.dtype(x.dtype) not in FLOATS or (out is not None and (
+        if not isinstance(x, np.ndarray) or x.ndim > 4 or np.dtype(x.dtype) not in FLOATS or (out is not None and (
                 out.ndim > 4 or np.dtype(out.dtype) not in FLOATS or out.shape != x.shape)):
             return super().apply(name, x, out)
         if out is None:
