@@ -60,6 +60,18 @@ typedef struct { double x[BLOCK], y[BLOCK], a[BLOCK], r[BLOCK], k[BLOCK], s[BLOC
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* p[j] = sum(c[i] t[j]^i) for a block: horner's operations, one coefficient at a time over the block. */
+INLINE void horner_block(const double *t, double *p, Py_ssize_t n, const double *c, int terms) {
+    for (Py_ssize_t j = 0; j < n; j++) p[j] = c[terms - 1];
+    for (int i = terms - 2; i >= 0; i--) {
+        const double ci = c[i];
+        for (Py_ssize_t j = 0; j < n; j++) {
+            double q = p[j] * t[j];
+            p[j] = q + ci;
+        }
+    }
+}
+
 INLINE void exp_block(const double *x, double *y, Py_ssize_t n, double *r, double *k) {
     for (Py_ssize_t j = 0; j < n; j++) {
         double v = x[j];
@@ -69,14 +81,7 @@ INLINE void exp_block(const double *x, double *y, Py_ssize_t n, double *r, doubl
         r[j] = t - m * K.ln2_lo;
         k[j] = m == m ? m : 0.0;  /* nan_to_num */
     }
-    for (Py_ssize_t j = 0; j < n; j++) y[j] = K.exp_t[K.n_exp - 1];
-    for (int i = K.n_exp - 2; i >= 0; i--) {
-        const double c = K.exp_t[i];
-        for (Py_ssize_t j = 0; j < n; j++) {
-            double p = y[j] * r[j];
-            y[j] = p + c;
-        }
-    }
+    horner_block(r, y, n, K.exp_t, K.n_exp);
     for (Py_ssize_t j = 0; j < n; j++) {
         int64_t e = (int64_t)k[j], e1 = e >> 1, e2 = e - e1;
         uint64_t b1 = (uint64_t)(e1 + 1023) << 52, b2 = (uint64_t)(e2 + 1023) << 52;
@@ -103,14 +108,7 @@ INLINE void expm1_block(const double *x, double *y, Py_ssize_t n, Work *w) {
     if (small) {  /* t + t t P(t), t = x where small (0 elsewhere, as elementwise.py makes it) */
         double *t = w->r, *p = w->s;
         for (Py_ssize_t j = 0; j < n; j++) t[j] = fabs(x[j]) <= K.expm1_small ? x[j] : 0.0;
-        for (Py_ssize_t j = 0; j < n; j++) p[j] = K.expm1_t[K.n_expm1 - 1];
-        for (int i = K.n_expm1 - 2; i >= 0; i--) {
-            const double c = K.expm1_t[i];
-            for (Py_ssize_t j = 0; j < n; j++) {
-                double q = p[j] * t[j];
-                p[j] = q + c;
-            }
-        }
+        horner_block(t, p, n, K.expm1_t, K.n_expm1);
         for (Py_ssize_t j = 0; j < n; j++) {
             double v = t[j] + t[j] * t[j] * p[j];
             y[j] = fabs(x[j]) <= K.expm1_small ? v : y[j];
@@ -125,71 +123,6 @@ INLINE void tanh_block(const double *x, double *y, Py_ssize_t n, Work *w) {
         double t = y[j];
         y[j] = copysign(-t / (t + 2.0), x[j]);
     }
-}
-
-/* Each block kernel for each instruction set: the same IEEE operations in vectors of 2, 4 or 8 (no FMA:
-   contraction is off), so the same bits. The widest the CPU has is chosen at import; `isa` chooses
-   another (tests/test_portable_functions.py runs each against NumPy). */
-enum { EXP, EXPM1, TANH, KINDS };
-typedef void (*Kernel)(const double *, double *, Py_ssize_t, Work *);
-
-#define VARIANTS(ISA, TARGET)                                                                        \
-    TARGET static void exp_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
-        exp_block(x, y, n, w->r, w->k);                                                              \
-    }                                                                                                \
-    TARGET static void expm1_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {              \
-        expm1_block(x, y, n, w);                                                                     \
-    }                                                                                                \
-    TARGET static void tanh_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
-        tanh_block(x, y, n, w);                                                                      \
-    }
-
-VARIANTS(baseline, )
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define X86 1
-VARIANTS(avx2, __attribute__((target("avx2"))))
-VARIANTS(avx512f, __attribute__((target("avx512f"))))
-static const char *ISAS[] = {"baseline", "avx2", "avx512f"};
-static const Kernel TABLE[][KINDS] = {{exp_baseline, expm1_baseline, tanh_baseline},
-                                      {exp_avx2, expm1_avx2, tanh_avx2},
-                                      {exp_avx512f, expm1_avx512f, tanh_avx512f}};
-static int runs(int isa) {
-    __builtin_cpu_init();
-    return isa == 0 || (isa == 1 && __builtin_cpu_supports("avx2")) || (isa == 2 && __builtin_cpu_supports("avx512f"));
-}
-#else
-#define X86 0
-static const char *ISAS[] = {"baseline"};
-static const Kernel TABLE[][KINDS] = {{exp_baseline, expm1_baseline, tanh_baseline}};
-static int runs(int isa) { return isa == 0; }
-#endif
-#define N_ISAS ((int)(sizeof ISAS / sizeof ISAS[0]))
-static int chosen = 0;
-
-static PyObject *isa(PyObject *self, PyObject *args) {
-    const char *name = NULL;
-    if (!PyArg_ParseTuple(args, "|s", &name)) return NULL;
-    if (name) {
-        int i = 0;
-        while (i < N_ISAS && strcmp(ISAS[i], name) != 0) i++;
-        if (i == N_ISAS || !runs(i)) {
-            PyErr_Format(PyExc_ValueError, "isa: %s is not an instruction set this CPU runs", name);
-            return NULL;
-        }
-        chosen = i;
-    }
-    return PyUnicode_FromString(ISAS[chosen]);
-}
-
-static PyObject *isas(PyObject *self, PyObject *args) {
-    PyObject *out = PyList_New(0);
-    for (int i = 0; out && i < N_ISAS; i++) {
-        if (!runs(i)) continue;
-        PyObject *s = PyUnicode_FromString(ISAS[i]);
-        if (!s || PyList_Append(out, s) < 0) { Py_XDECREF(s); Py_DECREF(out); return NULL; }
-        Py_DECREF(s);
-    }
-    return out;
 }
 
 static inline double log64(double x) {
@@ -225,43 +158,77 @@ static inline double erf64(double x) {
     return copysign(y, x);
 }
 
-/* out = F(x) for every element: x float32 or float64 (exact in float64), the result rounded once to out's. */
-#define APPLY(F, TI, TO)                                                                                  \
-    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                               \
-        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                           \
-            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                     \
-                const TI *xr = (const TI *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2];  \
-                TO *orow = (TO *)o.view.buf + i0 * o.step[0] + i1 * o.step[1] + i2 * o.step[2];            \
-                Py_ssize_t len = n[3], sx = x.step[3], so = o.step[3];                                    \
-                for (Py_ssize_t j = 0; j < len; j++) orow[j * so] = (TO)F((double)xr[j * sx]);             \
-            }
+/* Each function's block kernel for each instruction set: the same IEEE operations in vectors of 2, 4 or 8
+   (no FMA: contraction is off), so the same bits; log and erf, which branch, element by element. The
+   widest the CPU has is chosen at import; `isa` chooses another (tests/test_portable_functions.py runs
+   each against NumPy). */
+enum { EXP, EXPM1, TANH, LOG, ERF, KINDS };
+typedef void (*Kernel)(const double *, double *, Py_ssize_t, Work *);
 
-#define FUNCTION(F, NAME)                                                                                   \
-    static PyObject *py_##F(PyObject *self, PyObject *args) {                                                \
-        PyObject *ox, *oo;                                                                                   \
-        Arr x, o;                                                                                            \
-        if (!K.ready) {                                                                                      \
-            PyErr_SetString(PyExc_RuntimeError, NAME ": call constants() first");                            \
-            return NULL;                                                                                     \
-        }                                                                                                    \
-        if (!PyArg_ParseTuple(args, "OO", &ox, &oo)) return NULL;                                            \
-        if (take(ox, &x, 0, NAME " x") < 0) return NULL;                                                     \
-        if (take(oo, &o, 1, NAME " out") < 0) { release(&x); return NULL; }                                  \
-        if (!same_shape(&x, &o)) {                                                                           \
-            PyErr_SetString(PyExc_ValueError, NAME ": x and out of one shape");                              \
-            release(&x); release(&o);                                                                        \
-            return NULL;                                                                                     \
-        }                                                                                                    \
-        const Py_ssize_t *n = o.shape;                                                                       \
-        Py_BEGIN_ALLOW_THREADS                                                                               \
-        if (x.kind == 'f' && o.kind == 'f') { APPLY(F, float, float) }                                       \
-        else if (x.kind == 'f') { APPLY(F, float, double) }                                                  \
-        else if (o.kind == 'f') { APPLY(F, double, float) }                                                  \
-        else { APPLY(F, double, double) }                                                                    \
-        Py_END_ALLOW_THREADS                                                                                 \
-        release(&x); release(&o);                                                                            \
-        Py_RETURN_NONE;                                                                                      \
+#define VARIANTS(ISA, TARGET)                                                                        \
+    TARGET static void exp_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
+        exp_block(x, y, n, w->r, w->k);                                                              \
+    }                                                                                                \
+    TARGET static void expm1_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {              \
+        expm1_block(x, y, n, w);                                                                     \
+    }                                                                                                \
+    TARGET static void tanh_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
+        tanh_block(x, y, n, w);                                                                      \
+    }                                                                                                \
+    TARGET static void log_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
+        for (Py_ssize_t j = 0; j < n; j++) y[j] = log64(x[j]);                                       \
+    }                                                                                                \
+    TARGET static void erf_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
+        for (Py_ssize_t j = 0; j < n; j++) y[j] = erf64(x[j]);                                       \
     }
+
+VARIANTS(baseline, )
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define X86 1
+VARIANTS(avx2, __attribute__((target("avx2"))))
+VARIANTS(avx512f, __attribute__((target("avx512f"))))
+static const char *ISAS[] = {"baseline", "avx2", "avx512f"};
+static const Kernel TABLE[][KINDS] = {{exp_baseline, expm1_baseline, tanh_baseline, log_baseline, erf_baseline},
+                                      {exp_avx2, expm1_avx2, tanh_avx2, log_avx2, erf_avx2},
+                                      {exp_avx512f, expm1_avx512f, tanh_avx512f, log_avx512f, erf_avx512f}};
+static int runs(int isa) {
+    __builtin_cpu_init();
+    return isa == 0 || (isa == 1 && __builtin_cpu_supports("avx2")) || (isa == 2 && __builtin_cpu_supports("avx512f"));
+}
+#else
+#define X86 0
+static const char *ISAS[] = {"baseline"};
+static const Kernel TABLE[][KINDS] = {{exp_baseline, expm1_baseline, tanh_baseline, log_baseline, erf_baseline}};
+static int runs(int isa) { return isa == 0; }
+#endif
+#define N_ISAS ((int)(sizeof ISAS / sizeof ISAS[0]))
+static int chosen = 0;
+
+static PyObject *isa(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|s", &name)) return NULL;
+    if (name) {
+        int i = 0;
+        while (i < N_ISAS && strcmp(ISAS[i], name) != 0) i++;
+        if (i == N_ISAS || !runs(i)) {
+            PyErr_Format(PyExc_ValueError, "isa: %s is not an instruction set this CPU runs", name);
+            return NULL;
+        }
+        chosen = i;
+    }
+    return PyUnicode_FromString(ISAS[chosen]);
+}
+
+static PyObject *isas(PyObject *self, PyObject *args) {
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < N_ISAS; i++) {
+        if (!runs(i)) continue;
+        PyObject *s = PyUnicode_FromString(ISAS[i]);
+        if (!s || PyList_Append(out, s) < 0) { Py_XDECREF(s); Py_DECREF(out); return NULL; }
+        Py_DECREF(s);
+    }
+    return out;
+}
 
 /* out = F(x), a block of a row at a time: x's elements into a float64 block (exact), the chosen
    instruction set's block kernel, the results rounded once into out. */
@@ -313,9 +280,9 @@ static PyObject *blocked(PyObject *args, int kind, const char *name) {
 static PyObject *py_exp(PyObject *self, PyObject *args) { return blocked(args, EXP, "exp"); }
 static PyObject *py_expm1(PyObject *self, PyObject *args) { return blocked(args, EXPM1, "expm1"); }
 static PyObject *py_tanh(PyObject *self, PyObject *args) { return blocked(args, TANH, "tanh"); }
+static PyObject *py_log(PyObject *self, PyObject *args) { return blocked(args, LOG, "log"); }
+static PyObject *py_erf(PyObject *self, PyObject *args) { return blocked(args, ERF, "erf"); }
 
-FUNCTION(log64, "log")
-FUNCTION(erf64, "erf")
 
 /* A sequence of at most TERMS floats into c; its length into n. */
 static int series(PyObject *seq, double *c, int *n, const char *name) {
@@ -359,11 +326,11 @@ static PyMethodDef methods[] = {
     {"exp", py_exp, METH_VARARGS, "exp(x, out): out = e^x, elementwise.exp64's operations"},
     {"expm1", py_expm1, METH_VARARGS, "expm1(x, out): out = e^x - 1, elementwise.expm1_64's operations"},
     {"tanh", py_tanh, METH_VARARGS, "tanh(x, out): elementwise.tanh64's operations"},
-    {"log", py_log64, METH_VARARGS, "log(x, out): out = ln x, elementwise.log64's operations"},
-    {"erf", py_erf64, METH_VARARGS, "erf(x, out): elementwise.erf64's operations"},
+    {"log", py_log, METH_VARARGS, "log(x, out): out = ln x, elementwise.log64's operations"},
+    {"erf", py_erf, METH_VARARGS, "erf(x, out): elementwise.erf64's operations"},
     {"isa", isa, METH_VARARGS,
-     "isa([name]): the instruction set of exp, expm1 and tanh's kernels (the widest the CPU runs, at import); "
-     "with a name (baseline, avx2, avx512f), that one"},
+     "isa([name]): the instruction set the functions' kernels are compiled for (the widest the CPU runs, at "
+     "import); with a name (baseline, avx2, avx512f), that one"},
     {"isas", isas, METH_NOARGS, "isas(): the instruction sets this CPU runs the kernels in, narrowest first"},
     {NULL, NULL, 0, NULL},
 };
