@@ -1,8 +1,9 @@
 /* The portable level's elementwise functions (mpisgd.portable.elementwise), each in one trip through memory.
 
    elementwise.py computes exp, expm1, log, tanh and erf in float64 with one NumPy (or CuPy) ufunc per IEEE
-   operation. Here each element goes through the same operations in the same order (its ldexp and frexp are
-   the C library's, exact as NumPy's; rint is _ieee.h's round_even), then is rounded once to the output's
+   operation. Here each element goes through the same operations in the same order (ldexp is the C
+   library's or two multiplications by powers of two, frexp the C library's, both exact as NumPy's; rint
+   is _ieee.h's round_even), then is rounded once to the output's
    dtype: the same bits, without a pass through memory per operation. Where NumPy computes both sides of a
    `where` and keeps one, this computes the one it keeps. The constants and series come from elementwise.py
    (`constants`), so the two cannot drift apart. Compiled without contraction into fused multiply-adds and
