@@ -60,4 +60,13 @@ static int same_shape(const Arr *a, const Arr *b) {
     return 1;
 }
 
+/* Every row of a padded 4-D shape n (its last axis is the row): i0, i1, i2 over the first three axes. */
+#define FOR_ROWS(n)                                      \
+    for (Py_ssize_t i0 = 0; i0 < (n)[0]; i0++)           \
+        for (Py_ssize_t i1 = 0; i1 < (n)[1]; i1++)       \
+            for (Py_ssize_t i2 = 0; i2 < (n)[2]; i2++)
+
+/* Row (i0, i1, i2) of the Arr a, as a pointer to T: in FOR_ROWS. */
+#define ROW(T, a) ((T *)(a).view.buf + i0 * (a).step[0] + i1 * (a).step[1] + i2 * (a).step[2])
+
 #endif

@@ -166,21 +166,21 @@ static inline double erf64(double x) {
 enum { EXP, EXPM1, TANH, LOG, ERF, KINDS };
 typedef void (*Kernel)(const double *, double *, Py_ssize_t, Work *);
 
-#define VARIANTS(ISA, TARGET)                                                                        \
-    TARGET static void exp_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
-        exp_block(x, y, n, w->r, w->k);                                                              \
-    }                                                                                                \
-    TARGET static void expm1_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {              \
-        expm1_block(x, y, n, w);                                                                     \
-    }                                                                                                \
-    TARGET static void tanh_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
-        tanh_block(x, y, n, w);                                                                      \
-    }                                                                                                \
-    TARGET static void log_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
-        for (Py_ssize_t j = 0; j < n; j++) y[j] = log64(x[j]);                                       \
-    }                                                                                                \
-    TARGET static void erf_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {                \
-        for (Py_ssize_t j = 0; j < n; j++) y[j] = erf64(x[j]);                                       \
+#define VARIANTS(ISA, TARGET)                                                                       \
+    TARGET static void exp_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
+        exp_block(x, y, n, w->r, w->k);                                                             \
+    }                                                                                               \
+    TARGET static void expm1_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {             \
+        expm1_block(x, y, n, w);                                                                    \
+    }                                                                                               \
+    TARGET static void tanh_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {              \
+        tanh_block(x, y, n, w);                                                                     \
+    }                                                                                               \
+    TARGET static void log_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
+        for (Py_ssize_t j = 0; j < n; j++) y[j] = log64(x[j]);                                      \
+    }                                                                                               \
+    TARGET static void erf_##ISA(const double *x, double *y, Py_ssize_t n, Work *w) {               \
+        for (Py_ssize_t j = 0; j < n; j++) y[j] = erf64(x[j]);                                      \
     }
 
 VARIANTS(baseline, )
@@ -233,20 +233,18 @@ static PyObject *isas(PyObject *self, PyObject *args) {
 
 /* out = F(x), a block of a row at a time: x's elements into a float64 block (exact), the chosen
    instruction set's block kernel, the results rounded once into out. */
-#define APPLY_BLOCKS(TI, TO)                                                                               \
-    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                                \
-        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                            \
-            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                      \
-                const TI *xr = (const TI *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2];   \
-                TO *orow = (TO *)o.view.buf + i0 * o.step[0] + i1 * o.step[1] + i2 * o.step[2];             \
-                Py_ssize_t len = n[3], sx = x.step[3], so = o.step[3];                                     \
-                for (Py_ssize_t j0 = 0; j0 < len; j0 += BLOCK) {                                            \
-                    Py_ssize_t m = len - j0 < BLOCK ? len - j0 : BLOCK;                                     \
-                    for (Py_ssize_t j = 0; j < m; j++) w->x[j] = (double)xr[(j0 + j) * sx];                 \
-                    kernel(w->x, w->y, m, w);                                                               \
-                    for (Py_ssize_t j = 0; j < m; j++) orow[(j0 + j) * so] = (TO)w->y[j];                   \
-                }                                                                                           \
-            }
+#define APPLY_BLOCKS(TI, TO)                                                                        \
+    FOR_ROWS(n) {                                                                                   \
+        const TI *xr = ROW(const TI, x);                                                            \
+        TO *orow = ROW(TO, o);                                                                      \
+        Py_ssize_t len = n[3], sx = x.step[3], so = o.step[3];                                      \
+        for (Py_ssize_t j0 = 0; j0 < len; j0 += BLOCK) {                                            \
+            Py_ssize_t m = len - j0 < BLOCK ? len - j0 : BLOCK;                                     \
+            for (Py_ssize_t j = 0; j < m; j++) w->x[j] = (double)xr[(j0 + j) * sx];                 \
+            kernel(w->x, w->y, m, w);                                                               \
+            for (Py_ssize_t j = 0; j < m; j++) orow[(j0 + j) * so] = (TO)w->y[j];                   \
+        }                                                                                           \
+    }
 
 static PyObject *blocked(PyObject *args, int kind, const char *name) {
     PyObject *ox, *oo;

@@ -16,34 +16,31 @@
 
 /* out = (x + c) - c in float64: with c = 1.5 2^52 / s, x rounded to the nearest multiple of 1/s
    (mpisgd.portable.gemm.on_grid). */
-#define ON_GRID_ROWS(T)                                                                                \
-    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                            \
-        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                        \
-            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                  \
-                const T *xr = (const T *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2]; \
-                const double *cr = (const double *)c.view.buf + i0 * c.step[0] + i1 * c.step[1] +      \
-                                   i2 * c.step[2];                                                      \
-                double *orow = (double *)o.view.buf + i0 * o.step[0] + i1 * o.step[1] + i2 * o.step[2]; \
-                Py_ssize_t len = n[3], sx = x.step[3], sc = c.step[3], so = o.step[3];                 \
-                if (sx == 1 && so == 1 && sc == 0) {                                                    \
-                    const double k = cr[0];                                                             \
-                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
-                        double v = (double)xr[j] + k;                                                   \
-                        orow[j] = v - k;                                                                \
-                    }                                                                                   \
-                } else if (sx == 1 && so == 1 && sc == 1) {                                             \
-                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
-                        double v = (double)xr[j] + cr[j];                                               \
-                        orow[j] = v - cr[j];                                                            \
-                    }                                                                                   \
-                } else {                                                                                \
-                    for (Py_ssize_t j = 0; j < len; j++) {                                              \
-                        double k = cr[j * sc];                                                          \
-                        double v = (double)xr[j * sx] + k;                                              \
-                        orow[j * so] = v - k;                                                           \
-                    }                                                                                   \
-                }                                                                                       \
-            }
+#define ON_GRID_ROWS(T)                                                                             \
+    FOR_ROWS(n) {                                                                                   \
+        const T *xr = ROW(const T, x);                                                              \
+        const double *cr = ROW(const double, c);                                                    \
+        double *orow = ROW(double, o);                                                              \
+        Py_ssize_t len = n[3], sx = x.step[3], sc = c.step[3], so = o.step[3];                      \
+        if (sx == 1 && so == 1 && sc == 0) {                                                        \
+            const double k = cr[0];                                                                 \
+            for (Py_ssize_t j = 0; j < len; j++) {                                                  \
+                double v = (double)xr[j] + k;                                                       \
+                orow[j] = v - k;                                                                    \
+            }                                                                                       \
+        } else if (sx == 1 && so == 1 && sc == 1) {                                                 \
+            for (Py_ssize_t j = 0; j < len; j++) {                                                  \
+                double v = (double)xr[j] + cr[j];                                                   \
+                orow[j] = v - cr[j];                                                                \
+            }                                                                                       \
+        } else {                                                                                    \
+            for (Py_ssize_t j = 0; j < len; j++) {                                                  \
+                double k = cr[j * sc];                                                              \
+                double v = (double)xr[j * sx] + k;                                                  \
+                orow[j * so] = v - k;                                                               \
+            }                                                                                       \
+        }                                                                                           \
+    }
 
 static PyObject *on_grid(PyObject *self, PyObject *args) {
     PyObject *ox, *oc, *oo;
@@ -71,32 +68,28 @@ static PyObject *on_grid(PyObject *self, PyObject *args) {
 
 /* q = rint(x s) and, where rest is given, rest = x s - q (exact): the integers of a split's float64 slice
    (mpisgd.portable.passes.UfuncPasses.integers), x s rounded once as NumPy's multiply rounds it. */
-#define INTEGERS_ROWS(T)                                                                                   \
-    for (Py_ssize_t i0 = 0; i0 < n[0]; i0++)                                                                \
-        for (Py_ssize_t i1 = 0; i1 < n[1]; i1++)                                                            \
-            for (Py_ssize_t i2 = 0; i2 < n[2]; i2++) {                                                      \
-                const T *xr = (const T *)x.view.buf + i0 * x.step[0] + i1 * x.step[1] + i2 * x.step[2];     \
-                const double *sr = (const double *)s.view.buf + i0 * s.step[0] + i1 * s.step[1] +          \
-                                   i2 * s.step[2];                                                          \
-                double *qr = (double *)q.view.buf + i0 * q.step[0] + i1 * q.step[1] + i2 * q.step[2];       \
-                double *rr = has_rest ? (double *)r.view.buf + i0 * r.step[0] + i1 * r.step[1] +           \
-                                        i2 * r.step[2] : NULL;                                              \
-                Py_ssize_t len = n[3], sx = x.step[3], ss = s.step[3], sq = q.step[3];                     \
-                if (!has_rest && sx == 1 && sq == 1 && ss == 0) {                                           \
-                    const double k = sr[0];                                                                 \
-                    for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * k);             \
-                } else if (!has_rest && sx == 1 && sq == 1 && ss == 1) {                                    \
-                    for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * sr[j]);         \
-                } else {                                                                                    \
-                    Py_ssize_t sr_ = has_rest ? r.step[3] : 0;                                              \
-                    for (Py_ssize_t j = 0; j < len; j++) {                                                  \
-                        double v = (double)xr[j * sx] * sr[j * ss];                                         \
-                        double i = round_even(v);                                                           \
-                        qr[j * sq] = i;                                                                     \
-                        if (has_rest) rr[j * sr_] = v - i;                                                  \
-                    }                                                                                       \
-                }                                                                                           \
-            }
+#define INTEGERS_ROWS(T)                                                                            \
+    FOR_ROWS(n) {                                                                                   \
+        const T *xr = ROW(const T, x);                                                              \
+        const double *sr = ROW(const double, s);                                                    \
+        double *qr = ROW(double, q);                                                                \
+        double *rr = has_rest ? ROW(double, r) : NULL;                                              \
+        Py_ssize_t len = n[3], sx = x.step[3], ss = s.step[3], sq = q.step[3];                      \
+        if (!has_rest && sx == 1 && sq == 1 && ss == 0) {                                           \
+            const double k = sr[0];                                                                 \
+            for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * k);             \
+        } else if (!has_rest && sx == 1 && sq == 1 && ss == 1) {                                    \
+            for (Py_ssize_t j = 0; j < len; j++) qr[j] = round_even((double)xr[j] * sr[j]);         \
+        } else {                                                                                    \
+            Py_ssize_t sr_ = has_rest ? r.step[3] : 0;                                              \
+            for (Py_ssize_t j = 0; j < len; j++) {                                                  \
+                double v = (double)xr[j * sx] * sr[j * ss];                                         \
+                double i = round_even(v);                                                           \
+                qr[j * sq] = i;                                                                     \
+                if (has_rest) rr[j * sr_] = v - i;                                                  \
+            }                                                                                       \
+        }                                                                                           \
+    }
 
 static PyObject *integers(PyObject *self, PyObject *args) {
     PyObject *ox, *os, *oq, *orest;
@@ -130,83 +123,81 @@ static PyObject *integers(PyObject *self, PyObject *args) {
 /* The fixed tree of mpisgd.portable.reduce.fold_ over buf[0..n): the last n/2 terms onto the first, until one.
    SQUARES(T, S) defines fold_S, squares_last_S and squares_rows_S for items of type T (float32 or float64:
    squares and sums in x's own type, as UfuncPasses.squares makes them in its work array's). */
-#define SQUARES(T, S)                                                                                         \
-static T fold_##S(T *buf, Py_ssize_t n) {                                                                     \
-    while (n > 1) {                                                                                           \
-        Py_ssize_t half = n / 2, from = n - half;                                                             \
-        for (Py_ssize_t i = 0; i < half; i++) buf[i] += buf[from + i];                                        \
-        n = from;                                                                                             \
-    }                                                                                                         \
-    return buf[0];                                                                                            \
-}                                                                                                             \
-                                                                                                              \
-/* Sums of squares of x along its last axis, each the fold of `terms` squares (the rest of them, past x's    \
-   length, zero): out[..] has x's shape without the last axis. */                                             \
-static void squares_last_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                          \
-    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)                                                           \
-        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++)                                                       \
-            for (Py_ssize_t i2 = 0; i2 < x->shape[2]; i2++) {                                                 \
-                const T *xr = (const T *)x->view.buf + i0 * x->step[0] + i1 * x->step[1] + i2 * x->step[2];   \
-                Py_ssize_t len = x->shape[3], sx = x->step[3];                                                \
-                if (sx == 1)                                                                                  \
-                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j] * xr[j];                              \
-                else                                                                                          \
-                    for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j * sx] * xr[j * sx];                    \
-                for (Py_ssize_t j = len; j < terms; j++) buf[j] = 0;                                          \
-                /* out has one axis fewer: its steps are o->step[1..3] for x's axes 0..2 */                   \
-                T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2] + i2 * o->step[3];              \
-                *dst = fold_##S(buf, terms);                                                                  \
-            }                                                                                                 \
-}                                                                                                             \
-                                                                                                              \
-/* Sums of squares of x along its second-last axis (a column's terms), the fold of `terms` rows (the rest    \
-   zero) made a row at a time, every column at once: the same additions as fold_ along that axis. buf holds  \
-   ceil(terms / 2) rows of x's last axis. */                                                                  \
-static void squares_rows_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                          \
-    Py_ssize_t rows = x->shape[2], cols = x->shape[3], sx = x->step[3];                                       \
-    Py_ssize_t half = terms / 2, from = terms - half;                                                         \
-    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)                                                           \
-        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++) {                                                     \
-            const T *xm = (const T *)x->view.buf + i0 * x->step[0] + i1 * x->step[1];                         \
-            for (Py_ssize_t i = 0; i < from; i++) {  /* the tree's first level, straight from x */            \
-                T *b = buf + i * cols;                                                                        \
-                const T *lo = xm + i * x->step[2];                                                            \
-                if (i >= rows) {                                                                              \
-                    memset(b, 0, (size_t)cols * sizeof(T));                                                   \
-                    continue;                                                                                 \
-                }                                                                                             \
-                if (i < half && from + i < rows) {  /* two rows: the squares added */                         \
-                    const T *hi = xm + (from + i) * x->step[2];                                               \
-                    if (sx == 1)                                                                              \
-                        for (Py_ssize_t j = 0; j < cols; j++) {                                               \
-                            T a = lo[j] * lo[j], c = hi[j] * hi[j];                                           \
-                            b[j] = a + c;                                                                     \
-                        }                                                                                     \
-                    else                                                                                      \
-                        for (Py_ssize_t j = 0; j < cols; j++) {                                               \
-                            T a = lo[j * sx] * lo[j * sx], c = hi[j * sx] * hi[j * sx];                       \
-                            b[j] = a + c;                                                                     \
-                        }                                                                                     \
-                } else if (sx == 1) {  /* one row (its partner is padding, or the middle term waits) */       \
-                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j] * lo[j];                               \
-                } else {                                                                                      \
-                    for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j * sx] * lo[j * sx];                     \
-                }                                                                                             \
-            }                                                                                                 \
-            Py_ssize_t n = from;                                                                              \
-            while (n > 1) {                                                                                   \
-                Py_ssize_t h = n / 2, f = n - h;                                                              \
-                for (Py_ssize_t i = 0; i < h; i++) {                                                          \
-                    T *d = buf + i * cols;                                                                    \
-                    const T *s = buf + (f + i) * cols;                                                        \
-                    for (Py_ssize_t j = 0; j < cols; j++) d[j] += s[j];                                       \
-                }                                                                                             \
-                n = f;                                                                                        \
-            }                                                                                                 \
-            T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2];                                    \
-            for (Py_ssize_t j = 0; j < cols; j++) dst[j * o->step[3]] = buf[j];                               \
-        }                                                                                                     \
-}
+#define SQUARES(T, S)                                                                                       \
+static T fold_##S(T *buf, Py_ssize_t n) {                                                                   \
+    while (n > 1) {                                                                                         \
+        Py_ssize_t half = n / 2, from = n - half;                                                           \
+        for (Py_ssize_t i = 0; i < half; i++) buf[i] += buf[from + i];                                      \
+        n = from;                                                                                           \
+    }                                                                                                       \
+    return buf[0];                                                                                          \
+}                                                                                                           \
+                                                                                                            \
+/* Sums of squares of x along its last axis, each the fold of `terms` squares (the rest of them, past x's   \
+   length, zero): out[..] has x's shape without the last axis. */                                           \
+static void squares_last_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                        \
+    FOR_ROWS(x->shape) {                                                                                    \
+        const T *xr = ROW(const T, *x);                                                                     \
+        Py_ssize_t len = x->shape[3], sx = x->step[3];                                                      \
+        if (sx == 1)                                                                                        \
+            for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j] * xr[j];                                    \
+        else                                                                                                \
+            for (Py_ssize_t j = 0; j < len; j++) buf[j] = xr[j * sx] * xr[j * sx];                          \
+        for (Py_ssize_t j = len; j < terms; j++) buf[j] = 0;                                                \
+        /* out has one axis fewer: its steps are o->step[1..3] for x's axes 0..2 */                         \
+        T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2] + i2 * o->step[3];                    \
+        *dst = fold_##S(buf, terms);                                                                        \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
+/* Sums of squares of x along its second-last axis (a column's terms), the fold of `terms` rows (the rest   \
+   zero) made a row at a time, every column at once: the same additions as fold_ along that axis. buf holds \
+   ceil(terms / 2) rows of x's last axis. */                                                                \
+static void squares_rows_##S(const Arr *x, const Arr *o, Py_ssize_t terms, T *buf) {                        \
+    Py_ssize_t rows = x->shape[2], cols = x->shape[3], sx = x->step[3];                                     \
+    Py_ssize_t half = terms / 2, from = terms - half;                                                       \
+    for (Py_ssize_t i0 = 0; i0 < x->shape[0]; i0++)                                                         \
+        for (Py_ssize_t i1 = 0; i1 < x->shape[1]; i1++) {                                                   \
+            const T *xm = (const T *)x->view.buf + i0 * x->step[0] + i1 * x->step[1];                       \
+            for (Py_ssize_t i = 0; i < from; i++) {  /* the tree's first level, straight from x */          \
+        T *b = buf + i * cols;                                                                              \
+        const T *lo = xm + i * x->step[2];                                                                  \
+        if (i >= rows) {                                                                                    \
+            memset(b, 0, (size_t)cols * sizeof(T));                                                         \
+            continue;                                                                                       \
+        }                                                                                                   \
+        if (i < half && from + i < rows) {  /* two rows: the squares added */                               \
+            const T *hi = xm + (from + i) * x->step[2];                                                     \
+            if (sx == 1)                                                                                    \
+                for (Py_ssize_t j = 0; j < cols; j++) {                                                     \
+                    T a = lo[j] * lo[j], c = hi[j] * hi[j];                                                 \
+                    b[j] = a + c;                                                                           \
+                }                                                                                           \
+            else                                                                                            \
+                for (Py_ssize_t j = 0; j < cols; j++) {                                                     \
+                    T a = lo[j * sx] * lo[j * sx], c = hi[j * sx] * hi[j * sx];                             \
+                    b[j] = a + c;                                                                           \
+                }                                                                                           \
+        } else if (sx == 1) {  /* one row (its partner is padding, or the middle term waits) */             \
+            for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j] * lo[j];                                     \
+        } else {                                                                                            \
+            for (Py_ssize_t j = 0; j < cols; j++) b[j] = lo[j * sx] * lo[j * sx];                           \
+        }                                                                                                   \
+            }                                                                                               \
+            Py_ssize_t n = from;                                                                            \
+            while (n > 1) {                                                                                 \
+        Py_ssize_t h = n / 2, f = n - h;                                                                    \
+        for (Py_ssize_t i = 0; i < h; i++) {                                                                \
+            T *d = buf + i * cols;                                                                          \
+            const T *s = buf + (f + i) * cols;                                                              \
+            for (Py_ssize_t j = 0; j < cols; j++) d[j] += s[j];                                             \
+        }                                                                                                   \
+        n = f;                                                                                              \
+            }                                                                                               \
+            T *dst = (T *)o->view.buf + i0 * o->step[1] + i1 * o->step[2];                                  \
+            for (Py_ssize_t j = 0; j < cols; j++) dst[j * o->step[3]] = buf[j];                             \
+        }                                                                                                   \
+    }
 
 SQUARES(float, f)
 SQUARES(double, d)
