@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mpisgd.backend import xp_of
-from mpisgd.portable.native import serving
+from mpisgd.portable.native import FLOATS, serving
 
 Array = Any
 
@@ -47,7 +47,6 @@ TWO_OVER_SQRT_PI = 1.12837916709551257390
 INV_SQRT_PI = 0.56418958354775628695
 ERF_TERMS = [(-1.0) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(ERF_SERIES)]  # of a^2, times a
 LOG_LOW = 0.70710678118654752440  # mantissas below: doubled (log64)
-FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what the compiled functions take
 
 
 def _work(x: Array) -> tuple[Any, Array]:

@@ -20,6 +20,7 @@ from mpisgd.errors import UsageError
 
 ENV = "MPISGD_PORTABLE_PASSES"
 MODULES = ("_passes", "_functions")
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the extensions take (_arrays.h)
 
 
 def wanted() -> str:

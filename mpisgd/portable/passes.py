@@ -21,12 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.portable.native import serving
+from mpisgd.portable.native import FLOATS, serving
 from mpisgd.portable.reduce import fold_, fold_into
 
 Array = Any
 MAGIC = 1.5 * 2.0**52  # x + MAGIC/s - MAGIC/s rounds x to a multiple of 1/s (on_grid)
-FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what the compiled passes take
 
 
 class UfuncPasses:
