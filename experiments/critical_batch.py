@@ -326,18 +326,15 @@ def best_per_batch(runs: list[dict[str, Any]], target: float) -> dict[int, dict[
 
 def fit_tradeoff(batches: list[int], steps: list[float]) -> dict[str, float]:
     """S(B) = S_min (1 + B_crit/B), least squares in log S: for each B_crit on a fine log grid the best S_min
-    is closed-form (the mean log residual); the grid point with the least squared error wins."""
+    is closed-form (the mean log residual); the grid point with the least squared error wins (the first of
+    equals), the whole grid at once."""
     Bs, S = np.array(batches, float), np.log(np.array(steps, float))
     grid = np.exp(np.linspace(math.log(1.0), math.log(1e7), 4001))
-    best = (math.inf, 0.0, 0.0)
-    for bc in grid:
-        shape = np.log1p(bc / Bs)
-        log_smin = float(np.mean(S - shape))
-        err = float(np.sum((S - log_smin - shape) ** 2))
-        if err < best[0]:
-            best = (err, bc, log_smin)
-    err, bc, log_smin = best
-    s_min = math.exp(log_smin)
+    shape = np.log1p(grid[:, None] / Bs)  # (grid, points)
+    log_smin = np.mean(S - shape, axis=1)
+    errs = np.sum((S - log_smin[:, None] - shape) ** 2, axis=1)
+    i = int(np.argmin(errs))
+    err, bc, s_min = float(errs[i]), float(grid[i]), math.exp(float(log_smin[i]))
     return {"B_crit": bc, "S_min": s_min, "E_min": s_min * bc,
             "rms_log_residual": math.sqrt(err / len(Bs)), "points": len(Bs)}
 
