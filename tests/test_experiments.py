@@ -228,17 +228,26 @@ def test_gpt_steps_samples_quick_run_and_its_arithmetic(tmp_path):
     assert "| 8 | 0.0005 |" in (tmp_path / "summary.md").read_text()
 
 
-def test_portable_products_prints_each_product_and_the_step():
-    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "portable_products.py"), "--batch-size", "8",
-                        "--repeats", "2"], capture_output=True, text=True, timeout=300,
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_portable_products_prints_each_product_and_the_step(model):
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "portable_products.py"), "--model", model,
+                        "--batch-size", "8", "--repeats", "2"], capture_output=True, text=True, timeout=300,
                        env={**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [line for line in r.stdout.splitlines() if " @ " in line]
-    assert len(rows) == 5 and all(len(line.split()[-4:]) == 4 for line in rows), r.stdout
-    total = [float(v) for v in next(x for x in r.stdout.splitlines() if x.startswith("sum")).split()[1:]]
-    assert len(total) == 4 and all(v > 0 for v in total)
-    ratios = re.findall(r"([0-9.]+)x$", r.stdout, re.M)  # the step's ratio, then the GEMMs' ceiling
-    assert len(ratios) == 2 and all(0 < float(v) for v in ratios), r.stdout
+    rows = [line for line in r.stdout.splitlines() if " @ " in line]  # the MLP's product table
+    assert len(rows) == (5 if model == "mlp" else 0) and all(len(line.split()[-4:]) == 4 for line in rows), r.stdout
+    if model == "mlp":
+        total = [float(v) for v in next(x for x in r.stdout.splitlines() if x.startswith("sum")).split()[1:]]
+        assert len(total) == 4 and all(v > 0 for v in total)
+    step = re.search(r"default ([0-9.]+) \(its BLAS calls ([0-9.]+)\), portable ([0-9.]+) \(its float64 BLAS calls "
+                     r"([0-9.]+), the rest ([0-9.]+) against the default's ([0-9.]+)\)", r.stdout)
+    assert step, r.stdout
+    fast, fast_blas, portable, portable_blas, rest, fast_rest = map(float, step.groups())
+    assert 0 < fast_blas < fast and 0 < portable_blas < portable  # the clock saw each kernel's products
+    assert rest == pytest.approx(portable - portable_blas, abs=0.011)
+    assert fast_rest == pytest.approx(fast - fast_blas, abs=0.011)
+    ratios = re.findall(r"([0-9.]+)x$", r.stdout, re.M)  # the step's ratio, then the two ceilings
+    assert len(ratios) == 3 and all(0 < float(v) for v in ratios), r.stdout
 
 
 @pytest.mark.parametrize("model,only", [("cnn", None), ("gpt", "functions")])
