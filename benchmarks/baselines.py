@@ -159,7 +159,7 @@ def numpy_loop(args: argparse.Namespace) -> dict:
     sync()
     dt = time.perf_counter() - t0
     impl = "cupy-loop" if args.device == "gpu" else f"numpy-loop-{args.threads}t"
-    return {"impl": impl, "k": 1, "samples_per_s": steps * bsz / dt, "step_ms": 1e3 * dt / steps}
+    return {"impl": impl, "k": 1, "samples_per_s": steps * bsz / dt, "step_ms": 1e3 * dt / steps, "steps": steps}
 
 
 def torch_loop(args: argparse.Namespace, model: object, dev: object, rank: int, k: int, sync: object,
@@ -219,7 +219,7 @@ def torch_single(args: argparse.Namespace) -> dict:
     model = torch_model(torch, args).to(dev)
     dt, steps = torch_loop(args, model, dev, 0, 1, sync, lambda: None)
     return {"impl": f"torch-{dev.type}", "k": 1, "samples_per_s": steps * args.batch_size / dt,
-            "step_ms": 1e3 * dt / steps}
+            "step_ms": 1e3 * dt / steps, "steps": steps}
 
 
 def free_port() -> int:
@@ -262,7 +262,7 @@ def torch_ddp(args: argparse.Namespace) -> dict:
     dt, steps = torch_loop(args, model, dev, rank, k, sync, comm.Barrier)
     dist.destroy_process_group()
     return {"impl": f"torch-ddp-{backend}", "k": k, "samples_per_s": steps * args.batch_size * k / dt,
-            "step_ms": 1e3 * dt / steps, "rank": rank}
+            "step_ms": 1e3 * dt / steps, "steps": steps, "rank": rank}
 
 
 def side_by_side(args: argparse.Namespace) -> dict:
@@ -349,7 +349,7 @@ def torch_mpisgd(args: argparse.Namespace) -> dict:
     dt, steps = torch_loop(args, model, torch.device("cpu"), rank, k, lambda: None, comm.Barrier)
     model.close()
     return {"impl": "torch-mpisgd", "k": k, "samples_per_s": steps * args.batch_size * k / dt,
-            "step_ms": 1e3 * dt / steps, "rank": rank}
+            "step_ms": 1e3 * dt / steps, "steps": steps, "rank": rank}
 
 
 def torch_missing() -> str | None:

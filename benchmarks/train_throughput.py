@@ -14,7 +14,9 @@ plain NumPy loop on 1 and 2 BLAS threads and, when torch is importable, PyTorch
 DDP (gloo) at the largest k (`--baselines` picks among them). `--model cnn`
 runs LeNet-5 on every side (mpisgd's `--model cnn`, PyTorch's own conv kernels)
 and compares with PyTorch in one process at k=1 and DDP (gloo) at the largest
-k; the hand-written NumPy loop is the MLP only. The speed
+k; the hand-written NumPy loop is the MLP only. Every side trains on the
+same samples (`--limit-train` among the train options limits the baselines'
+too). The speed
 issues' targets are printed last as ratios within each repeat (launches
 seconds apart), with their median: steadier than a ratio of medians when the
 machine drifts. mpisgd's default at k >= 2 is the sharded step; `--replicated`
@@ -162,10 +164,11 @@ def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000, s
 
 
 def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, device: str,
-                 model: str = "mlp") -> dict | None:
+                 model: str = "mlp", limit: str = "") -> dict | None:
+    """One baseline's launch; ``limit``: its training samples (mpisgd's --limit-train), all where empty."""
     cmd = (mpiexec(k) if impl == "torch-ddp" else [sys.executable]) + [
         str(ROOT / "benchmarks" / "baselines.py"), impl, "--model", model, "--threads", str(threads),
-        "--hidden", hidden, "--batch-size", batch, "--device", device]
+        "--hidden", hidden, "--batch-size", batch, "--device", device, *(["--limit", limit] if limit else [])]
     env = {**ENV, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if r.returncode:
@@ -214,6 +217,7 @@ def main() -> None:
         train_args += ["--device", args.device]
     ks = [int(k) for k in args.ks.split(",")]
     hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
+    limit = option(train_args, "--limit-train", "")  # the baselines train on as many samples
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.replicated:
@@ -252,7 +256,7 @@ def main() -> None:
                         return run_mpisgd(k, train_args, tmp, variant=impl[len("variant:"):])
                     if impl.startswith("mpisgd"):
                         return run_mpisgd(k, train_args, tmp, impl == "mpisgd-replicated")
-                    return run_baseline(impl, k, threads, hidden, batch, args.device, model)
+                    return run_baseline(impl, k, threads, hidden, batch, args.device, model, limit)
 
                 for attempt in range(4 if args.max_others is not None else 1):
                     if attempt:

@@ -79,7 +79,7 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--repeats", "2", "--compare",
                         "--baselines", "numpy-1t", "--replicated", "--apart", "--variant", "private=--no-shared-grads",
-                        "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192"],
+                        "--json", str(out), "--", "--hidden", "32", "--limit-train", "8192", "--limit-test", "1000"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
@@ -100,6 +100,7 @@ def test_throughput_benchmark_smoke_run(tmp_path):
     assert len(data["ratios"]["efficiency k=2 (>= 0.93)"]) == 2
     assert all(v > 0 for v in data["ratios"]["k=1 step / numpy-loop-1t step (<= 1.05)"])
     assert "the speed issue's ratios" in r.stdout and "torch" not in r.stdout  # DDP not asked for
+    assert [x["steps"] for x in data["runs"]["numpy-loop-1t"]] == [8192 // 128] * 2  # mpisgd's --limit-train
 
 
 @pytest.mark.parametrize("text,nbytes", [("4", 4), ("64K", 65536), ("256M", 256 << 20), ("1GiB", 1 << 30),
