@@ -249,6 +249,7 @@ def test_an_old_busy_or_undated_choice_is_rechecked_with_a_few_calls_and_kept(tm
     path = shared_dir(comm, tmp_path) / "tuning.json"
     stored = {"old": entry("ring", age_days=30), "busy": entry("ring", overload=3.0), "format 1": "ring",
               "future": entry("ring", age_days=-5)}[why]
+    stored = comm.bcast(stored)  # rank 0's clock: each rank's own may have passed a second since rank 0 stamped it
     if why == "format 1":
         write_tuning(comm, path, {}, doc={tuning_key(comm): {"float64:13": "ring"}})
     else:
