@@ -69,4 +69,10 @@ static int same_shape(const Arr *a, const Arr *b) {
 /* Row (i0, i1, i2) of the Arr a, as a pointer to T: in FOR_ROWS. */
 #define ROW(T, a) ((T *)(a).view.buf + i0 * (a).step[0] + i1 * (a).step[1] + i2 * (a).step[2])
 
+/* ROWS(float) or ROWS(double), by the element type of arr (take's kind 'f' or 'd'), the GIL released. */
+#define BY_FLOAT(arr, ROWS)                                              \
+    Py_BEGIN_ALLOW_THREADS                                               \
+    if ((arr).kind == 'f') { ROWS(float) } else { ROWS(double) }         \
+    Py_END_ALLOW_THREADS
+
 #endif

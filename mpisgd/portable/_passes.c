@@ -55,13 +55,7 @@ static PyObject *on_grid(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t *n = o.shape;
-    Py_BEGIN_ALLOW_THREADS
-    if (x.kind == 'f') {
-        ON_GRID_ROWS(float)
-    } else {
-        ON_GRID_ROWS(double)
-    }
-    Py_END_ALLOW_THREADS
+    BY_FLOAT(x, ON_GRID_ROWS)
     release(&x); release(&c); release(&o);
     Py_RETURN_NONE;
 }
@@ -109,13 +103,7 @@ static PyObject *integers(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t *n = q.shape;
-    Py_BEGIN_ALLOW_THREADS
-    if (x.kind == 'f') {
-        INTEGERS_ROWS(float)
-    } else {
-        INTEGERS_ROWS(double)
-    }
-    Py_END_ALLOW_THREADS
+    BY_FLOAT(x, INTEGERS_ROWS)
     release(&x); release(&s); release(&q); release(&r);
     Py_RETURN_NONE;
 }
