@@ -50,6 +50,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             continue
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (the test modules, NumPy, PyTorch: some 240,000 objects) lives as long as the
+    session: frozen out of the garbage collector's reach, so that each full collection (an automatic one,
+    or train_here's after a failed set-up) scans only what the tests made, 0.01 s, not 0.14 s."""
+    gc.freeze()
+
+
 os.environ.setdefault("MPISGD_TUNING_FILE", "off")  # auto measures afresh in tests: no choice from earlier runs
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint64"]
 
