@@ -338,7 +338,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if reporter is not None:
         from _pytest.terminal import TerminalWriter
 
-        reporter._tw = TerminalWriter(open(log, "w"))  # noqa: SIM115 - lives as long as the session
+        # lives as long as the session, written line by line: it is never closed, and the collector may not
+        # finalize it at exit (pytest_collection_finish freezes what the session made before its tests)
+        reporter._tw = TerminalWriter(open(log, "w", buffering=1))  # noqa: SIM115
 
 
 @pytest.hookimpl(tryfirst=True)
