@@ -124,6 +124,20 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
     return SavedModel(model, meta, str(p))
 
 
+def replaceable(path: str | os.PathLike) -> bool:
+    """``path`` may take a new --save-model file: nothing is there, an empty file, or a model mpisgd saved (an
+    .npz holding ``flat``: the earlier run's, which a run saving to the same path means to replace). Anything
+    else there is someone's data, kept (the run refuses the path before training)."""
+    p = Path(path)
+    try:
+        if not p.is_file() or p.stat().st_size == 0:
+            return True  # absent; a directory or a FIFO is check_output_file's to refuse
+        with zipfile.ZipFile(p) as z:
+            return "flat.npy" in z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 def _check_params(flat: Any, p: Path) -> None:
     """The parameters: a 1-D array of finite float32 or float64 values."""
     if not isinstance(flat, np.ndarray) or flat.ndim != 1 or flat.dtype not in (np.float32, np.float64):

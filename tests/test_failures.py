@@ -576,6 +576,29 @@ def test_an_output_that_cannot_be_written_fails_before_training(option: str, pat
     assert file.read_text() == "x"
 
 
+@pytest.mark.mpi
+def test_save_model_keeps_a_file_it_did_not_write_and_replaces_a_model(shared_tmp: Path) -> None:
+    """--save-model onto someone's file (notes, a data .npz) is refused before training and the file kept; onto
+    an empty file or an earlier run's model, the run writes its model there (a rerun of one command)."""
+    notes = root_makes(lambda: _written(shared_tmp / "notes.txt", "x"))
+    line = refused(train_here([*TINY, "--max-steps", "2", "--save-model", str(notes)]))
+    assert "--save-model" in line and "is not a model mpisgd saved" in line, line
+    assert notes.read_text() == "x"
+    data = root_makes(lambda: _saved_npz(shared_tmp / "d.npz"))
+    refused(train_here([*TINY, "--max-steps", "2", "--save-model", str(data)]))
+    assert set(np.load(data).files) == {"x"}
+    model = root_makes(lambda: _written(shared_tmp / "model.npz", ""))
+    for steps in ("1", "2"):  # empty, then the first run's model: each replaced
+        r = train_here([*TINY, "--max-steps", steps, "--save-model", str(model)])
+        assert r.statuses == (0,) * len(r.statuses), r
+        assert "flat" in np.load(model).files
+
+
+def _saved_npz(path: Path) -> Path:
+    np.savez(path, x=np.arange(3))
+    return path
+
+
 def _written(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd import model_file
 from mpisgd.agreement import differing_ranks, name_differences
 from mpisgd.app import run_files
 from mpisgd.app.resume import structure_difference
@@ -77,6 +78,9 @@ def outputs(cfg: Config, rank: int) -> None:
     for path, what in ((cfg.save_model, "--save-model"), (cfg.metrics_file, "--metrics-file")):
         if path:
             check_output_file(path, what)
+    if cfg.save_model and not model_file.replaceable(cfg.save_model):
+        raise UsageError(f"--save-model {cfg.save_model} exists and is not a model mpisgd saved: the run would "
+                         "replace it; remove it or choose another path")
 
 
 def _same(a: str | Path, b: str | Path) -> bool:
