@@ -181,7 +181,7 @@ def test_a_resume_under_other_libraries_warns_naming_them(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "warning: resume: the checkpoint was written with other arithmetic (" in out
-    assert "array 'numpy " in out and "promises the same bits only with the same" in out
+    assert "array 'numpy " in out and "promises the same bits only where these are the same" in out
 
 
 @serial_only

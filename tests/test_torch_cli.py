@@ -103,6 +103,17 @@ def test_checkpoint_and_resume_end_bitwise_where_an_uninterrupted_run_does(tmp_p
     np.testing.assert_array_equal(resumed["state"], full["state"])
 
 
+def test_a_reproducible_resume_on_the_same_machine_warns_of_nothing(tmp_path):
+    """The checkpoint records torch's build and threads; the resumed run, on the same machine, compares them
+    with its own once its PyTorch model is set up (not before, when it had none: a warning '-> None')."""
+    args = ["--model", "torch_factories:tiny_mlp", "--reproducible", "--max-steps", "4", "--checkpoint-dir",
+            str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    cli(1, *args)
+    r = cli(1, *args, "--resume", str(tmp_path / "ck" / "ckpt-000000002.npz"), "--overwrite-checkpoints")
+    assert "resumed from" in r.stdout and "deterministic algorithms" in r.stdout, r.stdout  # torch's, set up
+    assert "other arithmetic" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 def test_reproducible_resnet_with_batch_norm_and_dropout_has_the_same_bits_at_k_1_2_3(tmp_path):
     """A torch ResNet with BatchNorm (statistics per fixed micro-batch, through the stat row) and Dropout
     (keyed by sample): parameters and running statistics bitwise equal at k = 1, 2, 3 under --reproducible;

@@ -170,13 +170,6 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
     warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
-    if resume is not None and resume.environment and cfg.reproducible:
-        keys = (*bits_depend_on(level), "torch")  # a PyTorch model's bits depend on torch's build and threads too
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
-                            for k in keys if resume.environment.get(k) != environment.get(k))
-        if differs:
-            warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
-                            f"--reproducible at the {level} level promises the same bits only with the same")
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
@@ -189,6 +182,14 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs
         environment.update(stage("the PyTorch model", lambda: _prepare_torch(cfg, model, run_data, threads,
                                                                               ctx.rank, level)))
+    if resume is not None and resume.environment and cfg.reproducible:  # this run's environment complete now
+        keys = (*bits_depend_on(level), "torch")  # a PyTorch model's bits depend on torch's build and threads too
+        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
+                            for k in keys if resume.environment.get(k) != environment.get(k))
+        if differs:
+            warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
+                            f"--reproducible at the {level} level promises the same bits only where these are "
+                            "the same")
     optimizer = _optimizer(cfg, model)
     params = model.flat.params
     if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
