@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
 
+from conftest import train_here  # noqa: E402
 from torch_factories import TiedTokens, TinyResNet, functional_dropout  # noqa: E402
 
 from mpisgd.nn.dropout import keyed_uniform16  # noqa: E402
@@ -242,3 +243,19 @@ def test_a_saved_torch_model_loads_only_from_a_factory_the_caller_names(tmp_path
                                              r"has 2410 \(the file.s model: torch_factories:tiny_resnet\)"):
         load_model(path, factory="torch_factories:tiny_mlp")
     assert dict(np.load(path)).keys() >= {"flat", "state", "stem.0.weight", "head.bias"}  # torch's own names
+
+
+@pytest.mark.parametrize("model,extra,says", [
+    ("batchnorm_1d", ["--batch-size", "1"], "cannot train on a micro-batch of one sample (ValueError: Expected more "
+                                            "than 1 value per channel when training"),
+    ("batchnorm_1d", ["--batch-size", "1", "--accum-steps", "4"], "give each rank --batch-size 2 or more"),
+    ("Pair", [], "the torch module must return one tensor (the scores), got tuple"),
+    ("Total", [], "gives an output of shape () for a batch of 2, not one row per sample; the data have 10 classes"),
+])
+def test_a_module_the_run_cannot_train_is_refused_in_one_line(model, extra, says):
+    """Found before training, exit 2, the reason in one line: no traceback from the first step (a BatchNorm1d
+    on micro-batches of one sample), no word about the input's shape where the output is the matter."""
+    r = train_here(["--model", f"torch_factories:{model}", "--dataset", "synthetic", "--synthetic-samples", "64",
+                    "--limit-test", "20", "--max-steps", "2", "--progress", "off", "--warmup-epochs", "0", *extra])
+    assert r.statuses == (2,) * len(r.statuses) and says in r.error, r
+    assert "shape (1, 28, 28)" not in r.error, r.error

@@ -43,6 +43,31 @@ def tiny_mlp(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), 32), nn.ReLU(), nn.Linear(32, n_classes))
 
 
+def batchnorm_1d(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
+    """BatchNorm1d over features: torch refuses to train it on one sample (no variance)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), 8), nn.BatchNorm1d(8), nn.ReLU(),
+                         nn.Linear(8, n_classes))
+
+
+class Pair(nn.Module):
+    """Returns (scores, scores): not one tensor."""
+
+    def __init__(self, in_shape: tuple[int, ...], n_classes: int) -> None:
+        super().__init__()
+        self.body = tiny_mlp(in_shape, n_classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.body(x)
+        return y, y
+
+
+class Total(Pair):
+    """Returns one number for the whole batch: not a row per sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.body(x).sum()
+
+
 class TiedTokens(nn.Module):
     """Token ids -> embedding -> Linear -> logits at every position through the embedding's own weights
     (tied), with a parameter used only sometimes."""

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from mpisgd.errors import ModelOutputError
 from mpisgd.nn.containers import Sequential
 from mpisgd.nn.gpt import GPTShape, gpt
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
@@ -187,38 +188,46 @@ def _layout_hint(model: Model) -> str:
 
 
 def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
-                 tokens: bool = False) -> None:
-    """Two samples through the materialised model, forward then backward (a loss gradient of ones), in the
-    mode it is in: it must give one score per class (``tokens``: at every position of a window of token
-    ids), and both passes must run. ValueError names the failing pass and the user's exception, with a hint
-    about the layout where it may help. The gradients this leaves are overwritten by the first step; the
-    buffers (BatchNorm's running statistics, which a train-mode pass updates) are put back as they were."""
+                 tokens: bool = False, samples: int = 2) -> None:
+    """``samples`` samples (two, or one where the run's micro-batches hold one) through the materialised
+    model, forward then backward (a loss gradient of ones), in the mode it is in: it must give one score per
+    class (``tokens``: at every position of a window of token ids), and both passes must run. ValueError names
+    the failing pass and the user's exception, with a hint about the layout where it may help. The gradients
+    this leaves are overwritten by the first step; the buffers (BatchNorm's running statistics, which a
+    train-mode pass updates) are put back as they were."""
     state = model.state
     kept = None if state is None else state.copy()
     try:
-        _check_output(model, xp, in_shape, n_classes, dtype, tokens)
+        _check_output(model, xp, in_shape, n_classes, dtype, tokens, samples)
     finally:
         if state is not None:
             state[...] = kept
 
 
 def _check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
-                  tokens: bool) -> None:
-    x = xp.zeros((2, *in_shape), dtype="int64" if tokens else dtype)  # type: ignore[attr-defined]
+                  tokens: bool, n: int) -> None:
+    x = xp.zeros((n, *in_shape), dtype="int64" if tokens else dtype)  # type: ignore[attr-defined]
     try:
         out = model.forward(x)
+    except ModelOutputError as exc:
+        raise ValueError(str(exc)) from None
     except Exception as exc:
+        if n == 1 and model.training:
+            raise ValueError(f"the model cannot train on a micro-batch of one sample ({type(exc).__name__}: {exc}); "
+                             "give each rank --batch-size 2 or more") from None
         raise ValueError(f"the model cannot take samples of shape {tuple(in_shape)} "
                          f"({type(exc).__name__}: {exc}){_layout_hint(model)}") from None
-    want = (2, *in_shape, n_classes) if tokens else (2, n_classes)
+    want = (n, *in_shape, n_classes) if tokens else (n, n_classes)
     if tuple(out.shape) != want:
-        shape = tuple(out.shape[1:]) if out.shape[:1] == (2,) else f"{tuple(out.shape)} for 2 samples"
+        if out.shape[:1] == (n,):
+            gives = f"gives {tuple(out.shape[1:])} outputs per sample"
+        else:
+            gives = f"gives an output of shape {tuple(out.shape)} for a batch of {n}, not one row per sample"
         if tokens:
-            raise ValueError(f"the model gives {shape} outputs per sample; the data are windows of {in_shape[0]} "
-                             f"tokens of a vocabulary of {n_classes}, so it must give {want[1:]}: a score per "
-                             "token at every position")
-        raise ValueError(f"the model gives {shape} outputs per sample; the data have {n_classes} "
-                         "classes (labels 0..C-1), so it must give one score per class" + _layout_hint(model))
+            raise ValueError(f"the model {gives}; the data are windows of {in_shape[0]} tokens of a vocabulary of "
+                             f"{n_classes}, so it must give {want[1:]}: a score per token at every position")
+        raise ValueError(f"the model {gives}; the data have {n_classes} classes (labels 0..C-1), so it must "
+                         "give one score per class per sample" + _layout_hint(model))
     try:
         model.backward(xp.ones_like(out) / 2)  # type: ignore[attr-defined]
     except Exception as exc:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpisgd.errors import ModelOutputError
 from mpisgd.nn.module import Model, Module
 from mpisgd.torch.modules import SWAPPED, KeyedDropout, StatBatchNorm, UnsupportedModule, convert
 from mpisgd.torch.views import as_array, as_tensor, device_of, same_memory
@@ -216,7 +217,7 @@ class TorchModel(Model):
     @staticmethod
     def _check(out: Any) -> Any:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"the torch module must return one tensor (the scores), got {type(out).__name__}")
+            raise ModelOutputError(f"the torch module must return one tensor (the scores), got {type(out).__name__}")
         return out
 
     def backward(self, dy: Any, on_layer_done: Callable[[int], None] | None = None) -> None:
