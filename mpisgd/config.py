@@ -24,6 +24,7 @@ IDENTITY = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "g
             "weight_decay_on", "max_steps", "optimizer", "trust_coef", "reproducible", "reproducible_level", "beta1",
             "beta2", "eps", "clip_grad_norm")
 STRUCTURE = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout")
+GPT_OPTIONS = ("gpt_layers", "gpt_heads", "gpt_width", "dropout")  # what only --model gpt reads
 MAX_THREADS = 1024  # BLAS threads per rank: beyond any node's cores, and within what BLAS libraries take
 LEVELS = ("pinned", "portable")  # --reproducible's levels (docs/reproducible.md)
 OPTIMIZERS = ("sgd", "lars", "adamw", "lamb")
@@ -222,9 +223,9 @@ class Config:
         if any(e < 1 for e in self.decay_epochs) or list(self.decay_epochs) != sorted(self.decay_epochs):
             raise UsageError(f"--decay-epochs must be increasing positive epochs, got {self.decay_epochs}")
         if self.model not in ("mlp", "cnn", "resnet", "gpt") and ":" not in self.model:
-            # (worded so that the start of the line stays what it was before resnet and gpt: tests/test_failures.py)
-            raise UsageError(f"--model must be mlp, cnn or package.module:function, got {self.model!r} (the stock "
-                             "models: mlp, cnn for LeNet-5, resnet for ResNet-20, gpt for a language model on text)")
+            raise UsageError(f"--model must be mlp, cnn, resnet, gpt or package.module:function, got {self.model!r} "
+                             "(the stock models: mlp, cnn for LeNet-5, resnet for ResNet-20, gpt for a language model "
+                             "on text; or a factory of your own)")
         for name in ("context", "gpt_layers", "gpt_heads", "gpt_width"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

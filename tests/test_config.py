@@ -35,8 +35,12 @@ def test_flags_map_to_fields():
     (["--epochs", "-1"], "epochs must be >= 1"),
     (["--lr", "-0.1"], "lr must be > 0"),
     (["--momentum", "1.5"], "momentum"),
-    (["--model", "vgg"], r"--model must be mlp, cnn or package.module:function, got 'vgg' \(the stock models: mlp, "
-                         r"cnn for LeNet-5, resnet for ResNet-20, gpt for a language model on text\)"),
+    (["--model", "vgg"], r"--model must be mlp, cnn, resnet, gpt or package.module:function, got 'vgg' \(the stock "
+                         r"models: mlp, cnn for LeNet-5, resnet for ResNet-20, gpt for a language model on text; or "
+                         r"a factory of your own\)"),
+    (["--model", "cnn", "--dropout", "0.5"], r"--dropout 0.5: for --model gpt only; --model cnn does not read it$"),
+    (["--model", "t:f", "--gpt-heads", "7", "--dropout", "0.1"],
+     r"--gpt-heads 7, --dropout 0.1: for --model gpt only; --model t:f does not read them \(a model of your own "),
     (["--device", "tpu"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),
@@ -68,7 +72,7 @@ def test_flags_map_to_fields():
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--resume-allow", "model"], "not an option a resumed run can change"),
     (["--epochs", "x"], "invalid int value: 'x'"),
-    (["--model", "foo"], r"--model must be mlp, cnn or package.module:function, got 'foo'"),
+    (["--model", "foo"], r"--model must be mlp, cnn, resnet, gpt or package.module:function, got 'foo'"),
 ])
 def test_bad_values_raise_usage_error(argv, match):
     with pytest.raises(UsageError, match=match):

@@ -175,6 +175,8 @@ def test_resuming_on_another_vocabulary_is_refused_in_one_line(tmp_path):
 def test_gpt_needs_sequence_data_and_token_data_needs_gpt(tmp_path):
     r = run_mpi(1, "-m", "mpisgd.train", *TINY, "--dataset", "synthetic", "--max-steps", "1")
     assert r.returncode == 2 and "--model gpt reads sequence data" in r.stderr, r.stderr
+    r = run_mpi(1, "-m", "mpisgd.train", *TINY, "--data", str(tmp_path / "nowhere.txt"), "--max-steps", "1")
+    assert r.returncode == 2 and "nowhere.txt: no such file or directory" in r.stderr, r.stderr
     tokens = tmp_path / "tokens.npz"
     np.savez(tokens, tokens=np.arange(4000) % 7)
     r = run_mpi(1, "-m", "mpisgd.train", "--data", str(tokens), "--max-steps", "1", "--progress", "off")

@@ -193,7 +193,7 @@ def test_real_data_short_run_writes_metrics(tmp_path, model):
 @pytest.mark.parametrize("argv,needle", mpi_first([
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--model", "vgg"], "--model must be mlp, cnn or package.module:function"),
+    (["--model", "vgg"], "--model must be mlp, cnn, resnet, gpt or package.module:function"),
     (["--device", "gpu"], "--device gpu but"),
     (["--data-dir", "/nonexistent/fmnist"], "Fashion-MNIST not found; searched /nonexistent/fmnist"),
     (["--dataset", "synthetic", "--synthetic-samples", "8", "--batch-size", "16"], "fewer than one global batch"),
@@ -341,7 +341,8 @@ def not_a_model(input_shape, n_classes):
     ("badmodels:raises", "raised RuntimeError: this model is broken"),
     ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
     ("badmodels:not_a_model", "must return an mpisgd.nn.Module (e.g. a Sequential) or a torch.nn.Module, got int"),
-    ("cnn", "--model cnn takes C x H x W samples"), ("vgg", "--model must be mlp, cnn or package.module:function"),
+    ("cnn", "--model cnn takes C x H x W samples"),
+    ("vgg", "--model must be mlp, cnn, resnet, gpt or package.module:function"),
 ]))
 def test_bad_models_are_one_line_and_exit_2(shared_tmp, own_module, model, says):
     own_module("badmodels", BAD_MODELS)

@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any
 
-from mpisgd.config import ALIASES, GROUPS, MODEL_DEFAULTS, Config, parse_int_tuple
+from mpisgd.config import ALIASES, GPT_OPTIONS, GROUPS, MODEL_DEFAULTS, Config, parse_int_tuple
 from mpisgd.errors import UsageError
 
 
@@ -132,6 +132,7 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     given |= set(from_file)
     values = {k: v for k, v in vars(ns).items() if k in names}
     values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
+    _no_gpt_options_without_gpt(values, given)
     cfg = Config(**values)
     cfg.validate()
     cfg.given = given  # type: ignore[attr-defined]
@@ -142,6 +143,20 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
                                 "command line overrides it)"), end="", flush=True)
         raise SystemExit(0)
     return cfg
+
+
+def _no_gpt_options_without_gpt(values: dict[str, Any], given: set[str]) -> None:
+    """UsageError where another model is given a GPT option with a value of its own: it would be ignored (the
+    defaults pass, so that --print-config's file, which writes every field, reads back)."""
+    if values["model"] == "gpt":
+        return
+    stray = [k for k in GPT_OPTIONS if k in given and values[k] != FIELDS[k].default]
+    if stray:
+        named = ", ".join(f"--{k.replace('_', '-')} {values[k]}" for k in stray)
+        own = " (a model of your own has its own dropout: nn.Dropout, mpisgd.nn.Dropout)" \
+            if "dropout" in stray and ":" in values["model"] else ""
+        raise UsageError(f"{named}: for --model gpt only; --model {values['model']} does not read "
+                         f"{'it' if len(stray) == 1 else 'them'}{own}")
 
 
 _UNSET = object()

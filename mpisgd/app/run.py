@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from mpisgd import data, text
@@ -234,6 +235,8 @@ def _load_data(cfg: Config) -> RunData:
     if text.is_token_data(cfg.data, text=cfg.model == "gpt"):
         return _load_tokens(cfg)
     if cfg.model == "gpt":
+        if cfg.data and not Path(cfg.data).exists():
+            raise UsageError(f"--data {cfg.data}: no such file or directory")
         raise UsageError("--model gpt reads sequence data: --data a UTF-8 text file or an .npz of 'tokens' "
                          "(docs/data.md)")
     if cfg.dataset == "synthetic":
