@@ -161,6 +161,7 @@ def _npz_stream(path: str, vocab: Vocabulary | None) -> tuple[np.ndarray, Vocabu
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0:
         raise DataError(f"--data {path}: token ids must be >= 0; token {int(np.argmin(tokens))} is {lo}")
+    bound = "vocab_size" if size is not None else "the number of characters 'vocab' lists"
     if chars is not None:
         if len(set(chars)) != len(chars) or list(chars) != sorted(chars):
             raise DataError(f"--data {path}: 'vocab' must list distinct characters in code-point order")
@@ -169,7 +170,7 @@ def _npz_stream(path: str, vocab: Vocabulary | None) -> tuple[np.ndarray, Vocabu
             raise DataError(f"--data {path}: 'vocab' has {len(chars)} characters but vocab_size is {size}")
     size = hi + 1 if size is None else size
     if hi >= size:
-        raise DataError(f"--data {path}: token {int(np.argmax(tokens))} is {hi}, not below vocab_size {size}")
+        raise DataError(f"--data {path}: token {int(np.argmax(tokens))} is {hi}, not below {bound}, {size}")
     found = Vocabulary(size, chars)
     if vocab is not None and vocab != found:
         raise DataError(f"--data {path}: its vocabulary ({_describe(found)}) is not the model's ({_describe(vocab)})")

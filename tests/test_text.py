@@ -74,7 +74,8 @@ def test_a_window_is_the_same_sample_at_any_k(tmp_path):
     ("npz without tokens", "an .npz of tokens needs 'tokens' (it holds ids)"),
     ("negative ids", "token ids must be >= 0; token 1 is -3"),
     ("2-D tokens", "'tokens' must be a 1-D array of integer ids"),
-    ("id past vocab_size", "token 2 is 9, not below vocab_size 5"),
+    ("id past vocab_size", "token 2 is 9, not below vocab_size, 5"),
+    ("id past vocab", "token 2 is 9, not below the number of characters 'vocab' lists, 2"),
 ])
 def test_bad_sequence_data_is_one_line(tmp_path, case, says):
     path = tmp_path / "d"
@@ -87,7 +88,8 @@ def test_bad_sequence_data_is_one_line(tmp_path, case, says):
     else:
         arrays = {"npz without tokens": {"ids": np.arange(5)}, "negative ids": {"tokens": np.array([1, -3, 2])},
                   "2-D tokens": {"tokens": np.zeros((3, 3), np.int64)},
-                  "id past vocab_size": {"tokens": np.array([1, 2, 9]), "vocab_size": np.array(5)}}[case]
+                  "id past vocab_size": {"tokens": np.array([1, 2, 9]), "vocab_size": np.array(5)},
+                  "id past vocab": {"tokens": np.array([1, 0, 9]), "vocab": np.array("ab")}}[case]
         path = tmp_path / "d.npz"
         np.savez(path, **arrays)
     with pytest.raises(DataError) as err:
