@@ -333,6 +333,10 @@ def three_outputs(input_shape, n_classes):
     return Sequential(Flatten(), Linear(5, 3 + 1))
 def not_a_model(input_shape, n_classes):
     return 42
+def one_argument(input_shape):
+    return Sequential(Flatten(), Linear(5, 3))
+def negative_width(input_shape, n_classes):
+    return Sequential(Flatten(), Linear(5, -3), Linear(-3, n_classes))
 """
 
 
@@ -340,6 +344,9 @@ def not_a_model(input_shape, n_classes):
     ("nosuchmodule:f", "cannot import nosuchmodule"), ("badmodels:nope", "badmodels has no nope"),
     ("badmodels:raises", "raised RuntimeError: this model is broken"),
     ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
+    ("badmodels:one_argument", "takes 1 positional argument but 2 were given (mpisgd calls a factory as "
+                               "f(input_shape, n_classes))"),
+    ("badmodels:negative_width", "parameter 1.Linear.W has shape (5, -3): a parameter's dimensions must be "),
     ("badmodels:not_a_model", "must return an mpisgd.nn.Module (e.g. a Sequential) or a torch.nn.Module, got int"),
     ("cnn", "--model cnn takes C x H x W samples"),
     ("vgg", "--model must be mlp, cnn, resnet, gpt or package.module:function"),

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mpisgd.errors import ModelOutputError
 from mpisgd.nn.containers import Sequential
 from mpisgd.nn.gpt import GPTShape, gpt
 from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
-from mpisgd.nn.module import Model, Module
+from mpisgd.nn.module import Model, Module, parameter_shapes
 from mpisgd.nn.resnet import resnet
 
 STOCK = ("mlp", "cnn", "resnet", "gpt")  # the models --model names; anything else is package.module:function
@@ -130,12 +133,21 @@ def is_torch_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpisgd/
+
+
 def _raised(exc: BaseException) -> str:
     """'raised KeyError: 'x' (at file.py:12)', or 'called sys.exit(3)': the user's code failing, in words."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    theirs = [f for f in frames if not f.filename.startswith(_PACKAGE)]  # the user's code: where it went wrong
+    if theirs:
+        where = f" (at {theirs[-1].filename}:{theirs[-1].lineno})"
+    elif frames:  # in mpisgd's own call of the factory: the call's arguments did not fit
+        where = " (mpisgd calls a factory as f(input_shape, n_classes))"
+    else:
+        where = ""
     return f"raised {type(exc).__name__}: {exc}{where}"
 
 
@@ -155,7 +167,12 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 28, 28), n_classes: i
             model = make(in_shape, n_classes, seed=seed)
         except (Exception, SystemExit) as exc:  # the user's code: say whose error it is, in one line
             raise ValueError(f"--model {name} {_raised(exc)}") from None
-    return as_module(model, f"--model {name}")
+    module = as_module(model, f"--model {name}")
+    for what, shape in parameter_shapes(module):  # a layer built with a size of 0 or less fails here, not later
+        if not all(isinstance(d, int | np.integer) and d >= 1 for d in shape):
+            raise ValueError(f"--model {name}: parameter {what} has shape {tuple(shape)}: a parameter's dimensions "
+                             "must be integers >= 1 (a layer built with a size of 0 or less?)")
+    return module
 
 
 def as_module(model: object, what: str) -> Module:
