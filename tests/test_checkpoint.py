@@ -558,7 +558,7 @@ def test_another_layer_structure_is_refused_naming_the_layer_and_older_checkpoin
     assert load_checkpoint(path).structure == model_structure(a)
     assert _plan(load_checkpoint(path), structure=model_structure(a)).global_step == 16
     with pytest.raises(CheckpointError, match=r"model differs from the checkpoint's \(ck.npz\): layer 2 is "
-                                              r"Linear\(4, 3\), the checkpoint's ReLU\(\)"):
+                                              r"Linear\(4, 3\) in this run, ReLU\(\) in the checkpoint"):
         _plan(load_checkpoint(path), structure=model_structure(b))
     with np.load(path) as z:
         arrays = {k: v for k, v in z.items() if k not in ("structure", "run")}

@@ -1,15 +1,19 @@
 """preflight.outputs: no output replaces an input or another output (resolved paths and inodes), checked
-before any file is made; preflight.memory is in test_data.py beside the memory-mapped case."""
+before any file is made; preflight.memory is in test_data.py beside the memory-mapped case; preflight.same_model:
+a model built otherwise on some rank is refused, each value named with the rank that built it."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY, train_here
 
-from mpisgd.app.preflight import outputs
+from mpisgd.app.preflight import outputs, same_model
+from mpisgd.app.resume import structure_difference
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
 
@@ -98,3 +102,86 @@ def test_the_config_file_and_the_configurations_copies_are_among_the_checked_fil
     again = Config(dataset="synthetic", checkpoint_dir=str(ck))
     again.config_file = str(ck / "config.toml")  # type: ignore[attr-defined] - run again from a run's own copy
     outputs(again, 0)
+
+
+# -- every rank built the same model: each value is named with the rank that built it (F7b) ----------------
+class Gathers:
+    """A stand-in communicator whose allgather returns every rank's value as given."""
+
+    def __init__(self, values: list) -> None:
+        self.values = values
+
+    def allgather(self, mine):
+        return self.values
+
+
+def _structure(*hidden: int) -> dict:
+    from mpisgd.model_file import model_structure
+    from mpisgd.nn.models import mlp
+
+    return model_structure(mlp(hidden, n_in=6, n_classes=3))
+
+
+def test_a_model_built_otherwise_on_some_rank_names_each_value_with_its_rank():
+    a, b = _structure(16), _structure(17)
+    same_model(a, Gathers([a, a, a]))  # the same everywhere: nothing raised
+    for every, odd, usual in (([a, b], 1, 0), ([a, a, b], 2, 0), ([b, a, a], 0, 1)):
+        with pytest.raises(UsageError) as err:
+            same_model(every[0], Gathers(every))
+        assert str(err.value) == (f"ranks [{odd}] built another model than rank {usual} (layer 1 is Linear(6, 17) on "
+                                  f"rank {odd}, Linear(6, 16) on rank {usual}): the model factory must build the "
+                                  "same layers on every rank"), err.value
+
+
+def test_a_model_difference_names_the_rank_of_each_count_and_shape():
+    short = _structure(16)
+    longer = {**short, "layers": [*short["layers"], "ReLU()"]}  # the same parameters, one more layer
+    assert structure_difference(longer, short, "on rank 1", "on rank 0") == \
+        "5 layers on rank 1, 4 on rank 0 (layer 4 is ReLU() on rank 1)"
+    assert structure_difference(short, longer, "on rank 1", "on rank 0") == \
+        "4 layers on rank 1, 5 on rank 0 (layer 4 is ReLU() on rank 0)"
+    one = {"layers": ["L()"], "shapes": [["w", [2, 3]]]}
+    turned = {"layers": ["L()"], "shapes": [["w", [3, 2]]]}
+    assert structure_difference(turned, one, "on rank 2", "on rank 0") == \
+        "parameter array 0 is w (3, 2) on rank 2, w (2, 3) on rank 0"
+    more = {"layers": ["L()"], "shapes": [["w", [2, 3]], ["b", [3]]]}
+    assert structure_difference(more, one, "on rank 1", "on rank 0") == "2 parameter arrays on rank 1, 1 on rank 0"
+    assert structure_difference(one, dict(one), "on rank 1", "on rank 0") == ""
+
+
+RANK_MODELS = """
+import math
+from mpi4py import MPI
+
+WIDTH = 17 if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1 else 16  # the last rank builds 17
+
+
+def native(in_shape, n_classes):
+    from mpisgd.nn import Flatten, Linear, ReLU, Sequential
+    return Sequential(Flatten(), Linear(math.prod(in_shape), WIDTH), ReLU(), Linear(WIDTH, n_classes))
+
+
+def torch(in_shape, n_classes):
+    from torch import nn
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), WIDTH), nn.ReLU(), nn.Linear(WIDTH, n_classes))
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("factory", ["native", "torch"])
+def test_a_factory_that_builds_another_width_on_the_last_rank_is_refused_naming_whose_width(factory, own_module):
+    """The last rank builds 17 units, the others 16: the refusal puts 17 with the last rank, 16 with rank 0."""
+    from mpi4py import MPI
+
+    if factory == "torch":
+        pytest.importorskip("torch")
+    last = MPI.COMM_WORLD.Get_size() - 1
+    own_module("rank_models", RANK_MODELS)
+    r = train_here([*TINY, "--max-steps", "3", "--model", f"rank_models:{factory}"])
+    assert r.statuses == (2,) * len(r.statuses) and "epoch " not in r.out, r
+    assert f"ranks [{last}] built another model than rank 0 (layer " in r.error, r.error
+    if factory == "native":
+        assert f"(layer 1 is Linear(784, 17) on rank {last}, Linear(784, 16) on rank 0): " in r.error, r.error
+    else:
+        assert re.search(rf"out_features=17, bias=True\)+ on rank {last}, \S+ Linear\(in_features=784, "
+                         r"out_features=16, bias=True\)+ on rank 0\): ", r.error), r.error

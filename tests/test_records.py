@@ -10,11 +10,11 @@ import re
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi, serial_only
+from conftest import ROOT, TINY, run_mpi, serial_only, train_here
 
 from mpisgd.app.metrics import MetricsError, MetricsWriter, read_metrics
 from mpisgd.app.records import SCHEMA, EpochRecord, RecordError, RunRecord, StepRecord, TestRecord, from_json, to_json
-from mpisgd.app.report import format_epoch
+from mpisgd.app.report import buckets_line, format_epoch
 
 KINDS = (RunRecord, StepRecord, EpochRecord, TestRecord)
 
@@ -126,6 +126,40 @@ def test_the_epoch_line_is_read_from_the_records_fields():
     assert line.startswith("epoch   3/12  loss 0.5000  val_loss 0.6250  val_acc 0.7500  test_acc 0.5000")
     assert "samples/s     1234" in line and "waiting for comm 25.0%" in line and "noise scale 321" in line
     assert "noise scale" not in format_epoch(epoch(), 12) and "val_" not in format_epoch(epoch(), 12)
+
+
+def test_the_buckets_line_says_what_backward_hid_and_never_a_part_larger_than_its_whole():
+    """Overlapped: the wait after backward as a part of the buckets' time in flight; a wait longer than that
+    (it holds starting buckets and bookkeeping) is not given as a part. Without overlap (F8): nothing is
+    hidden, the wait after backward is the step's time for the all-reduce."""
+    assert buckets_line(epoch(comm_exposed_ms=0.1, comm_total_ms=0.25), overlap=True) == (
+        "gradient buckets: busbw 1.50 GB/s (start to completion, overlapped with backward), 0.10 of 0.25 ms/step "
+        "not hidden by backward")
+    assert buckets_line(epoch(comm_exposed_ms=0.29, comm_total_ms=0.26), overlap=True) == (
+        "gradient buckets: busbw 1.50 GB/s (start to completion, overlapped with backward), 0.26 ms/step in "
+        "flight, 0.29 ms/step waited for after backward (the wait includes its bookkeeping)")
+    for exposed, total in ((0.29, 0.26), (0.1, 0.25)):
+        assert buckets_line(epoch(comm_exposed_ms=exposed, comm_total_ms=total), overlap=False) == (
+            f"gradient buckets: busbw 1.50 GB/s (start to completion), {exposed:.2f} ms/step waited for after "
+            "backward (--no-overlap: nothing hidden)")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_closing_buckets_line_agrees_with_the_banner(overlap):
+    r = train_here([*TINY, "--max-steps", "4", *(() if overlap else ("--no-overlap",))])
+    assert r.status == 0, r
+    lines = r.out.splitlines()
+    banner = next(x for x in lines if x.startswith("all-reduce: "))
+    line = next(x for x in lines if x.startswith("gradient buckets: "))
+    if overlap:
+        assert banner.endswith(", overlapped with backward") and "overlapped with backward)" in line, (banner, line)
+        part = re.search(r"([\d.]+) of ([\d.]+) ms/step not hidden by backward$", line)
+        assert part is None or float(part[1]) <= float(part[2]), line
+    else:
+        assert banner.endswith(", after backward"), banner
+        assert re.fullmatch(r"gradient buckets: busbw [\d.]+ GB/s \(start to completion\), [\d.]+ ms/step waited "
+                            r"for after backward \(--no-overlap: nothing hidden\)", line), line
 
 
 @pytest.mark.mpi(min_size=2)

@@ -178,8 +178,8 @@ def same_model(structure: dict[str, Any], comm: Any) -> None:
     odd = differing_ranks([json.dumps(s, sort_keys=True) for s in every])
     if odd:
         usual = next(r for r in range(len(every)) if r not in odd)
-        diff = structure_difference(every[usual], every[odd[0]]).replace("the checkpoint's", f"on rank {usual}")
-        raise UsageError(f"ranks {odd} built another model than rank {usual} ({diff} on rank {odd[0]}): the model "
-                         "factory must build the same layers on every rank")
+        diff = structure_difference(every[odd[0]], every[usual], f"on rank {odd[0]}", f"on rank {usual}")
+        raise UsageError(f"ranks {odd} built another model than rank {usual} ({diff}): the model factory must build "
+                         "the same layers on every rank")
 
 

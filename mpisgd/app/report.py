@@ -252,6 +252,21 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
+def buckets_line(last: EpochRecord, overlap: bool) -> str:
+    """The gradient buckets' achieved bandwidth (from each bucket's start to its observed completion) and the
+    time the step waited for them after backward. The wait also holds starting the buckets that had not
+    started and the stall watchdog's bookkeeping, so it can exceed the time in flight: then, and without
+    overlap, the two are not given as a part of a whole."""
+    head = f"gradient buckets: busbw {last.bucket_busbw_gbps:.2f} GB/s (start to completion"
+    waited, total = last.comm_exposed_ms, last.comm_total_ms
+    if not overlap:
+        return f"{head}), {waited:.2f} ms/step waited for after backward (--no-overlap: nothing hidden)"
+    if waited <= total:
+        return f"{head}, overlapped with backward), {waited:.2f} of {total:.2f} ms/step not hidden by backward"
+    return (f"{head}, overlapped with backward), {total:.2f} ms/step in flight, {waited:.2f} ms/step waited for "
+            "after backward (the wait includes its bookkeeping)")
+
+
 def final_lines(run: Run, history: list[EpochRecord], steps: int, wall_s: float,
                 test: TestRecord | None = None) -> list[str]:
     """The closing lines (rank 0): the bucket bandwidth achieved, accuracy (the last epoch's, or ``test``:
@@ -259,8 +274,7 @@ def final_lines(run: Run, history: list[EpochRecord], steps: int, wall_s: float,
     last = history[-1] if history else None
     lines = []
     if run.k > 1 and last is not None and last.bucket_busbw_gbps:
-        lines.append(f"gradient buckets: busbw {last.bucket_busbw_gbps:.2f} GB/s (start to completion, overlapped), "
-                     f"{last.comm_exposed_ms:.2f} of {last.comm_total_ms:.2f} ms/step not hidden by backward")
+        lines.append(buckets_line(last, run.dp.overlap))
     if last is not None and last.val_acc is not None and last.val_loss is not None:
         lines.append(f"validation accuracy {last.val_acc:.4f} (loss {last.val_loss:.4f}) at the last epoch; "
                      "the test set scored once, after training:")

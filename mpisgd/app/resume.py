@@ -41,21 +41,26 @@ def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[
     return {k: text[k] for k in diffs}
 
 
-def structure_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """What differs between two model_structure() records, in words ("" if nothing)."""
-    a, b = saved.get("layers", []), now.get("layers", [])
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+def structure_difference(a: dict[str, Any], b: dict[str, Any], at_a: str, at_b: str) -> str:
+    """The first difference between two model_structure() records, in words, each value followed by where it
+    was built (``at_a``, ``at_b``: "in this run", "in the checkpoint", "on rank 1"); "" if there is none."""
+
+    def both(x: Any, y: Any) -> str:
+        return f"{x} {at_a}, {y} {at_b}"
+
+    la, lb = a.get("layers", []), b.get("layers", [])
+    for i, (x, y) in enumerate(zip(la, lb, strict=False)):
         if x != y:
-            return f"layer {i} is {y}, the checkpoint's {x}"
-    if len(a) != len(b):
-        extra = b[len(a)] if len(b) > len(a) else a[len(b)]
-        return f"the model has {len(b)} layers, the checkpoint's {len(a)} (first unmatched: {extra})"
-    for (name_a, shape_a), (name_b, shape_b) in zip(saved.get("shapes", []), now.get("shapes", []), strict=False):
-        if (name_a, shape_a) != (name_b, shape_b):
-            return f"parameter {name_b} has shape {tuple(shape_b)}, the checkpoint's {name_a} {tuple(shape_a)}"
-    if len(saved.get("shapes", [])) != len(now.get("shapes", [])):
-        return f"the model has {len(now.get('shapes', []))} parameter arrays, the checkpoint's " \
-               f"{len(saved.get('shapes', []))}"
+            return f"layer {i} is " + both(x, y)
+    if len(la) != len(lb):
+        n, more, longer = min(len(la), len(lb)), la if len(la) > len(lb) else lb, at_a if len(la) > len(lb) else at_b
+        return f"{len(la)} layers {at_a}, {len(lb)} {at_b} (layer {n} is {more[n]} {longer})"
+    sa, sb = a.get("shapes", []), b.get("shapes", [])
+    for i, ((na, xa), (nb, xb)) in enumerate(zip(sa, sb, strict=False)):
+        if (na, xa) != (nb, xb):
+            return f"parameter array {i} is " + both(f"{na} {tuple(xa)}", f"{nb} {tuple(xb)}")
+    if len(sa) != len(sb):
+        return f"{len(sa)} parameter arrays {at_a}, {len(sb)} {at_b}"
     return ""
 
 
@@ -113,7 +118,7 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
     bits = bool(config.get("reproducible") and state.config.get("reproducible") and old_b)  # b decides the bits
     b0 = old_b if bits and isinstance(old_b, int) else 1  # the checkpoint's b, where it decides the bits
     if structure is not None and state.structure:
-        diff = structure_difference(state.structure, structure)
+        diff = structure_difference(structure, state.structure, "in this run", "in the checkpoint")
         if diff:
             raise CheckpointError(f"this run's model differs from the checkpoint's ({path}): {diff}; a resumed run "
                                   "must build the same layers")
