@@ -249,3 +249,68 @@ def test_evaluate_with_an_empty_path_is_refused_not_fashion_mnist(tmp_path, opti
     argv = ["", "--data", str(tmp_path)] if option == "PATH" else [model, option, ""]
     with pytest.raises(UsageError, match=f"{re.escape(option)} is empty: give a path"):
         _prepare(build_parser(quiet=True).parse_args(argv))
+
+
+# -- --model-factory: only for a model of your own, and one that gives scores ------------------------------
+def _synthetic_file(path: Path, name: str, module, meta: dict | None = None) -> Path:
+    """A --save-model file of ``module`` (materialised with seed 1), recorded as model ``name`` for the
+    synthetic set's 1x28x28 samples and 10 classes."""
+    from mpisgd.model_file import save_params
+
+    model = module.materialize(np, "float32", seed=1)
+    save_params(str(path), model, meta={"format": "mpisgd-model", "version": 1, "model": name,
+                                        "in_shape": [1, 28, 28], "classes": 10, "dtype": "float32", "seed": 0,
+                                        **(meta or {})})
+    return path
+
+
+@pytest.mark.parametrize("kind,hidden", [("mlp", [8]), ("cnn", None)])
+def test_evaluate_refuses_a_factory_for_a_file_of_mpisgds_own_model(tmp_path, kind, hidden):
+    """`evaluate mlp.npz --model-factory pm:base` scored the stock model and ignored the factory without a word."""
+    path = _synthetic_file(tmp_path / "m.npz", kind, build_model(kind, (1, 28, 28), 10, tuple(hidden or ())),
+                           {"hidden": hidden})
+    data = ["--dataset", "synthetic", "--limit-test", "50"]
+    assert evaluate(str(path), *data).returncode == 0  # the file scores, without a factory
+    factory = ["--model-factory", "examples.model_factory:small_convnet"]
+    for r in (evaluate(str(path), *data, *factory),
+              run_mpi(2, "-m", "mpisgd.evaluate", str(path), *data, *factory, timeout=120)):
+        assert r.returncode == 2 and r.stderr.count("mpisgd-evaluate: error") == 1, r.stderr + r.stdout
+        assert f"holds mpisgd's own {kind} model, which needs no factory: drop --model-factory " \
+               "examples.model_factory:small_convnet" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+FACTORIES = """import math
+from torch import nn
+def base(s, c): return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(s), 8), nn.ReLU(), nn.Linear(8, c))
+class Two(nn.Module):
+    def __init__(self, s, c, out): super().__init__(); self.m, self.out = base(s, c), out
+    def forward(self, x): y = self.m(x); return (y, y) if self.out == "tuple" else {"logits": y}
+def tup(s, c): return Two(s, c, "tuple")
+def dct(s, c): return Two(s, c, "dict")
+"""
+
+
+def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(tmp_path, monkeypatch):
+    """A PyTorch factory whose forward returns a tuple or a dict: the training command refuses it in one line,
+    evaluate ended with a traceback from the first scored batch (exit 1)."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
+    (tmp_path / "pm.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = build_model("pm:base", (1, 28, 28), 10)
+    path = _synthetic_file(tmp_path / "m.npz", "pm:base", module)
+    model = mpisgd.load_model(str(path), factory="pm:base")
+    st = TrainState(params=model.flat.params.copy(), buffers={}, optimizer_state={}, global_step=1, epoch=0,
+                    step_in_epoch=1, skipped_steps=0, world_size=1, effective_batch=8, config={"batch_size": 8},
+                    model={"model": "pm:base", "in_shape": [1, 28, 28], "classes": 10})
+    ckpt = str(save_checkpoint(tmp_path / "ck", st))
+    data = ["--dataset", "synthetic", "--limit-test", "50"]  # python -m: pm.py is found in the working directory
+    assert evaluate(str(path), *data, "--model-factory", "pm:base", cwd=tmp_path).returncode == 0
+    runs = [("tuple", evaluate(str(path), *data, "--model-factory", "pm:tup", cwd=tmp_path)),
+            ("dict", evaluate(str(path), *data, "--model-factory", "pm:dct", cwd=tmp_path)),
+            ("tuple", evaluate(ckpt, *data, "--model-factory", "pm:tup", cwd=tmp_path)),
+            ("dict", run_mpi(2, "-m", "mpisgd.evaluate", str(tmp_path / "ck"), *data, "--model-factory", "pm:dct",
+                             cwd=tmp_path, timeout=120))]
+    for got, r in runs:
+        assert r.returncode == 2 and r.stderr.count("mpisgd-evaluate: error") == 1, r.stderr + r.stdout
+        assert "Traceback" not in r.stderr and "cannot score: the torch module must " \
+               f"return one tensor (the scores), got {got}" in r.stderr, r.stderr

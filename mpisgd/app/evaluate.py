@@ -21,7 +21,7 @@ import numpy as np
 
 from mpisgd.app.options import _add_option, _Parser
 from mpisgd.config import Config
-from mpisgd.errors import UsageError
+from mpisgd.errors import ModelOutputError, UsageError
 from mpisgd.nn import scoring
 
 FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -224,13 +224,52 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
         return language
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
         saved = read_model(args.path, in_shape=(1, 28, 28), factory=args.model_factory)
+        _factory_needed(saved, args.model_factory)
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
         test, name, source, classes = load_test_set(args, seed)
     else:
         test, name, source, classes = load_test_set(args)
         saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]), factory=args.model_factory)
+        _factory_needed(saved, args.model_factory)
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
+    if args.model_factory is not None:
+        _check_scores(saved, test, args.model_factory)
     return saved, test, name, source, classes, warnings
+
+
+def _factory_needed(saved: Any, factory: str | None) -> None:
+    """UsageError when --model-factory names a factory for a file of one of mpisgd's own models: those are built
+    by mpisgd's builders, and the factory would be ignored without a word."""
+    from mpisgd.nn.models import STOCK  # noqa: PLC0415
+
+    if factory is not None and saved.meta["model"] in STOCK:
+        raise UsageError(f"{saved.path} holds mpisgd's own {saved.meta['model']} model, which needs no factory: "
+                         f"drop --model-factory {factory} (it builds a model of your own, a PyTorch module or an "
+                         "mpisgd.nn one)")
+
+
+def _check_scores(saved: Any, test: Any, factory: str) -> None:
+    """The model --model-factory built, on two test samples as scoring gives them (eval mode): it must give one
+    score per class. UsageError otherwise, with the user's module's error in one line (a forward that returns a
+    tuple or a dict, not one tensor of scores), as the training command refuses it."""
+    from mpisgd.data import BatchLoader  # noqa: PLC0415
+
+    x, _ = BatchLoader(test, np, saved.model.flat.dtype).batch(np.arange(min(2, len(test))))
+    built = f"{saved.path}: the model --model-factory {factory} builds"
+    try:
+        out = saved.model.forward(x)
+    except ModelOutputError as exc:  # a tuple or a dict: the message says it all, as the training command's does
+        raise UsageError(f"{built} cannot score: {exc}") from None
+    except Exception as exc:  # the user's code: say whose error it is, in one line
+        raise UsageError(f"{built} cannot score samples of shape {'x'.join(map(str, x.shape[1:]))} "
+                         f"({type(exc).__name__}: {exc})") from None
+    n, classes = len(x), int(saved.meta["classes"])
+    got = tuple(out.shape)
+    if got != (n, classes):
+        gives = (f"gives {'x'.join(map(str, got[1:]))} outputs per sample" if len(got) > 1 and got[0] == n
+                 else f"gives an output of shape {got} for a batch of {n}, not one row per sample")
+        raise UsageError(f"{built} {gives}; the file's model scores {classes} classes, so it must give one score "
+                         "per class")
 
 
 def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
@@ -243,6 +282,7 @@ def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
     if not text.is_token_data(args.data, text=True):
         return None
     saved = read_model(args.path)
+    _factory_needed(saved, args.model_factory)
     vocab = text.Vocabulary.from_identity(saved.meta.get("data") or {})
     if vocab is None:
         return None
