@@ -314,3 +314,22 @@ def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(t
         assert r.returncode == 2 and r.stderr.count("mpisgd-evaluate: error") == 1, r.stderr + r.stdout
         assert "Traceback" not in r.stderr and "cannot score: the torch module must " \
                f"return one tensor (the scores), got {got}" in r.stderr, r.stderr
+
+
+def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(tmp_path):
+    """A PyTorch model trained on token data: evaluate reads it with --model-factory (it answered 'pass it as
+    the factory' even when the factory was passed), and without one says to pass it."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
+    text = "In the beginning God created the heaven and the earth. " * 40
+    chars = "".join(sorted(set(text)))
+    data = tmp_path / "tokens.npz"
+    np.savez(data, tokens=np.array([chars.index(c) for c in text]), vocab=np.array(chars))
+    saved, factory = tmp_path / "lm.npz", "examples.torch_models:gpt_tokens"
+    r = run_mpi(1, "-m", "mpisgd.train", "--model", factory, "--data", str(data), "--context", "8", "--max-steps",
+                "2", "--batch-size", "4", "--progress", "off", "--save-model", str(saved), cwd=ROOT, timeout=180,
+                env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr + r.stdout
+    r = evaluate(str(saved), "--data", str(data), "--model-factory", factory)
+    assert r.returncode == 0 and "bits/char" in r.stdout, r.stderr + r.stdout
+    r = evaluate(str(saved), "--data", str(data))
+    assert r.returncode == 2 and "pass it as the factory" in r.stderr, r.stderr + r.stdout

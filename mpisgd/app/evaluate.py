@@ -281,7 +281,7 @@ def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
 
     if not text.is_token_data(args.data, text=True):
         return None
-    saved = read_model(args.path)
+    saved = read_model(args.path, factory=args.model_factory)
     _factory_needed(saved, args.model_factory)
     vocab = text.Vocabulary.from_identity(saved.meta.get("data") or {})
     if vocab is None:
