@@ -38,6 +38,8 @@ def test_flags_map_to_fields():
     (["--model", "vgg"], r"--model must be mlp, cnn, resnet, gpt or package.module:function, got 'vgg' \(the stock "
                          r"models: mlp, cnn for LeNet-5, resnet for ResNet-20, gpt for a language model on text; or "
                          r"a factory of your own\)"),
+    (["--reproducible-level", "portable"], r"--reproducible-level portable without --reproducible: nothing would "
+                                           r"be reproducible; pass --reproducible portable"),
     (["--model", "cnn", "--dropout", "0.5"], r"--dropout 0.5: for --model gpt only; --model cnn does not read it$"),
     (["--model", "t:f", "--gpt-heads", "7", "--dropout", "0.1"],
      r"--gpt-heads 7, --dropout 0.1: for --model gpt only; --model t:f does not read them \(a model of your own "),

@@ -129,10 +129,11 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     quiet_parser = build_parser(quiet=True)
     quiet_parser.set_defaults(**dict.fromkeys(names, _UNSET))
     given = {k for k, v in vars(quiet_parser.parse_args(argv)).items() if v is not _UNSET and k in names}
+    on_line = set(given)
     given |= set(from_file)
     values = {k: v for k, v in vars(ns).items() if k in names}
     values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
-    _no_gpt_options_without_gpt(values, given)
+    _no_option_left_unread(values, given, on_line)
     cfg = Config(**values)
     cfg.validate()
     cfg.given = given  # type: ignore[attr-defined]
@@ -145,9 +146,14 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     return cfg
 
 
-def _no_gpt_options_without_gpt(values: dict[str, Any], given: set[str]) -> None:
-    """UsageError where another model is given a GPT option with a value of its own: it would be ignored (the
-    defaults pass, so that --print-config's file, which writes every field, reads back)."""
+def _no_option_left_unread(values: dict[str, Any], given: set[str], on_line: set[str]) -> None:
+    """UsageError where an option is given a value of its own that the run would not read: a GPT option with
+    another model, a reproducible level on the command line without --reproducible (the defaults pass, so that
+    --print-config's file, which writes every field, reads back; a file's level with --no-reproducible too)."""
+    level = values["reproducible_level"]
+    if "reproducible_level" in on_line and level != FIELDS["reproducible_level"].default and not values["reproducible"]:
+        raise UsageError(f"--reproducible-level {level} without --reproducible: nothing would be reproducible; pass "
+                         f"--reproducible {level}")
     if values["model"] == "gpt":
         return
     stray = [k for k in GPT_OPTIONS if k in given and values[k] != FIELDS[k].default]
