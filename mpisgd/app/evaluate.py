@@ -207,8 +207,6 @@ def _same_everywhere(every: list[dict[str, str]]) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
-    from mpisgd.model_file import read_model  # noqa: PLC0415
-
     for what, value in (("PATH", args.path), ("--data", args.data), ("--data-dir", args.data_dir),
                         ("--model-factory", args.model_factory)):
         if value is not None and not value.strip():  # an unset shell variable: never the default data instead
@@ -223,29 +221,31 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     if language is not None:
         return language
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
-        saved = read_model(args.path, in_shape=(1, 28, 28), factory=args.model_factory)
-        _factory_needed(saved, args.model_factory)
+        saved = _read(args, in_shape=(1, 28, 28))
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
         test, name, source, classes = load_test_set(args, seed)
     else:
         test, name, source, classes = load_test_set(args)
-        saved = read_model(args.path, in_shape=tuple(test.images.shape[1:]), factory=args.model_factory)
-        _factory_needed(saved, args.model_factory)
+        saved = _read(args, in_shape=tuple(test.images.shape[1:]))
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
     if args.model_factory is not None:
         _check_scores(saved, test, args.model_factory)
     return saved, test, name, source, classes, warnings
 
 
-def _factory_needed(saved: Any, factory: str | None) -> None:
-    """UsageError when --model-factory names a factory for a file of one of mpisgd's own models: those are built
-    by mpisgd's builders, and the factory would be ignored without a word."""
+def _read(args: argparse.Namespace, in_shape: tuple[int, ...] | None = None) -> Any:
+    """PATH's model, built by --model-factory where it is one of your own. UsageError when the factory is given
+    for a file of one of mpisgd's own models: those are built by mpisgd's builders, and the factory would be
+    ignored without a word."""
+    from mpisgd.model_file import read_model  # noqa: PLC0415
     from mpisgd.nn.models import STOCK  # noqa: PLC0415
 
-    if factory is not None and saved.meta["model"] in STOCK:
+    saved = read_model(args.path, in_shape=in_shape, factory=args.model_factory)
+    if args.model_factory is not None and saved.meta["model"] in STOCK:
         raise UsageError(f"{saved.path} holds mpisgd's own {saved.meta['model']} model, which needs no factory: "
-                         f"drop --model-factory {factory} (it builds a model of your own, a PyTorch module or an "
-                         "mpisgd.nn one)")
+                         f"drop --model-factory {args.model_factory} (it builds a model of your own, a PyTorch "
+                         "module or an mpisgd.nn one)")
+    return saved
 
 
 def _check_scores(saved: Any, test: Any, factory: str) -> None:
@@ -253,6 +253,7 @@ def _check_scores(saved: Any, test: Any, factory: str) -> None:
     score per class. UsageError otherwise, with the user's module's error in one line (a forward that returns a
     tuple or a dict, not one tensor of scores), as the training command refuses it."""
     from mpisgd.data import BatchLoader  # noqa: PLC0415
+    from mpisgd.nn.models import gives  # noqa: PLC0415
 
     x, _ = BatchLoader(test, np, saved.model.flat.dtype).batch(np.arange(min(2, len(test))))
     built = f"{saved.path}: the model --model-factory {factory} builds"
@@ -264,12 +265,9 @@ def _check_scores(saved: Any, test: Any, factory: str) -> None:
         raise UsageError(f"{built} cannot score samples of shape {'x'.join(map(str, x.shape[1:]))} "
                          f"({type(exc).__name__}: {exc})") from None
     n, classes = len(x), int(saved.meta["classes"])
-    got = tuple(out.shape)
-    if got != (n, classes):
-        gives = (f"gives {'x'.join(map(str, got[1:]))} outputs per sample" if len(got) > 1 and got[0] == n
-                 else f"gives an output of shape {got} for a batch of {n}, not one row per sample")
-        raise UsageError(f"{built} {gives}; the file's model scores {classes} classes, so it must give one score "
-                         "per class")
+    if tuple(out.shape) != (n, classes):
+        raise UsageError(f"{built} {gives(tuple(out.shape), n)}; the file's model scores {classes} classes, so it "
+                         "must give one score per class")
 
 
 def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
@@ -277,12 +275,10 @@ def _language_model(args: argparse.Namespace) -> tuple[Any, ...] | None:
     context (DataError where the text holds a character the model does not know); None when the data or
     the model is not one (the image path says what is wrong then)."""
     from mpisgd import text  # noqa: PLC0415
-    from mpisgd.model_file import read_model  # noqa: PLC0415
 
     if not text.is_token_data(args.data, text=True):
         return None
-    saved = read_model(args.path, factory=args.model_factory)
-    _factory_needed(saved, args.model_factory)
+    saved = _read(args)
     vocab = text.Vocabulary.from_identity(saved.meta.get("data") or {})
     if vocab is None:
         return None

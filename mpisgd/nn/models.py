@@ -221,6 +221,13 @@ def check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes:
             state[...] = kept
 
 
+def gives(shape: tuple[int, ...], n: int) -> str:
+    """What a model's output of ``shape`` for a batch of ``n`` samples gives, in words (a wrong shape's)."""
+    if shape[:1] == (n,):
+        return f"gives {shape[1:]} outputs per sample"
+    return f"gives an output of shape {shape} for a batch of {n}, not one row per sample"
+
+
 def _check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes: int, dtype: str,
                   tokens: bool, n: int) -> None:
     x = xp.zeros((n, *in_shape), dtype="int64" if tokens else dtype)  # type: ignore[attr-defined]
@@ -236,14 +243,11 @@ def _check_output(model: Model, xp: object, in_shape: tuple[int, ...], n_classes
                          f"({type(exc).__name__}: {exc}){_layout_hint(model)}") from None
     want = (n, *in_shape, n_classes) if tokens else (n, n_classes)
     if tuple(out.shape) != want:
-        if out.shape[:1] == (n,):
-            gives = f"gives {tuple(out.shape[1:])} outputs per sample"
-        else:
-            gives = f"gives an output of shape {tuple(out.shape)} for a batch of {n}, not one row per sample"
+        said = gives(tuple(out.shape), n)
         if tokens:
-            raise ValueError(f"the model {gives}; the data are windows of {in_shape[0]} tokens of a vocabulary of "
+            raise ValueError(f"the model {said}; the data are windows of {in_shape[0]} tokens of a vocabulary of "
                              f"{n_classes}, so it must give {want[1:]}: a score per token at every position")
-        raise ValueError(f"the model {gives}; the data have {n_classes} classes (labels 0..C-1), so it must "
+        raise ValueError(f"the model {said}; the data have {n_classes} classes (labels 0..C-1), so it must "
                          "give one score per class per sample" + _layout_hint(model))
     try:
         model.backward(xp.ones_like(out) / 2)  # type: ignore[attr-defined]
