@@ -17,7 +17,7 @@ apt_install() {  # Debian packages, quietly; the package lists are refreshed onl
 }
 
 # Open MPI beside the main environment: Debian's openmpi-bin and python3-mpi4py (3.1, built against it) with
-# Debian's numpy, pytest and pytest-mpi, nothing from PyPI and nothing to compile. They live in
+# Debian's numpy, pytest, pytest-mpi and pytest-xdist, nothing from PyPI and nothing to compile. They live in
 # /usr/lib/python3/dist-packages, which Debian's python3 would search only after /usr/local, where pip put
 # the MPICH wheel's mpi4py; so they are run from a venv of /usr/bin/python3 that sees Debian's packages and
 # not /usr/local's (one .pth line), whose bin/ also holds mpiexec and mpirun for Open MPI's. With that bin/
@@ -26,13 +26,13 @@ OPENMPI_ENV=${MPISGD_OPENMPI_ENV:-$PWD/.openmpi-env}
 if [ "${1:-}" = openmpi ]; then
   if SUDO_APT; then  # without root: what is already installed, checked below
     apt_install openmpi-bin python3-mpi4py python3-numpy libopenblas0-pthread python3-threadpoolctl \
-      python3-tqdm python3-pytest python3-pytest-mpi python3-venv
+      python3-tqdm python3-pytest python3-pytest-mpi python3-pytest-xdist python3-venv
   fi
   /usr/bin/python3 -m venv --clear --without-pip "$OPENMPI_ENV"
   "$OPENMPI_ENV/bin/python" -c 'import site; print("/usr/lib/python3/dist-packages", file=open(site.getsitepackages()[0] + "/debian.pth", "w"))'
   ln -sf /usr/bin/mpiexec.openmpi "$OPENMPI_ENV/bin/mpiexec"
   ln -sf /usr/bin/mpirun.openmpi "$OPENMPI_ENV/bin/mpirun"
-  lib=$("$OPENMPI_ENV/bin/python" -c 'import numpy, pytest, pytest_mpi, threadpoolctl, tqdm
+  lib=$("$OPENMPI_ENV/bin/python" -c 'import numpy, pytest, pytest_mpi, threadpoolctl, tqdm, xdist
 from mpi4py import MPI; print(MPI.Get_library_version().strip("\0").splitlines()[0])' 2>&1) || lib="none: ${lib##*$'\n'}"
   [ -x /usr/bin/mpiexec.openmpi ] || lib="no /usr/bin/mpiexec.openmpi"
   case $lib in

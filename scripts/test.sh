@@ -16,7 +16,7 @@ bash scripts/install.sh test || { echo "install failed"; exit 1; }
 echo "=== install: $((SECONDS - t0)) s"
 
 mkdir -p results/tmp
-rm -f results/tmp/serial.xml* results/tmp/alone.xml* results/tmp/mpi[23].xml*  # an earlier run's must not count
+rm -f results/tmp/serial.xml* results/tmp/alone.xml* results/tmp/timing.xml* results/tmp/mpi[23].xml*  # an earlier run's must not count
 status=0
 run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME*.xml
   local name=$1; shift
@@ -28,11 +28,15 @@ run() {  # run NAME CMD...: one pytest run, its junit report in results/tmp/NAME
   if [ "$rc" -ne 0 ]; then status=1; fi
 }
 # The serial tests in two pytest-xdist workers (most launch a small job, which leaves a core idle part of
-# the time), then those marked `alone` (pytest.ini: they time their jobs) one at a time, with the machine
+# the time); then those marked `alone` (pytest.ini: they wait on stall bounds and signals, mostly idle) in two
+# workers of their own, without the serial pass's load; then those marked `timing` (they compare step times)
+# one at a time, with the machine to themselves
 run serial "$PY" -m pytest tests -q -p no:cacheprovider -n "${MPISGD_TEST_WORKERS:-2}" --dist loadgroup \
-    -m "not alone" --durations=25 --junitxml=results/tmp/serial.xml
-run alone "$PY" -m pytest tests -q -p no:cacheprovider -m alone --durations=15 -o junit_suite_name=alone \
-    --junitxml=results/tmp/alone.xml
+    -m "not alone and not timing" --durations=25 --junitxml=results/tmp/serial.xml
+run alone "$PY" -m pytest tests -q -p no:cacheprovider -n 2 --dist loadgroup -m alone --durations=15 \
+    -o junit_suite_name=alone --junitxml=results/tmp/alone.xml
+run timing "$PY" -m pytest tests -q -p no:cacheprovider -m timing --durations=5 -o junit_suite_name=timing \
+    --junitxml=results/tmp/timing.xml
 for n in 2 3; do
   run "mpi$n" timeout 1200 mpiexec -n "$n" "$PY" -m pytest tests -q -p no:cacheprovider --with-mpi -m mpi \
       --durations=25 -o junit_suite_name="mpi$n" --junitxml="results/tmp/mpi$n.xml"
@@ -41,6 +45,6 @@ run openmpi bash scripts/test_openmpi.sh  # the MPI tests again under Debian's O
 run lint ruff check mpisgd tests benchmarks experiments scripts examples
 # mypy.ini: the configuration; its cache outside the checkout, so that a fresh clone checks only what changed
 run types mypy --cache-dir "${MPISGD_MYPY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpisgd/mypy}" mpisgd
-"$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/alone.xml results/tmp/mpi2.xml results/tmp/mpi3.xml \
+"$PY" scripts/junit_summary.py results/tmp/serial.xml results/tmp/alone.xml results/tmp/timing.xml results/tmp/mpi2.xml results/tmp/mpi3.xml \
     results/tmp/openmpi2.xml results/tmp/openmpi3.xml results/tmp/openmpi-serial.xml || status=1
 exit $status

@@ -37,6 +37,7 @@ for n in 2 3; do
   run "openmpi$n" timeout 1200 mpiexec --oversubscribe -n "$n" python -m pytest tests -q -p no:cacheprovider \
       --color=no --with-mpi -m mpi --durations=25 -o junit_suite_name="openmpi$n" --junitxml="results/tmp/openmpi$n.xml"
 done
-run openmpi-serial timeout 1800 python -m pytest "${SERIAL[@]}" -q -p no:cacheprovider --durations=25 \
-    -o junit_suite_name=openmpi-serial --junitxml=results/tmp/openmpi-serial.xml
+# in two workers, as scripts/test.sh runs the `alone` tests: they mostly wait on their jobs
+run openmpi-serial timeout 1800 python -m pytest "${SERIAL[@]}" -q -p no:cacheprovider -n 2 --dist loadgroup \
+    --durations=25 -o junit_suite_name=openmpi-serial --junitxml=results/tmp/openmpi-serial.xml
 exit $status

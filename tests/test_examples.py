@@ -1,8 +1,7 @@
-"""The examples run as their docstrings say (examples/: the library, a NumPy model of one's own, PyTorch)."""
+"""The examples run as their docstrings say (examples/: the library, a NumPy model of one's own; the PyTorch
+examples: tests/test_torch_examples.py)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 from conftest import ROOT, run_mpi
@@ -23,10 +22,3 @@ def test_hand_written_numpy_model_trains_data_parallel(k):
     assert r.returncode == 0, r.stderr
     assert f"with k={k}; replicas identical" in r.stdout
     assert float(r.stdout.split("training accuracy on 2,000 samples ")[1].split()[0]) > 0.8
-
-
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed (pip install torch)")
-def test_pytorch_model_gradients_averaged_by_mpisgd():
-    r = run_mpi(2, str(EXAMPLES / "torch_model.py"), "--steps", "60", "--synthetic", timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "samples/s" in r.stdout and "with k=2" in r.stdout

@@ -102,7 +102,7 @@ def test_profile_step_tables_a_cnns_layers_on_the_portable_kernels():
     assert "GEMM efficiency" not in r.stdout
 
 
-@pytest.mark.alone  # compares step times: run apart (pytest.ini)
+@pytest.mark.timing  # compares step times: run apart, one at a time (pytest.ini)
 def test_straggler_experiment_books_the_wait_to_the_delayed_rank(tmp_path):
     r = subprocess.run([sys.executable, "experiments/straggler.py", "--ks", "2", "--delays-ms", "0,10",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())

@@ -290,10 +290,13 @@ def dct(s, c): return Two(s, c, "dict")
 """
 
 
-def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(tmp_path, monkeypatch):
+def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(tmp_path, monkeypatch, capsys):
     """A PyTorch factory whose forward returns a tuple or a dict: the training command refuses it in one line,
-    evaluate ended with a traceback from the first scored batch (exit 1)."""
+    evaluate ended with a traceback from the first scored batch (exit 1). In this process for a file and a
+    checkpoint, and launched at k = 2 (every rank exits 2)."""
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
+    from mpisgd.app.evaluate import main as evaluate_here
+
     (tmp_path / "pm.py").write_text(FACTORIES)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = build_model("pm:base", (1, 28, 28), 10)
@@ -303,17 +306,21 @@ def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(t
                     step_in_epoch=1, skipped_steps=0, world_size=1, effective_batch=8, config={"batch_size": 8},
                     model={"model": "pm:base", "in_shape": [1, 28, 28], "classes": 10})
     ckpt = str(save_checkpoint(tmp_path / "ck", st))
-    data = ["--dataset", "synthetic", "--limit-test", "50"]  # python -m: pm.py is found in the working directory
-    assert evaluate(str(path), *data, "--model-factory", "pm:base", cwd=tmp_path).returncode == 0
-    runs = [("tuple", evaluate(str(path), *data, "--model-factory", "pm:tup", cwd=tmp_path)),
-            ("dict", evaluate(str(path), *data, "--model-factory", "pm:dct", cwd=tmp_path)),
-            ("tuple", evaluate(ckpt, *data, "--model-factory", "pm:tup", cwd=tmp_path)),
-            ("dict", run_mpi(2, "-m", "mpisgd.evaluate", str(tmp_path / "ck"), *data, "--model-factory", "pm:dct",
-                             cwd=tmp_path, timeout=120))]
-    for got, r in runs:
-        assert r.returncode == 2 and r.stderr.count("mpisgd-evaluate: error") == 1, r.stderr + r.stdout
-        assert "Traceback" not in r.stderr and "cannot score: the torch module must " \
-               f"return one tensor (the scores), got {got}" in r.stderr, r.stderr
+    data = ["--dataset", "synthetic", "--limit-test", "50"]
+    assert evaluate_here([str(path), *data, "--model-factory", "pm:base"]) == 0
+    capsys.readouterr()
+    runs = []
+    for got, saved, factory in [("tuple", str(path), "pm:tup"), ("dict", str(path), "pm:dct"),
+                                ("tuple", ckpt, "pm:tup")]:
+        status = evaluate_here([saved, *data, "--model-factory", factory])
+        runs.append((got, status, capsys.readouterr().err))
+    r = run_mpi(2, "-m", "mpisgd.evaluate", str(tmp_path / "ck"), *data, "--model-factory", "pm:dct", cwd=tmp_path,
+                timeout=120)  # python -m: pm.py is found in the working directory
+    runs.append(("dict", r.returncode, r.stderr))
+    for got, status, err in runs:
+        assert status == 2 and err.count("mpisgd-evaluate: error") == 1, err
+        assert "Traceback" not in err and "cannot score: the torch module must " \
+               f"return one tensor (the scores), got {got}" in err, err
 
 
 def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(tmp_path):

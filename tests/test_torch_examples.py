@@ -1,5 +1,6 @@
 """The five-line port: examples/torch_model.py is examples/torch_ddp.py (a standard DDP loop) with at most
-five lines changed, docs/torch.md shows that very diff, and both give the same losses at k = 2."""
+five lines changed, docs/torch.md shows that very diff, and both give the same losses at k = 2 (the port
+also prints its samples/s)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_the_port_gives_ddps_losses_at_k2():
     args = ["--steps", "40", "--synthetic", "--losses"]
     ours = run_mpi(2, str(EXAMPLES / "torch_model.py"), *args, timeout=400)
     assert ours.returncode == 0, ours.stderr[-2000:]
+    assert "samples/s" in ours.stdout and "with k=2" in ours.stdout  # what its docstring says it prints
     env = {**clean_env(), "PYTHONPATH": str(ROOT)}
     for _ in range(2):  # once more after a SIGABRT: gloo's rare abort in torchrun's ranks (2026-12-03, one CI run)
         theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
