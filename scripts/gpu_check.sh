@@ -110,7 +110,7 @@ if [ "$DRY" = 1 ]; then  # tiny: the same steps in well under a minute
   DATA=(--dataset synthetic --synthetic-samples 1024 --limit-test 256)
   DATA_NOTE="synthetic, 1,024 training and 256 test samples"
   EPOCHS_MLP=1 EPOCHS_CNN=1 EPOCHS_K2=1 EPOCHS_CPU=1 CPU_LIMIT=() CPU_THREADS=1
-  EPOCHS_RESNET=1 RESNET_LIMIT=() EPOCHS_GPT=1
+  EPOCHS_RESNET=1 RESNET_LIMIT=(--limit-train 512) EPOCHS_GPT=1  # ResNet-20's steps cost the most: half the set
   MAX_BYTES=4K BW_EXTRA=(--block-ms 2) MIN_ACC=${GPU_CHECK_MIN_ACC:-0}  # 8 steps learn next to nothing
 else  # the real sizes (docs/gpu.md has the time each step is expected to take on an H200)
   EPOCHS_MLP=12 EPOCHS_CNN=3 EPOCHS_K2=2 EPOCHS_CPU=2 CPU_LIMIT=(--limit-train 15000)

@@ -94,13 +94,21 @@ fi
 [ "${1:-}" = test ] && extras="${extras:+$extras,}test,plot,torch"  # torch: the baselines and examples that compare with it
 # PyPI's torch for x86-64 Linux is its CUDA build, ~5 GB with the NVIDIA libraries: on a machine without an NVIDIA
 # GPU, PyTorch's own index of CPU builds (~190 MB) first, where it is reachable; the extra then finds torch installed
-if [ "${1:-}" = test ] && ! python3 -c "import torch" >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null; then
+has_torch() { python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; }
+if [ "${1:-}" = test ] && ! has_torch && ! command -v nvidia-smi >/dev/null; then
   echo "[install] PyTorch's CPU build from download.pytorch.org (no NVIDIA GPU here)"
   $PIP --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu >/dev/null 2>&1 \
     || echo "[install] PyTorch's CPU index is not reachable: PyPI's torch (its CUDA build, ~5 GB) instead"
 fi
-echo "[install] pip install -e .${extras:+[$extras]}"
-$PIP -e ".${extras:+[$extras]}"
+# a setuptools that builds editable wheels by itself (70.1 and later) is used as it is: pip's isolated build
+# environment would download and install one for every install, a third of the time this step takes
+isolation=()
+if python3 -c 'import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))' \
+    2>/dev/null; then
+  isolation=(--no-build-isolation)
+fi
+echo "[install] pip install ${isolation[*]}${isolation:+ }-e .${extras:+[$extras]}"
+$PIP "${isolation[@]}" -e ".${extras:+[$extras]}"
 
 # The mpich wheel puts libmpi in <prefix>/lib. For Debian's own python3 that is /usr/local/lib, which
 # the dynamic loader searches only through its cache, and pip does not refresh it: mpi4py then fails
