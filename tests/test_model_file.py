@@ -323,7 +323,7 @@ def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(t
                f"return one tensor (the scores), got {got}" in err, err
 
 
-def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(tmp_path):
+def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(tmp_path, monkeypatch, capsys):
     """A PyTorch model trained on token data: evaluate reads it with --model-factory (it answered 'pass it as
     the factory' even when the factory was passed), and without one says to pass it."""
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
@@ -336,7 +336,13 @@ def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(
                 "2", "--batch-size", "4", "--progress", "off", "--save-model", str(saved), cwd=ROOT, timeout=180,
                 env={"PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr + r.stdout
-    r = evaluate(str(saved), "--data", str(data), "--model-factory", factory)
-    assert r.returncode == 0 and "bits/char" in r.stdout, r.stderr + r.stdout
-    r = evaluate(str(saved), "--data", str(data))
-    assert r.returncode == 2 and "pass it as the factory" in r.stderr, r.stderr + r.stdout
+    from mpisgd.app.evaluate import main as evaluate_here  # in this process: evaluate sets no torch state
+
+    monkeypatch.syspath_prepend(str(ROOT))  # examples.torch_models
+    capsys.readouterr()
+    status = evaluate_here([str(saved), "--data", str(data), "--model-factory", factory])
+    out, err = capsys.readouterr()
+    assert status == 0 and "bits/char" in out, err + out
+    status = evaluate_here([str(saved), "--data", str(data)])
+    err = capsys.readouterr().err
+    assert status == 2 and "pass it as the factory" in err, err

@@ -30,7 +30,11 @@ def steps(path):
     return [json.loads(line)["loss"] for line in open(path) if '"kind":"step"' in line]
 
 
-def test_resnet_trains_saves_and_evaluates_at_k1_and_reproducible_says_what_bits_depend_on(tmp_path):
+def test_resnet_trains_saves_and_evaluates_at_k1_and_reproducible_says_what_bits_depend_on(tmp_path, capsys,
+                                                                                           torch_one_thread):
+    """Evaluate in this process (one torch thread, as the trainer's ranks): it sets no torch state."""
+    from mpisgd.app.evaluate import main as evaluate_here
+
     model = tmp_path / "r.npz"
     r = cli(1, "--model", "torch_factories:tiny_resnet", "--epochs", "1", "--save-model", str(model),
             "--reproducible")
@@ -40,12 +44,15 @@ def test_resnet_trains_saves_and_evaluates_at_k1_and_reproducible_says_what_bits
     acc = r.stdout.split("final test accuracy ")[1].split()[0]
     saved = np.load(model)
     assert saved["state"].size == 2 * (4 + 8 + 8 + 8) + 4  # four BatchNorms' running statistics and counts
-    ev = run_mpi(1, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", "--limit-test", "200",
-                 "--model-factory", "torch_factories:tiny_resnet", env=ENV, cwd=ROOT, timeout=200)
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    assert f"accuracy {acc}" in ev.stdout  # eval mode and the saved running statistics: the trainer's score
-    ev = run_mpi(1, "-m", "mpisgd.evaluate", str(model), "--dataset", "synthetic", env=ENV, cwd=ROOT, timeout=200)
-    assert ev.returncode == 2 and "--model-factory" in ev.stderr and ev.stderr.count("\n") == 1
+    capsys.readouterr()
+    status = evaluate_here([str(model), "--dataset", "synthetic", "--limit-test", "200", "--model-factory",
+                            "torch_factories:tiny_resnet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-2000:]
+    assert f"accuracy {acc}" in out  # eval mode and the saved running statistics: the trainer's score
+    status = evaluate_here([str(model), "--dataset", "synthetic"])
+    err = capsys.readouterr().err
+    assert status == 2 and "--model-factory" in err and err.count("\n") == 1, err
 
 
 def test_losses_at_k2_match_distributed_data_parallel(tmp_path):
