@@ -253,10 +253,11 @@ def banner(run: Run) -> list[str]:
 
 
 def buckets_line(last: EpochRecord, overlap: bool) -> str:
-    """The gradient buckets' achieved bandwidth (from each bucket's start to its observed completion) and the
-    time the step waited for them after backward. The wait also holds starting the buckets that had not
-    started and the stall watchdog's bookkeeping, so it can exceed the time in flight: then, and without
-    overlap, the two are not given as a part of a whole."""
+    """The gradient buckets' achieved bandwidth (over the time with a bucket in flight, from a start to the
+    observed completion, buckets that overlap counted once) and the time the step waited for them after
+    backward. The wait also holds starting the buckets that had not started and the stall watchdog's
+    bookkeeping, so it can exceed the time in flight: then, and without overlap, the two are not given as a
+    part of a whole."""
     head = f"gradient buckets: busbw {last.bucket_busbw_gbps:.2f} GB/s (start to completion"
     waited, total = last.comm_exposed_ms, last.comm_total_ms
     if not overlap:

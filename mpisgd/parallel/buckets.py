@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mpisgd.comm.base import Handle
 from mpisgd.parallel.protocols import Array, LeafDone, Timeline, Watchdog
-from mpisgd.parallel.stats import Meter
+from mpisgd.parallel.stats import InFlight, Meter
 
 FIRST_BUCKET_MB = 1.0  # as PyTorch DDP: a small first bucket starts communication early
 
@@ -68,6 +68,7 @@ class BucketSchedule:
         self._reduced: Array = None
         self._start: Callable[[int, Array], Handle] | None = None
         self._on_start: Callable[[Bucket], None] = _nothing
+        self._in_flight = InFlight()  # the meter's comm_total_s: time with a bucket in flight, not their sum
 
     def bind(self, reduced: Array, start: Callable[[int, Array], Handle], on_start: Callable[[Bucket], None]) -> None:
         """Reduce slices of ``reduced`` with ``start(index, slice)``; call ``on_start`` before each."""
@@ -97,11 +98,12 @@ class BucketSchedule:
         self._on_start(bucket)
         self.timeline.begin(bucket.name, cat="comm")
         bucket.t_start = time.perf_counter()
+        self._in_flight.started(bucket.t_start)
         bucket.handle = self._start(bucket.index, self._reduced[bucket.start:bucket.stop])
 
     def _done(self, bucket: Bucket) -> None:
         times = self.meter.times
-        times.comm_total_s += time.perf_counter() - bucket.t_start
+        times.comm_total_s += self._in_flight.done(time.perf_counter())
         times.bytes_reduced += (bucket.stop - bucket.start) * self._reduced.dtype.itemsize
         self.timeline.end(bucket.name, cat="comm")
         bucket.t_start = 0.0  # marks it complete

@@ -21,7 +21,7 @@ class StepStats:
 
     forward_s: float = 0.0
     backward_s: float = 0.0
-    comm_total_s: float = 0.0  # from a bucket's start to its observed completion
+    comm_total_s: float = 0.0  # with a bucket in flight: from a start to the observed completion (InFlight)
     comm_exposed_s: float = 0.0  # time the step waited for communication
     optimizer_s: float = 0.0
     steps: int = 0
@@ -45,6 +45,26 @@ class StepStats:
         self.small_sq += small_sq_buffer * (big_batch / b_small) ** 2
         self.big_sq += big_sq
         self.b_small = b_small
+
+
+class InFlight:
+    """The time during which at least one of some operations is in flight: the union of their intervals,
+    from the start that found none in flight to the completion that leaves none. Buckets overlap one another;
+    the sum of their own times would count the shared time twice and make an achieved bandwidth read low."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since = 0.0
+
+    def started(self, now: float) -> None:
+        if self.count == 0:
+            self.since = now
+        self.count += 1
+
+    def done(self, now: float) -> float:
+        """One completed at ``now``: the seconds the union grew by (0 while others are still in flight)."""
+        self.count -= 1
+        return now - self.since if self.count == 0 else 0.0
 
 
 class Meter:

@@ -56,6 +56,7 @@ from mpisgd.backend import is_device_array, peak_rss_mib
 from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
 from mpisgd.noise import NoiseScale, estimate
+from mpisgd.parallel.stats import InFlight
 from mpisgd.torch.views import array_module, as_array, as_tensor, storage_dtype
 from mpisgd.watchdog import default_watchdog
 
@@ -100,7 +101,7 @@ class WrapTimes:
     forward_s: float = 0.0
     backward_s: float = 0.0  # from each forward's end to the next forward or the end of backward
     comm_exposed_s: float = 0.0  # waiting for the all-reduce at the end of backward
-    comm_total_s: float = 0.0  # from each bucket's start to its observed completion
+    comm_total_s: float = 0.0  # with a bucket in flight: from a start to the observed completion (InFlight)
     other_s: float = 0.0  # from the end of backward to the next forward: the optimizer, data loading
     loss_sum: float = 0.0  # what log_loss was given
     losses: int = 0
@@ -155,6 +156,7 @@ class DistributedModel(torch.nn.Module):
         self._shared = self._share_gradients()
         self.states = self._flatten_state()
         self.buckets = self._make_buckets(bucket_cap_mb)
+        self._in_flight = InFlight()  # times.comm_total_s: time with a bucket in flight, not their sum
         self._broadcast_start()
         self._hooks = [g.params[j].register_post_accumulate_grad_hook(self._hook(g, j, b))
                        for g, j, b in self._bucket_of_param()]
@@ -394,10 +396,11 @@ class DistributedModel(torch.nn.Module):
             self._local_sq += finite_sq_norm(buf, b.group.xp)[1]
         buf *= 1.0 / self.k  # the sum over the ranks is then the mean
         b.t_start = time.perf_counter()
+        self._in_flight.started(b.t_start)
         b.handle = self.reducer.start(buf)
 
     def _done(self, b: _Bucket) -> None:
-        self.times.comm_total_s += time.perf_counter() - b.t_start
+        self.times.comm_total_s += self._in_flight.done(time.perf_counter())
         b.t_start = 0.0
 
     def _finish(self) -> None:
