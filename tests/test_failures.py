@@ -631,6 +631,10 @@ def test_a_reused_checkpoint_dir_is_refused_unless_resumed_or_overwritten(tmp_pa
     assert "holds another run's checkpoints" in refused(again)
     # an epoch is 8 steps: its end, and the last step whatever --checkpoint-every says; nothing pruned
     assert sorted(p.name for p in Path(ck).glob("ckpt-*")) == ["ckpt-000000008.npz", "ckpt-000000010.npz"]
+    # refused at set-up (a model that cannot be built): --overwrite-checkpoints deleted them all the same
+    typo = train_here([*run, "--max-steps", "5", "--overwrite-checkpoints", "--model", "no_such_module:build"])
+    assert "cannot import no_such_module" in refused(typo)
+    assert sorted(p.name for p in Path(ck).glob("ckpt-*")) == ["ckpt-000000008.npz", "ckpt-000000010.npz"]
     over = train_here([*run, "--max-steps", "5", "--seed", "7", "--overwrite-checkpoints"])
     assert over.status == 0 and [p.name for p in Path(ck).glob("ckpt-*")] == ["ckpt-000000005.npz"]
     done = train_here([*run, "--max-steps", "5", "--seed", "7", "--resume", "auto"])

@@ -64,8 +64,7 @@ class RunDirectory:
                 raise UsageError(f"--checkpoint-dir {directory} holds another run's checkpoints ({existing[0].name}, "
                                  f"{len(existing)} in all): pass --resume auto to continue that run, or "
                                  "--overwrite-checkpoints to start over (they are deleted)")
-            for p in existing:
-                p.unlink()
+            self._pending += [(p, None) for p in existing]  # at the first save: a run refused later deletes nothing
 
     def _write_lock(self) -> None:
         self._lock.seek(0)
