@@ -276,6 +276,10 @@ def load_arrays(path: str) -> tuple[Dataset, Dataset]:
                                     f"{available_bytes() / 2**30:.1f} GiB available (an .npz is read whole): save "
                                     "them as .npy files in a directory, which is memory-mapped")
                 arrays = {name: z[name] for name in ARRAYS}
+                raw = [name for name, a in arrays.items() if not isinstance(a, np.ndarray)]  # NpzFile's bytes
+                if raw:
+                    raise DataError(f"--data {path}: its {raw[0]} is not a NumPy array (no .npy header): save the "
+                                    "four arrays with numpy.savez")
     except DataError:
         raise
     except MemoryError:

@@ -257,6 +257,7 @@ def test_a_fifo_as_data_is_refused_never_opened(tmp_path):
     ("/dev/zero", "is not a regular file or a directory"),
     ("objects", "x_train holds Python objects (a pickled array), which mpisgd never loads"),
     ("objects-dir", "x_train.npy holds Python objects"),
+    ("member", "its y_train is not a NumPy array (no .npy header)"),  # a pickle or text stored as y_train.npy
 ])
 def test_what_is_not_a_data_set_says_what_is_one(tmp_path, case, says):
     """Never an invitation to unpickle (the old message quoted allow_pickle); never a TypeError."""
@@ -274,6 +275,13 @@ def test_what_is_not_a_data_set_says_what_is_one(tmp_path, case, says):
         path.write_bytes(pickle.dumps({"x_train": [1, 2]}))
     elif case == "/dev/zero":
         path = Path("/dev/zero")
+    elif case == "member":
+        import zipfile
+
+        path = tmp_path / "data.member.npz"
+        np.savez(path, **{k: v for k, v in four_arrays().items() if k != "y_train"})
+        with zipfile.ZipFile(path, "a") as z:
+            z.writestr("y_train.npy", pickle.dumps([1, 2, 3]))
     elif case == "objects":
         np.savez(path, **{**four_arrays(), "x_train": np.array([object()] * 64, dtype=object)})
         path = tmp_path / "data.objects.npz"
