@@ -268,6 +268,34 @@ def test_a_workload_by_numbers_predicts_what_the_same_profile_does(tmp_path):
         assert got.step_ms == pytest.approx(want.step_ms - 1e3 * c.small_collective_s(k))
 
 
+@pytest.mark.parametrize("line,says", [
+    ("bucket_cap_mb = 1e-9", "bucket_cap_mb = 1e-09 MiB is under 1024 bytes"),
+    ("fusion_mb = 1e-6", "fusion_mb = 1e-06 MiB is under 1024 bytes"),
+    ("fusion_mb = 0.001\nparameters = 1000000000", "cuts the 4,000,000,000-byte gradient into more than 100,000"),
+    ("bucket_cap_mb = 0.00098\nparameters = 1000000000", "cuts the 4,000,000,000-byte gradient into more than"),
+])
+def test_a_workloads_bucket_size_too_small_for_a_plan_is_one_line(tmp_path, capsys, line, says):
+    """A bucket or fusion size under 1 KiB, or one cutting the gradient into more than 100,000 buckets: one
+    line and exit 2. The bucket list had been built by a loop that never ended (a cap under 1 byte) or took
+    seconds to minutes (O(n^2): a GPT-3-sized workload 4 s)."""
+    desc = tmp_path / "w.toml"
+    params = "" if "parameters" in line else "parameters = 1000000\n"
+    desc.write_text(f"batch_per_rank = 32\nstep_ms = 10\n{params}{line}\n")
+    assert plan.main(["--workload", str(desc), "--link", "10gbe", "--ranks", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
+def test_a_gpt3_sized_workload_plans_at_once(tmp_path):
+    """175 billion float16 parameters in 25 MiB buckets: 13,353 of them, made in O(n)."""
+    from mpisgd.app.planner.workload import default_buckets
+
+    buckets = default_buckets(175_000_000_000 * 2)
+    assert sum(buckets) == 350_000_000_000 and len(buckets) == 13_353 and buckets[0] == 2**20
+    with pytest.raises(plan.PlanError, match="more than 100,000 buckets"):
+        default_buckets(4 * 10**30)
+
+
 def test_cluster_file_and_flags_over_it(tmp_path, capsys):
     m = write_metrics(tmp_path / "m.jsonl")
     cluster = tmp_path / "c.toml"

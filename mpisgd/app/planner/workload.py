@@ -24,6 +24,8 @@ from mpisgd.app.planner.errors import PlanError, number
 from mpisgd.app.records import EpochRecord
 
 FIRST_BUCKET_BYTES = 2**20  # DataParallel's (and DDP's) first bucket: 1 MiB
+MIN_BUCKET_BYTES = 1024  # a workload's bucket or fusion size below this is a mistake, not a plan
+MAX_BUCKETS = 100_000  # more buckets than this per step: a bucket size far too small for the model
 SHARD_MIN_BYTES = 2**20  # mpisgd.app.run.SHARD_MIN_BYTES, for files that do not record it
 
 
@@ -95,11 +97,23 @@ class Workload:
 def default_buckets(total: int, cap_mb: float = 25.0) -> tuple[int, ...]:
     """DataParallel's rule by bytes alone: a first bucket of min(1 MiB, cap), then ``cap_mb`` MiB each (the
     real ones end at layer boundaries)."""
-    first, cap = min(FIRST_BUCKET_BYTES, cap_mb * 2**20, total), cap_mb * 2**20
-    out = [int(first)]
-    while sum(out) < total:
-        out.append(int(min(cap, total - sum(out))))
-    return tuple(out)
+    first, cap = int(min(FIRST_BUCKET_BYTES, cap_mb * 2**20, total)), int(cap_mb * 2**20)
+    full, rest = divmod(total - first, cap)
+    if full > MAX_BUCKETS:
+        raise PlanError(f"a gradient of {total:,} bytes makes more than {MAX_BUCKETS:,} buckets of {cap_mb:g} MiB")
+    return (first,) + (cap,) * full + ((rest,) if rest else ())
+
+
+def _bucket_size(t: dict[str, Any], key: str, default: float | None, grad: int, path: str) -> float:
+    """``key`` (MiB) of a workload, checked: at least MIN_BUCKET_BYTES, and at most MAX_BUCKETS of them."""
+    mib = number(t.get(key, default), f"{path}: {key}", positive=True)
+    if mib * 2**20 < MIN_BUCKET_BYTES:
+        raise PlanError(f"{path}: {key} = {mib:g} MiB is under {MIN_BUCKET_BYTES} bytes: give the size in MiB "
+                        "(25 is DDP's default)")
+    if grad / (mib * 2**20) > MAX_BUCKETS:
+        raise PlanError(f"{path}: {key} = {mib:g} MiB cuts the {grad:,}-byte gradient into more than "
+                        f"{MAX_BUCKETS:,} buckets: give a larger size")
+    return mib
 
 
 def read_toml(path: str, what: str) -> dict[str, Any]:
@@ -268,11 +282,11 @@ def from_description(path: str) -> tuple[Workload, Rules]:
         buckets = tuple(int(number(x, f"{path}: bucket_nbytes", positive=True, whole=True)) for x in raw)
         from_ = "the description"
     elif "fusion_mb" in t:
-        size = number(t["fusion_mb"], f"{path}: fusion_mb", positive=True) * 2**20
+        size = _bucket_size(t, "fusion_mb", None, grad, path) * 2**20
         buckets = tuple(int(min(size, grad - i * size)) for i in range(math.ceil(grad / size)))
         from_ = f"fused buffers of {t['fusion_mb']} MiB"
     else:
-        cap = number(t.get("bucket_cap_mb", 25.0), f"{path}: bucket_cap_mb", positive=True)
+        cap = _bucket_size(t, "bucket_cap_mb", 25.0, grad, path)
         buckets, from_ = default_buckets(grad, cap), f"DDP's rule: 1 MiB, then {cap:g} MiB"
     overlap, shard = t.get("overlap", True), t.get("shard_optimizer", False)
     if not isinstance(overlap, bool) or not isinstance(shard, bool):
