@@ -111,8 +111,9 @@ def _bucket_size(t: dict[str, Any], key: str, default: float | None, grad: int, 
         raise PlanError(f"{path}: {key} = {mib:g} MiB is under {MIN_BUCKET_BYTES} bytes: give the size in MiB "
                         "(25 is DDP's default)")
     if grad / (mib * 2**20) > MAX_BUCKETS:
-        raise PlanError(f"{path}: {key} = {mib:g} MiB cuts the {grad:,}-byte gradient into more than "
-                        f"{MAX_BUCKETS:,} buckets: give a larger size")
+        given = f"{key} = {mib:g} MiB" if key in t else f"the default {key} of {mib:g} MiB"
+        raise PlanError(f"{path}: {given} cuts the {grad:,}-byte gradient into more than {MAX_BUCKETS:,} "
+                        f"buckets: check the parameter count, or give a larger {key}")
     return mib
 
 
