@@ -594,6 +594,32 @@ def test_save_model_keeps_a_file_it_did_not_write_and_replaces_a_model(shared_tm
         assert "flat" in np.load(model).files
 
 
+@serial_only  # one rank's run, in this process (the refusals are rank 0's set-up checks, agreed like the others)
+def test_a_users_files_beside_the_runs_outputs_are_kept(tmp_path: Path) -> None:
+    """A metrics file that is not one (notes.txt): refused, not appended to. A config.toml of one's own in the
+    checkpoint directory or beside the metrics file: refused, not replaced. An earlier run's metrics file and
+    configuration copies: continued and replaced (a rerun of one command)."""
+    notes = _written(tmp_path / "notes.txt", "my notes\n")
+    line = refused(train_here([*TINY, "--max-steps", "2", "--metrics-file", str(notes)]))
+    assert "--metrics-file" in line and "is not a metrics file" in line, line
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mine = _written(ck / "config.toml", "lr = 0.5  # my own\n")
+    line = refused(train_here([*TINY, "--max-steps", "2", "--checkpoint-dir", str(ck)]))
+    assert f"{mine} exists and is not a configuration mpisgd wrote" in line and "--checkpoint-dir" in line, line
+    beside = _written(tmp_path / "m.jsonl.config.toml", "lr = 0.5\n")
+    line = refused(train_here([*TINY, "--max-steps", "2", "--metrics-file", str(tmp_path / "m.jsonl")]))
+    assert f"{beside} exists and is not a configuration mpisgd wrote" in line and "--metrics-file" in line, line
+    assert notes.read_text() == "my notes\n" and mine.read_text() == "lr = 0.5  # my own\n"
+    mine.unlink()
+    beside.unlink()
+    run = [*TINY, "--max-steps", "2", "--metrics-file", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(ck)]
+    for again in ([], ["--resume", "auto"]):  # the second run continues the first's files
+        r = train_here([*run, *again])
+        assert r.status == 0, r
+    assert (ck / "config.toml").read_text().startswith("# the effective configuration of a run on k=")
+
+
 def _saved_npz(path: Path) -> Path:
     np.savez(path, x=np.arange(3))
     return path

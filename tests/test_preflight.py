@@ -185,3 +185,20 @@ def test_a_factory_that_builds_another_width_on_the_last_rank_is_refused_naming_
     else:
         assert re.search(rf"out_features=17, bias=True\)+ on rank {last}, \S+ Linear\(in_features=784, "
                          r"out_features=16, bias=True\)+ on rank 0\): ", r.error), r.error
+
+
+def test_a_vocab_json_of_ones_own_is_kept_and_an_earlier_runs_replaced(tmp_path):
+    """A language model's run writes vocab.json into its checkpoint directory: over a file of the user's, no (a
+    warning, the file kept); over an earlier run's vocabulary, yes."""
+    from types import SimpleNamespace
+
+    from mpisgd.app import run_files
+
+    cfg = SimpleNamespace(metrics_file=None, checkpoint_dir=str(tmp_path))
+    mine = tmp_path / "vocab.json"
+    mine.write_text('{"my": "tokenizer"}')
+    warnings = run_files.write_vocab(cfg, '{"size": 3, "chars": "abc"}')  # type: ignore[arg-type]
+    assert mine.read_text() == '{"my": "tokenizer"}' and len(warnings) == 1 and "kept" in warnings[0], warnings
+    mine.write_text('{"size": 2, "chars": "ab"}')
+    assert run_files.write_vocab(cfg, '{"size": 3, "chars": "abc"}') == []  # type: ignore[arg-type]
+    assert mine.read_text() == '{"size": 3, "chars": "abc"}'

@@ -81,6 +81,22 @@ def outputs(cfg: Config, rank: int) -> None:
     if cfg.save_model and not model_file.replaceable(cfg.save_model):
         raise UsageError(f"--save-model {cfg.save_model} exists and is not a model mpisgd saved: the run would "
                          "replace it; remove it or choose another path")
+    if cfg.metrics_file and not _metrics_or_empty(cfg.metrics_file):
+        raise UsageError(f"--metrics-file {cfg.metrics_file} exists and is not a metrics file: the run would add "
+                         "its records to it; remove it or choose another path")
+
+
+def _metrics_or_empty(path: str) -> bool:
+    """``path`` may take a run's records (appended): absent, empty, or starting with a record (a JSON object
+    with a ``kind``: an earlier run's metrics file, which the next run continues)."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            return True  # absent; anything but a regular file is check_output_file's to refuse
+        with open(path, "rb") as f:
+            first = json.loads(f.readline(1 << 20))
+        return isinstance(first, dict) and "kind" in first
+    except (OSError, ValueError):
+        return False
 
 
 def _same(a: str | Path, b: str | Path) -> bool:

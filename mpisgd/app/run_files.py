@@ -5,6 +5,7 @@ settled it (a resumed run's derived b and m included)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import IO
@@ -23,6 +24,11 @@ def check(cfg: Config, rank: int) -> None:
     for path in copies(cfg):
         if not _is_input(path, cfg):
             check_output_file(str(path), "the configuration's copy")
+            if not ours(path, "config.toml"):
+                where = "--checkpoint-dir" if cfg.checkpoint_dir and path == Path(cfg.checkpoint_dir) / path.name \
+                    else "--metrics-file"
+                raise UsageError(f"{path} exists and is not a configuration mpisgd wrote: the run writes its "
+                                 f"effective configuration there; move it, or give another {where}")
     if cfg.tensorboard:
         check_output_dir(cfg.tensorboard, "--tensorboard")
         tensorboard.check_installed()
@@ -63,11 +69,33 @@ def write_vocab(cfg: Config, vocab_json: str) -> list[str]:
 
     warnings = []
     for path in copies(cfg, "vocab.json"):
+        if not ours(path, "vocab.json"):
+            warnings.append(f"warning: {path} exists and is not a vocabulary mpisgd wrote: kept, and this run's "
+                            "vocabulary not written there (the checkpoints and the saved model hold it)")
+            continue
         try:
             atomic_write(path, write)
         except (OSError, UsageError) as exc:
             warnings.append(f"warning: the vocabulary was not written to {path} ({exc})")
     return warnings
+
+
+HEADER = "# the effective configuration of a run on k="  # write_config's first line
+
+
+def ours(path: Path, name: str) -> bool:
+    """``path`` may take a run's ``name`` (config.toml, vocab.json): absent, empty, or one a run wrote (its
+    header; the vocabulary's JSON). Anything else is someone's file, kept."""
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return True  # absent; anything but a regular file is check_output_file's to refuse
+        with open(path, "rb") as f:
+            if name == "config.toml":
+                return f.read(len(HEADER)) == HEADER.encode()
+            value = json.loads(f.read(1 << 24))
+        return isinstance(value, dict) and set(value) == {"size", "chars"}
+    except (OSError, ValueError):
+        return False
 
 
 def copies(cfg: Config, name: str = "config.toml") -> list[Path]:
