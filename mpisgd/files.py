@@ -39,6 +39,20 @@ def check_output_file(path: str, what: str) -> None:
     check_output_dir(str(p.parent) or ".", what)
 
 
+def replaceable(path: str | os.PathLike, looks_ours: Callable[[IO[bytes]], bool]) -> bool:
+    """``path`` may take a file this run writes (or appends to): nothing is there, an empty file, or a file
+    ``looks_ours`` recognises from its bytes (an earlier run's). Anything else is someone's file, kept; a
+    directory or a FIFO is check_output_file's to refuse."""
+    p = Path(path)
+    try:
+        if not p.is_file() or p.stat().st_size == 0:
+            return True
+        with open(p, "rb") as f:
+            return looks_ours(f)
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return False
+
+
 def check_output_dir(path: str, what: str) -> None:
     """``path`` is (or can be made) a directory this process can create files in."""
     p = Path(path)

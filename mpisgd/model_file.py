@@ -34,7 +34,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from mpisgd.backend import to_numpy
 from mpisgd.checkpoint import CheckpointError, SaveError, find_resume, load_checkpoint
 from mpisgd.errors import UsageError
 from mpisgd.files import atomic_write, free_bytes, write_npz
+from mpisgd.files import replaceable as files_replaceable
 from mpisgd.nn import Model, Module, build_model
 from mpisgd.nn.models import STOCK, as_module  # the models mpisgd builds itself; anything else is the user's
 from mpisgd.nn.module import parameter_shapes
@@ -128,14 +129,11 @@ def replaceable(path: str | os.PathLike) -> bool:
     """``path`` may take a new --save-model file: nothing is there, an empty file, or a model mpisgd saved (an
     .npz holding ``flat``: the earlier run's, which a run saving to the same path means to replace). Anything
     else there is someone's data, kept (the run refuses the path before training)."""
-    p = Path(path)
-    try:
-        if not p.is_file() or p.stat().st_size == 0:
-            return True  # absent; a directory or a FIFO is check_output_file's to refuse
-        with zipfile.ZipFile(p) as z:
+    def saved_model(f: IO[bytes]) -> bool:
+        with zipfile.ZipFile(f) as z:
             return "flat.npy" in z.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
+
+    return files_replaceable(path, saved_model)
 
 
 def _check_params(flat: Any, p: Path) -> None:

@@ -10,7 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from mpisgd.checkpoint import is_run_file
 from mpisgd.config import Config
 from mpisgd.data import available_bytes, input_files
 from mpisgd.errors import UsageError
-from mpisgd.files import check_output_dir, check_output_file
+from mpisgd.files import check_output_dir, check_output_file, replaceable
 from mpisgd.nn.module import parameter_shapes
 
 
@@ -89,14 +89,11 @@ def outputs(cfg: Config, rank: int) -> None:
 def _metrics_or_empty(path: str) -> bool:
     """``path`` may take a run's records (appended): absent, empty, or starting with a record (a JSON object
     with a ``kind``: an earlier run's metrics file, which the next run continues)."""
-    try:
-        if not os.path.isfile(path) or os.path.getsize(path) == 0:
-            return True  # absent; anything but a regular file is check_output_file's to refuse
-        with open(path, "rb") as f:
-            first = json.loads(f.readline(1 << 20))
+    def metrics(f: IO[bytes]) -> bool:
+        first = json.loads(f.readline(1 << 20))
         return isinstance(first, dict) and "kind" in first
-    except (OSError, ValueError):
-        return False
+
+    return replaceable(path, metrics)
 
 
 def _same(a: str | Path, b: str | Path) -> bool:

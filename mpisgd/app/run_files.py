@@ -14,7 +14,7 @@ from mpisgd.app import tensorboard
 from mpisgd.app.options import to_toml
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
-from mpisgd.files import atomic_write, check_output_dir, check_output_file
+from mpisgd.files import atomic_write, check_output_dir, check_output_file, replaceable
 
 
 def check(cfg: Config, rank: int) -> None:
@@ -25,8 +25,7 @@ def check(cfg: Config, rank: int) -> None:
         if not _is_input(path, cfg):
             check_output_file(str(path), "the configuration's copy")
             if not ours(path, "config.toml"):
-                where = "--checkpoint-dir" if cfg.checkpoint_dir and path == Path(cfg.checkpoint_dir) / path.name \
-                    else "--metrics-file"
+                where = "--checkpoint-dir" if path.name == "config.toml" else "--metrics-file"  # METRICS.config.toml
                 raise UsageError(f"{path} exists and is not a configuration mpisgd wrote: the run writes its "
                                  f"effective configuration there; move it, or give another {where}")
     if cfg.tensorboard:
@@ -86,16 +85,13 @@ HEADER = "# the effective configuration of a run on k="  # write_config's first 
 def ours(path: Path, name: str) -> bool:
     """``path`` may take a run's ``name`` (config.toml, vocab.json): absent, empty, or one a run wrote (its
     header; the vocabulary's JSON). Anything else is someone's file, kept."""
-    try:
-        if not path.is_file() or path.stat().st_size == 0:
-            return True  # absent; anything but a regular file is check_output_file's to refuse
-        with open(path, "rb") as f:
-            if name == "config.toml":
-                return f.read(len(HEADER)) == HEADER.encode()
-            value = json.loads(f.read(1 << 24))
+    def written_by_a_run(f: IO[bytes]) -> bool:
+        if name == "config.toml":
+            return f.read(len(HEADER)) == HEADER.encode()
+        value = json.loads(f.read(1 << 24))
         return isinstance(value, dict) and set(value) == {"size", "chars"}
-    except (OSError, ValueError):
-        return False
+
+    return replaceable(path, written_by_a_run)
 
 
 def copies(cfg: Config, name: str = "config.toml") -> list[Path]:
