@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -34,10 +35,11 @@ from mpisgd.comm.base import Reducer, node_layout  # noqa: E402
 from mpisgd.context import AgreedError, agree  # noqa: E402
 from mpisgd.data import available_bytes  # noqa: E402
 from mpisgd.errors import UsageError  # noqa: E402
-from mpisgd.files import check_output_file  # noqa: E402
+from mpisgd.files import atomic_write, check_output_file, replaceable  # noqa: E402
 
 CPU_BACKENDS = ("mpi", "ring", "auto", "deterministic", "shared")
 GPU_BACKENDS = ("nccl", "mpi", "ring", "auto")
+RECORD = ("backend", "size_bytes", "inplace", "time_us", "busbw_gbps")  # what --summarize reads of a --json row
 
 
 def parse_size(text: str) -> int:
@@ -152,7 +154,7 @@ def parse_args(argv: list[str] | None = None, quiet: bool = False) -> argparse.N
     p.add_argument("--max-bytes", type=parse_size, default=256 << 20, help="largest size (e.g. 256M)")
     p.add_argument("--step-factor", type=int, default=2, help="multiply the size by this each row")
     p.add_argument("--dtype", default="float32", help="float16|float32|float64|int32|int64")
-    p.add_argument("--backends", default="", help=f"comma list; default CPU: {','.join(CPU_BACKENDS)}, "
+    p.add_argument("--backends", default=None, help=f"comma list; default CPU: {','.join(CPU_BACKENDS)}, "
                    f"GPU: {','.join(GPU_BACKENDS)}")
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="where the buffers live")
     p.add_argument("--cuda-aware", default="auto", choices=("auto", "direct", "staged"),
@@ -165,8 +167,10 @@ def parse_args(argv: list[str] | None = None, quiet: bool = False) -> argparse.N
                    help="timed blocks per row; the median of their rank-averaged means is reported (noisy machines)")
     p.add_argument("--stat", default="median", choices=("median", "min"),
                    help="how --trials are combined: median, or min (latency on a machine shared with others)")
-    p.add_argument("--json", type=Path, help="write one JSON record per row here (rank 0)")
-    p.add_argument("--plot", type=Path, help="write a PNG of busbw against size here (rank 0)")
+    p.add_argument("--json", type=Path, help="write one JSON record per row here (rank 0; an earlier run's "
+                   "output is replaced, any other file refused)")
+    p.add_argument("--plot", type=Path, help="write a plot of busbw against size here (rank 0), in the format its "
+                   "suffix names (.png, .pdf, .svg, ...; PNG without one)")
     p.add_argument("--summarize", type=Path, nargs="+",
                    help="print a Markdown comparison of --json files and exit (no MPI); several files: auto's "
                         "ratio to the better of mpi and ring in each run, side by side, and the worst")
@@ -186,8 +190,8 @@ def parse_args(argv: list[str] | None = None, quiet: bool = False) -> argparse.N
                          "or int64") from None
     if dtype.kind not in "fiu":
         raise BenchError(f"--dtype must be a number type (float16, float32, float64, int32, int64), got {dtype}")
-    args.names = [b for b in args.backends.split(",") if b] or \
-        list(GPU_BACKENDS if args.device == "gpu" else CPU_BACKENDS)
+    args.names = backend_names(args.backends, args.device)
+    check_plot(args.plot, args.json)
     unknown = [b for b in args.names if b not in STRATEGIES]
     if unknown:
         raise BenchError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
@@ -196,22 +200,64 @@ def parse_args(argv: list[str] | None = None, quiet: bool = False) -> argparse.N
     return args
 
 
-def check_before_any_work(args: argparse.Namespace, comm: Any, local_size: int, rank: int) -> None:
-    """What differs by node or rank: the memory the buffers need here, and rank 0's output files
-    (BenchError)."""
+def backend_names(text: str | None, device: str) -> list[str]:
+    """--backends: the names given (none empty), or the device's defaults when it is not given."""
+    if text is None:
+        return list(GPU_BACKENDS if device == "gpu" else CPU_BACKENDS)
+    names = [b.strip() for b in text.split(",")]
+    if not all(names):
+        raise BenchError(f"--backends {text!r}: an empty name; give a comma list such as mpi,ring, or leave "
+                         "--backends out for every default backend")
+    return names
+
+
+def check_plot(plot: Path | None, json_path: Path | None) -> None:
+    """--plot names a format matplotlib writes (its suffix; none: PNG) and is not the --json file (BenchError)."""
+    if plot is None:
+        return
+    if json_path is not None and os.path.realpath(plot) == os.path.realpath(json_path):
+        raise BenchError(f"--plot {plot} is also the --json file: give them different paths")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415 - only for --plot
+    except ImportError:
+        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = plot.suffix[1:].lower()
+    if suffix and suffix not in formats:
+        raise BenchError(f"--plot {plot}: matplotlib cannot write .{suffix} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+
+
+def _written_by_us(f: IO[bytes]) -> bool:
+    first = json.loads(f.readline(1 << 20))
+    return isinstance(first, dict) and set(RECORD) <= set(first)
+
+
+def output_problem(args: argparse.Namespace) -> str | None:
+    """Why rank 0 cannot write --json or --plot (or must not replace --json: someone's file), or None."""
+    for what, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        try:
+            check_output_file(str(path), what)
+        except OSError as exc:  # a path this process may not even look at
+            return f"{what} {path}: {exc.strerror or exc}"
+        except UsageError as exc:  # about its directory, where it is not about the path itself
+            return str(exc) if str(exc).startswith(f"{what} {path} ") else f"{exc}, so {path} cannot be written"
+    if args.json is not None and not replaceable(args.json, _written_by_us):
+        return (f"--json {args.json} exists and is not allreduce_bw output: the run would replace it; remove it "
+                "or choose another path")
+    return None
+
+
+def check_memory(args: argparse.Namespace, local_size: int) -> None:
+    """What differs by node: the memory the buffers need here (BenchError)."""
     need = (len(args.names) + 1) * args.max_bytes
     available = available_bytes() / max(1, local_size)
     if need > 0.8 * available:
         raise BenchError(f"--max-bytes {args.max_bytes:,} needs {need / 2**30:.1f} GiB per rank ({len(args.names)} "
                          f"backend buffer(s) and one destination), this node has {available / 2**30:.1f} GiB "
                          f"available per rank ({local_size} here): lower --max-bytes or name fewer --backends")
-    if rank == 0:
-        for what, path in (("--json", args.json), ("--plot", args.plot)):
-            if path is not None:
-                try:
-                    check_output_file(str(path), what)
-                except UsageError as exc:
-                    raise BenchError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, comm: Any, k: int, rank: int) -> int:
-    error, args = None, None
+    error: Exception | None = None
+    args = None
     try:
         args = parse_args(argv, quiet=rank != 0)
     except SystemExit as exc:  # --help: printed by rank 0
@@ -236,14 +283,15 @@ def _main(argv: list[str] | None, comm: Any, k: int, rank: int) -> int:
     agree(comm, error)  # argv is every rank's: all refuse it alike, before any other collective
     assert args is not None
     if args.summarize:
-        runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in args.summarize]
-        print(summarize(runs[0]) if len(runs) == 1 else summarize_auto(runs))
-        return 0
+        return _summarize(args.summarize, comm)
 
     local_rank, local_size = node_layout(comm)[:2]
+    problem = comm.bcast(output_problem(args) if rank == 0 else None)  # one message, every rank's: no "rank 0:"
     backend, error = None, None
     try:
-        check_before_any_work(args, comm, local_size, rank)
+        if problem:
+            raise BenchError(problem)
+        check_memory(args, local_size)
         backend, _ = select_backend(args.device, local_rank=local_rank)  # GPU local_rank % GPUs
     except (BenchError, UsageError) as exc:
         error = exc
@@ -298,11 +346,79 @@ def _main(argv: list[str] | None, comm: Any, k: int, rank: int) -> int:
         red.close()
     out(f"# out of bounds values: {total_wrong} {'ERROR' if total_wrong else 'OK'}")
     if rank == 0 and args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        text = "\n".join(json.dumps(r) for r in records) + "\n"
+        atomic_write(args.json, lambda f: f.write(text.encode()))
     if rank == 0 and args.plot:
         plot(records, args.plot, k, backend.describe())
     return 1 if total_wrong else 0
+
+
+def _summarize(paths: list[Path], comm: Any) -> int:
+    """--summarize: the table, or one line on what is wrong with the files (every rank reads them alike)."""
+    runs, error = None, None
+    try:
+        runs = load_runs(paths)
+    except BenchError as exc:
+        error = exc
+    agree(comm, error)
+    assert runs is not None
+    if comm.Get_rank() == 0:
+        print(summarize(runs[0]) if len(runs) == 1 else summarize_auto(runs))
+    return 0
+
+
+def load_runs(paths: list[Path]) -> list[list[dict[str, Any]]]:
+    """--summarize's files, each allreduce_bw --json output with in-place rows, none named twice; several: each
+    with auto, mpi and ring at a size they all measured (BenchError)."""
+    real = [os.path.realpath(p) for p in paths]
+    twice = [str(p) for i, p in enumerate(paths) if real[i] in real[:i]]
+    if twice:
+        raise BenchError(f"--summarize names {', '.join(twice)} twice: a run compared with itself says nothing")
+    runs = [load_run(p) for p in paths]
+    if len(runs) > 1:
+        for path, run in zip(paths, runs):
+            missing = [b for b in ("mpi", "ring", "auto") if not any(r["backend"] == b and r["inplace"] for r in run)]
+            if missing:
+                raise BenchError(f"--summarize {path}: no in-place rows of {', '.join(missing)}; several files "
+                                 "compare auto with mpi and ring")
+        if not _common_sizes(runs):
+            raise BenchError("--summarize: the files share no size that each measured with mpi, ring and auto")
+    return runs
+
+
+def load_run(path: Path) -> list[dict[str, Any]]:
+    """One --json file's rows (BenchError naming the file and what is wrong)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise BenchError(f"--summarize {path}: no such file") from None
+    except IsADirectoryError:
+        raise BenchError(f"--summarize {path} is a directory, not an allreduce_bw --json file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"--summarize {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and set(RECORD) <= set(row)):
+            raise BenchError(f"--summarize {path}: line {n} is not an allreduce_bw --json row (a JSON object with "
+                             f"{', '.join(RECORD)})")
+        rows.append(row)
+    if not any(r["inplace"] for r in rows):
+        raise BenchError(f"--summarize {path}: no in-place rows (empty, or written with --inplace no); the "
+                         "comparison is of in-place times")
+    return rows
+
+
+def _common_sizes(runs: list[list[dict[str, Any]]], inplace: bool = True) -> list[int]:
+    """The sizes every run measured with mpi, ring and auto."""
+    have = [{(r["backend"], r["size_bytes"]) for r in run if r["inplace"] == inplace} for run in runs]
+    sizes = {size for _, size in have[0]}
+    return sorted(s for s in sizes if all((b, s) in h for h in have for b in ("mpi", "ring", "auto")))
 
 
 def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
@@ -333,12 +449,12 @@ def summarize(records: list[dict[str, Any]], inplace: bool = True) -> str:
 def summarize_auto(runs: list[list[dict[str, Any]]], inplace: bool = True) -> str:
     """Markdown: per size, auto's speed against the better of mpi and ring in each run, and the worst run."""
     tables = [{(r["backend"], r["size_bytes"]): r["time_us"] for r in run if r["inplace"] == inplace} for run in runs]
-    sizes = sorted({size for t in tables for _, size in t})
+    sizes = _common_sizes(runs, inplace)
     head = ["size", *[f"run {i + 1}: mpi / ring / auto (us)" for i in range(len(runs))],
             *[f"run {i + 1} auto/best" for i in range(len(runs))], "worst"]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for size in sizes:
-        times = [[t.get((b, size), float("nan")) for b in ("mpi", "ring", "auto")] for t in tables]
+        times = [[t[(b, size)] for b in ("mpi", "ring", "auto")] for t in tables]
         ratios = [min(m, r) / a for m, r, a in times]
         out.append("| " + " | ".join([_human(size), *[" / ".join(f"{v:.1f}" for v in t) for t in times],
                                       *[f"{x:.2f}" for x in ratios], f"**{min(ratios):.2f}**"]) + " |")
@@ -368,7 +484,7 @@ def plot(records: list[dict[str, Any]], path: Path, k: int, where: str) -> None:
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _human(v)))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=path.suffix[1:].lower() or "png")
 
 
 def _human(v: float) -> str:

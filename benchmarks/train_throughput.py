@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import shlex
 import shutil
@@ -58,8 +59,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from mpisgd.app.options import parse_config  # noqa: E402
+from mpisgd.config import Config  # noqa: E402
+from mpisgd.errors import UsageError  # noqa: E402
+from mpisgd.files import atomic_write, check_output_file, replaceable  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(ROOT),
        # every launch measures auto's choices afresh: a plan from another run must not decide a comparison
@@ -67,6 +76,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_N
 BASELINES = ("numpy-1t", "numpy-2t", "torch", "torch-ddp")
 DEFAULT_BASELINES = {"mlp": "numpy-1t,numpy-2t,torch-ddp", "cnn": "torch,torch-ddp"}
 WORKLOADS = {"cnn": "LeNet-5 (conv 6@5x5 pad 2, max-pool 2, conv 16@5x5, max-pool 2, 120, 84, 10, ReLU)"}
+MODELS = ("mlp", "cnn")  # what the baselines, the workload line and the targets know
+OWNED = {"metrics_file": "--metrics-file"}  # train options the benchmark sets itself, per launch
 MEMORY = ("peak_rss_mib", "rss_start_mib", "state_mib")  # the largest rank's; see mpisgd.app.report
 SPLIT = ("forward_ms", "backward_ms", "comm_exposed_ms", "comm_total_ms", "optimizer_ms", "step_ms")
 
@@ -177,16 +188,121 @@ def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, devic
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def option(train_args: list[str], flag: str, default: str) -> str:
-    return train_args[train_args.index(flag) + 1] if flag in train_args else default
+def baseline_jobs(chosen: list[str], model: str, device: str, k: int, have_torch: bool) -> list[tuple[str, int, int]]:
+    """--compare's launches: (impl, ranks, BLAS threads) of the chosen baselines that apply here."""
+    # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
+    threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if device == "gpu" else 2]
+    if threads and model != "mlp":
+        print(f"# the hand-written NumPy loop is the MLP only: skipped for --model {model}")
+        threads = []
+    jobs = [("numpy", 1, t) for t in threads]
+    torches = [("torch", 1, 1)] if "torch" in chosen else []
+    torches += [("torch-ddp", k, 1)] if "torch-ddp" in chosen else []
+    if torches and not have_torch:
+        print("# torch not importable: PyTorch skipped (pip install torch; the CPU build is enough)")
+        return jobs
+    return jobs + torches
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "cnn"], default=None,
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (no usage screen) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_ks(text: str) -> list[int]:
+    """'1,2' -> [1, 2]: rank counts, each a positive integer, none twice."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(re.fullmatch(r"[1-9][0-9]*", t) for t in items):
+        raise argparse.ArgumentTypeError(f"expected rank counts >= 1, comma-separated (1,2), got {text!r}")
+    ks = [int(t) for t in items]
+    if len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"names a rank count twice: {text!r}")
+    return ks
+
+
+def positive_int(text: str) -> int:
+    if not re.fullmatch(r"\s*[1-9][0-9]*\s*", text):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def train_config(argv: list[str], where: str) -> Config:
+    """``argv`` parsed and checked as mpisgd.train does (``--model=cnn`` is ``--model cnn``, a --config file is
+    read); UsageError naming ``where`` for what mpisgd.train would refuse, --help, --print-config, and the
+    options the benchmark sets itself."""
+    try:
+        cfg = parse_config(argv, quiet=True)
+    except SystemExit:
+        raise UsageError(f"{where}: --help and --print-config train nothing: drop them") from None
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    owned = [flag for name, flag in OWNED.items() if name in cfg.given]  # type: ignore[attr-defined]
+    if owned:
+        raise UsageError(f"{where}: {' and '.join(owned)} is the benchmark's own (it reads each launch's metrics "
+                         "from a file of its own): drop it")
+    return cfg
+
+
+def train_options(train_args: list[str], model: str | None, device: str) -> tuple[list[str], Config]:
+    """The options every mpisgd launch takes, checked before any launch, with the reference workload's
+    defaults for what they leave out: the model (``model``, else mlp), one BLAS thread per rank, ``device``."""
+    argv = [a for a in train_args if a != "--"]
+    cfg = train_config(argv, "train options")
+    given = cfg.given  # type: ignore[attr-defined]
+    if model and "model" in given and cfg.model != model:
+        raise UsageError(f"--model {model} and the train option --model {cfg.model} differ")
+    model = model or cfg.model
+    if model not in MODELS:
+        raise UsageError(f"--model {model}: this benchmark measures {' and '.join(MODELS)} only (the baselines, "
+                         "the workload line and the targets are theirs)")
+    defaults = {"model": model, "threads": "1", "device": device}
+    argv += [x for name, value in defaults.items() if name not in given for x in (f"--{name}", value)]
+    return argv, train_config(argv, "train options")
+
+
+def check_variant(variant: str, train_args: list[str]) -> None:
+    """A --variant is NAME=OPTIONS, NAME none of the benchmark's own labels, OPTIONS what mpisgd.train takes."""
+    name, eq, extra = variant.partition("=")
+    if not eq or name.strip() in ("", "replicated", "apart"):
+        raise UsageError(f"--variant {variant!r}: expected NAME=OPTIONS, NAME neither empty nor replicated nor apart")
+    try:
+        options = shlex.split(extra)
+    except ValueError as exc:
+        raise UsageError(f"--variant {variant!r}: {exc}") from None
+    train_config([*train_args, *options], f"--variant {variant!r}")
+
+
+def _written_by_us(f: IO[bytes]) -> bool:
+    value = json.loads(f.read())
+    return isinstance(value, dict) and {"summary", "runs", "ratios"} <= set(value)
+
+
+def check_json(path: str) -> None:
+    """--json can be written and replacing it loses nothing (absent, empty, or an earlier run's); UsageError."""
+    try:
+        check_output_file(path, "--json")
+    except OSError as exc:  # a path this process may not even look at
+        raise UsageError(f"--json {path}: {exc.strerror or exc}") from None
+    except UsageError as exc:  # about its directory, where it is not about the path itself
+        if str(exc).startswith(f"--json {path} "):
+            raise
+        raise UsageError(f"{exc}, so {path} cannot be written") from None
+    if not replaceable(path, _written_by_us):
+        raise UsageError(f"--json {path} exists and is not train_throughput output: the run would replace it; "
+                         "remove it or choose another path")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], Config]:
+    """The benchmark's options, the train options (checked, completed) and their configuration; exit 2 with
+    one line for anything wrong, before any launch."""
+    parser = _Parser(prog="train_throughput.py", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default=None,
                         help="the workload of every side (default: --model among the train options, else mlp)")
-    parser.add_argument("--ks", default="1,2", help="rank counts, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ks", type=parse_ks, default=[1, 2], help="rank counts, comma-separated")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
     parser.add_argument("--baselines", default=None,
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated; default "
@@ -202,49 +318,39 @@ def main() -> None:
     parser.add_argument("--max-others", type=float, default=None, metavar="CORES",
                         help="rerun a launch (up to 4 tries) while other processes kept more than CORES cores busy "
                              "during it on average: for machines shared with others (default: keep every launch)")
-    parser.add_argument("--json", help="write all launches and the summary here")
+    parser.add_argument("--json", help="write all launches and the summary here (an earlier run's output is "
+                                       "replaced, any other file refused)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
-    args = parser.parse_args()
-    train_args = [a for a in args.train_args if a != "--"]
-    model = args.model or option(train_args, "--model", "mlp")
-    if option(train_args, "--model", model) != model:
-        parser.error(f"--model {model} and the train option --model {option(train_args, '--model', '')} differ")
-    if "--model" not in train_args:
-        train_args += ["--model", model]
-    if "--threads" not in train_args:  # the reference workload: one BLAS thread per rank at every k
-        train_args += ["--threads", "1"]
-    if "--device" not in train_args:
-        train_args += ["--device", args.device]
-    ks = [int(k) for k in args.ks.split(",")]
-    hidden, batch = option(train_args, "--hidden", "1024,1024"), option(train_args, "--batch-size", "128")
-    limit = option(train_args, "--limit-train", "")  # the baselines train on as many samples
+    args = parser.parse_args(argv)
+    try:
+        train_args, cfg = train_options(args.train_args, args.model, args.device)
+        for v in args.variant:
+            check_variant(v, train_args)
+        if args.json is not None:
+            check_json(args.json)
+        args.chosen = (args.baselines or DEFAULT_BASELINES[cfg.model]).split(",")
+    except UsageError as exc:
+        parser.error(str(exc))
+    unknown = set(args.chosen) - set(BASELINES)
+    if args.compare and unknown:
+        parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
+    return args, train_args, cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, train_args, cfg = parse_args(argv)
+    model, ks = cfg.model, args.ks
+    hidden, batch = ",".join(map(str, cfg.hidden)), str(cfg.batch_size)
+    limit = str(cfg.limit_train or "")  # the baselines train on as many samples
     have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.replicated:
         jobs += [("mpisgd-replicated", k, 1) for k in ks if k > 1]
-    for v in args.variant:
-        if "=" not in v or v.partition("=")[0].strip() in ("", "replicated", "apart"):
-            parser.error(f"--variant {v!r}: expected NAME=OPTIONS, NAME neither empty nor replicated nor apart")
-        jobs.append((f"variant:{v}", max(ks), 1))
+    jobs += [(f"variant:{v}", max(ks), 1) for v in args.variant]
     if args.apart:
         jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
     if args.compare:
-        chosen = (args.baselines or DEFAULT_BASELINES[model]).split(",")
-        unknown = set(chosen) - set(BASELINES)
-        if unknown:
-            parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
-        # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
-        threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if args.device == "gpu" else 2]
-        if threads and model != "mlp":
-            print(f"# the hand-written NumPy loop is the MLP only: skipped for --model {model}")
-            threads = []
-        jobs += [("numpy", 1, t) for t in threads]
-        torches = [("torch", 1, 1)] if "torch" in chosen else []
-        torches += [("torch-ddp", max(ks), 1)] if "torch-ddp" in chosen else []
-        if torches and have_torch:
-            jobs += torches
-        elif torches:
-            print("# torch not importable: PyTorch skipped (pip install torch; the CPU build is enough)")
+        jobs += baseline_jobs(args.chosen, model, args.device, max(ks), have_torch)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -300,10 +406,9 @@ def main() -> None:
             print(f"  {label:<48}{' '.join(f'{v:.3f}' for v in values)}  median {statistics.median(values):.3f}"
                   f" [{lo:.3f}, {hi:.3f}]")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs, "ratios": ratios,
-                                               "ratio_ci95": intervals,
-                                               "train_args": train_args, "repeats": args.repeats}, indent=1))
+        text = json.dumps({"summary": summary, "runs": runs, "ratios": ratios, "ratio_ci95": intervals,
+                           "train_args": train_args, "repeats": args.repeats}, indent=1)
+        atomic_write(args.json, lambda f: f.write(text.encode()))
 
 
 def paired_ratios(runs: dict[str, list[dict]], k: int, model: str = "mlp") -> dict[str, list[float]]:

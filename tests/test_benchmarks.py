@@ -158,3 +158,151 @@ def test_allreduce_bw_exits_non_zero_on_a_wrong_result(tmp_path):
     assert "ERROR" in res.stdout
 
 
+
+
+# bad input: one line on stderr, exit status 2, before any measurement or launch
+SMALL = ["--max-bytes", "64", "--iters", "1", "--warmup", "0", "--backends", "mpi"]  # fast, were it measured
+
+
+def bw_refuses(capsys, *argv: str) -> str:
+    """allreduce_bw's one error line for ``argv`` (in this process, k=1), checking that nothing was measured."""
+    assert allreduce_bw.main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert "# allreduce_bw" not in out  # refused before the measurement
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("allreduce_bw: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,says", [(["--plot", "x.txt"], "cannot write .txt"),
+                                       (["--json", "same.out", "--plot", "same.out"], "also the --json file")])
+def test_allreduce_bw_refuses_a_plot_it_cannot_write_before_measuring(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    assert says in bw_refuses(capsys, *SMALL, *argv)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("backends", [",", "", "mpi,"])
+def test_allreduce_bw_refuses_an_empty_backend_list(capsys, backends):
+    assert "--backends" in bw_refuses(capsys, *SMALL, "--backends", backends)
+
+
+def test_allreduce_bw_keeps_a_file_it_did_not_write(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    line = bw_refuses(capsys, *SMALL, "--json", str(notes))
+    assert f"--json {notes} exists and is not allreduce_bw output" in line
+    assert notes.read_text() == "my notes\n"
+    args = allreduce_bw.parse_args([*SMALL, "--json", str(notes)])
+    for mine in ("", json.dumps({"backend": "mpi", "size_bytes": 4, "inplace": True, "time_us": 1.0,
+                                 "busbw_gbps": 0.1}) + "\n"):  # empty, or an earlier run's: replaced
+        notes.write_text(mine)
+        assert allreduce_bw.output_problem(args) is None
+
+
+def test_allreduce_bw_names_the_output_it_cannot_write_without_a_rank(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "x.json"  # its directory is a regular file: no one can write there, root included
+    line = bw_refuses(capsys, *SMALL, "--json", str(out))
+    assert line.startswith("allreduce_bw: error: --json ") and f"so {out} cannot be written" in line
+    assert "rank 0" not in line
+
+
+def _rows(backends=("mpi", "ring", "auto"), sizes=(4, 64)):
+    return "".join(json.dumps({"backend": b, "size_bytes": s, "count": s // 4, "dtype": "float32", "inplace": inplace,
+                               "time_us": 10.0 + s, "algbw_gbps": 0.1, "busbw_gbps": 0.1, "wrong": 0}) + "\n"
+                   for s in sizes for inplace in (False, True) for b in backends)
+
+
+@pytest.mark.parametrize("name,content,says", [
+    ("nope.json", None, ": no such file"),
+    ("somedir", "dir", " is a directory"),
+    ("metrics.jsonl", '{"kind": "epoch", "samples_per_s": 1}\n', ": line 1 is not an allreduce_bw --json row"),
+    ("notjson.json", "\nhello\n", ": line 2 is not an allreduce_bw --json row"),
+    ("empty.json", "", ": no in-place rows"),
+])
+def test_allreduce_bw_summarize_says_what_is_wrong_with_a_file(tmp_path, capsys, name, content, says):
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    assert f"--summarize {path}{says}" in bw_refuses(capsys, "--summarize", str(path))
+
+
+def test_allreduce_bw_summarize_refuses_a_file_twice_and_a_run_without_auto(tmp_path, capsys):
+    """Several files compare auto with mpi and ring: a run compared with itself, or one without auto, was a table
+    of NaN; a size one run lacks is left out."""
+    a, b, no_auto = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(_rows())
+    b.write_text(_rows(sizes=(64, 1024)))
+    no_auto.write_text(_rows(("mpi", "ring")))
+    assert f"--summarize names {a} twice" in bw_refuses(capsys, "--summarize", str(a), str(a))
+    assert f"{no_auto}: no in-place rows of auto" in bw_refuses(capsys, "--summarize", str(a), str(no_auto))
+    assert allreduce_bw.main(["--summarize", str(a), str(b)]) == 0
+    table = capsys.readouterr().out
+    assert "nan" not in table and "| 64B |" in table and "| 4B |" not in table and "| 1K |" not in table
+
+
+def tt_refuses(capsys, monkeypatch, *argv: str) -> str:
+    """train_throughput's one error line for ``argv``, checking that it launched nothing."""
+    tt = script("benchmarks", "train_throughput")
+
+    def launch(*a, **kw):
+        raise AssertionError(f"launched {a}")
+
+    monkeypatch.setattr(subprocess, "run", launch)
+    monkeypatch.setattr(subprocess, "Popen", launch)
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        tt.main()
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_throughput.py: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--ks", ""], "--ks"), (["--ks", "a"], "--ks"), (["--ks", "0"], "--ks"), (["--ks", "-1"], "--ks"),
+    (["--ks", "2,2"], "twice"), (["--repeats", "0"], "--repeats"),
+    (["--", "--metrics-file", "user.jsonl"], "--metrics-file is the benchmark's own"),
+    (["--variant", "x=--metrics-file=user.jsonl"], "--metrics-file is the benchmark's own"),
+    (["--", "--model", "resnet"], "mlp and cnn only"), (["--", "--model=gpt"], "mlp and cnn only"),
+    (["--model", "cnn", "--", "--model=mlp"], "differ"), (["--", "--no-such-option"], "train options:"),
+])
+def test_throughput_refuses_bad_options_before_any_launch(capsys, monkeypatch, argv, says):
+    assert says in tt_refuses(capsys, monkeypatch, *argv)
+
+
+def test_throughput_checks_its_json_before_any_launch(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert f"--json {tmp_path} exists and is not a regular file" in \
+        tt_refuses(capsys, monkeypatch, "--json", str(tmp_path))
+    assert f"so {tmp_path / 'file' / 'x.json'} cannot be written" in \
+        tt_refuses(capsys, monkeypatch, "--json", str(tmp_path / "file" / "x.json"))
+    assert "is not train_throughput output" in tt_refuses(capsys, monkeypatch, "--json", str(notes))
+    assert notes.read_text() == "my notes\n"
+    tt = script("benchmarks", "train_throughput")
+    notes.write_text(json.dumps({"summary": {}, "runs": {}, "ratios": {}}))  # an earlier run's: replaced
+    tt.check_json(str(notes))
+
+
+def test_throughput_reads_train_options_as_mpisgd_does(capsys, monkeypatch):
+    """``-- --model=cnn --threads=2`` trains LeNet-5 on two threads: no --model mlp or --threads 1 added after."""
+    tt = script("benchmarks", "train_throughput")
+    seen = []
+
+    def run_mpisgd(k, train_args, tmp, replicated=False, variant=""):
+        seen.append(train_args)
+        return {"impl": f"mpisgd k={k}", "k": k, "samples_per_s": 100.0, **dict.fromkeys(tt.SPLIT, 1.0),
+                **dict.fromkeys(tt.MEMORY, 1.0), "options": ""}
+
+    monkeypatch.setattr(tt, "run_mpisgd", run_mpisgd)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, 1))  # no torch
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", "--ks", "1", "--repeats", "1", "--",
+                                      "--model=cnn", "--threads=2"])
+    tt.main()
+    assert seen and all("mlp" not in args and "1" not in args for args in seen), seen
+    assert "workload: LeNet-5" in capsys.readouterr().out
