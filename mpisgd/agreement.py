@@ -42,15 +42,16 @@ class ReplicaError(RuntimeError):
     """Ranks disagree (configuration or shapes at start, parameters or step during training)."""
 
 
-def agree(comm: Any, error: BaseException | None, exit_code: int = 2) -> None:
+def agree(comm: Any, error: BaseException | None, exit_code: int = 2, on_root: bool = False) -> None:
     """If any rank had an error, raise AgreedError on every rank: the lowest failing rank's message,
-    prefixed with its rank when not every rank failed."""
+    prefixed with its rank when not every rank failed (``on_root``: a check rank 0 makes for all, whose failure
+    there is no rank's own: no prefix)."""
     errors = comm.allgather(None if error is None else str(error))
     failed = [r for r, e in enumerate(errors) if e is not None]
     if not failed:
         return
     first = failed[0]
-    prefix = "" if len(failed) == len(errors) else f"rank {first}: "
+    prefix = "" if len(failed) == len(errors) or (on_root and failed == [0]) else f"rank {first}: "
     raise AgreedError(prefix + str(errors[first]), exit_code)
 
 

@@ -158,6 +158,10 @@ def load_checkpoint(path: str | os.PathLike) -> TrainState:
         raise CheckpointError(f"{path} is not a checkpoint (an .npz written by mpisgd): not a zip archive")
     try:
         with np.load(path, allow_pickle=False) as z:
+            if "format" not in z.files and "flat" in z.files:
+                raise CheckpointError(f"{path} is a --save-model file (the final parameters), not a checkpoint: it "
+                                      "holds no optimizer state or position to continue from; --resume takes a "
+                                      "checkpoint (ckpt-<step>.npz) or auto with --checkpoint-dir")
             version = int(z["format"])
             if version not in READS:
                 raise CheckpointError(f"{path}: checkpoint format {version}, this mpisgd reads "

@@ -147,7 +147,7 @@ def _npz_stream(path: str, vocab: Vocabulary | None) -> tuple[np.ndarray, Vocabu
             if "tokens" not in z.files:
                 raise DataError(f"--data {path}: an .npz of tokens needs 'tokens' (it holds {', '.join(z.files)})")
             tokens = z["tokens"]
-            size = int(z["vocab_size"]) if "vocab_size" in z.files else None
+            size = _vocab_size(z["vocab_size"], path) if "vocab_size" in z.files else None
             chars = str(z["vocab"]) if "vocab" in z.files else None
     except DataError:
         raise
@@ -175,6 +175,15 @@ def _npz_stream(path: str, vocab: Vocabulary | None) -> tuple[np.ndarray, Vocabu
     if vocab is not None and vocab != found:
         raise DataError(f"--data {path}: its vocabulary ({_describe(found)}) is not the model's ({_describe(vocab)})")
     return tokens.astype(_stream_dtype(size)), found, f"{tokens.size:,} tokens"
+
+
+def _vocab_size(value: np.ndarray, path: str) -> int:
+    """An .npz's vocab_size: one integer (a float, even 65.0, or several values are refused, not cut)."""
+    if value.size != 1 or value.dtype.kind not in "iu":
+        shown = value.reshape(-1)[:3].tolist()
+        raise DataError(f"--data {path}: 'vocab_size' must be one integer, got {value.dtype} "
+                        f"{shown[0] if value.size == 1 else shown}")
+    return int(value.reshape(-1)[0])
 
 
 def _describe(v: Vocabulary) -> str:

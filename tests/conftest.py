@@ -256,6 +256,20 @@ def train_here(argv: list[str] | tuple[str, ...], comm=None, hooks=None) -> Outc
     return Outcome(status, outs[0], err_0, statuses, outs)
 
 
+def drop(args: tuple[str, ...] | list[str], *flags: str) -> list[str]:
+    """``args`` without ``flags`` and their values (``--hidden 32`` for a model of one's own, which does not
+    read it: mpisgd.train refuses an option the run would not read)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 # python -m mpisgd.train's options for a small, quick run on synthetic data (add --max-steps or --epochs)
 TINY = ("--dataset", "synthetic", "--synthetic-samples", "2048", "--hidden", "32", "--progress", "off")
 

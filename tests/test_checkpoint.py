@@ -275,8 +275,8 @@ def test_resume_with_another_optimizer_is_refused_unread_options_may_change(shar
     adamw = ("--optimizer", "adamw", "--lr", "0.01", *one)
     final(shared_tmp, "c", "--checkpoint-dir", ck2, *adamw, base=ADAM_ARGS)
     _, r = final(shared_tmp, "d", "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--momentum", "0.5",
-                 "--trust-coef", "1", base=ADAM_ARGS)  # neither is AdamW's: nothing changes
-    assert "the run is finished" in r.out and "changed" not in r.out, r.out
+                 "--trust-coef", "1", expect=2, base=ADAM_ARGS)  # neither is AdamW's: refused as doing nothing
+    assert "--momentum 0.5 (for --optimizer sgd or lars, not adamw) and --trust-coef 1.0" in r.error, r
     _, r = final(shared_tmp, "e", "--checkpoint-dir", ck2, "--resume", "auto", *adamw, "--beta2", "0.99",
                  expect=2, base=ADAM_ARGS)
     assert "--beta2 0.999 -> 0.99" in r.error, r
@@ -519,8 +519,11 @@ def test_resuming_on_another_k_derives_b_and_m_or_says_which_k_work():
     with pytest.raises(CheckpointError, match=r"B=64 cannot be split over k=3 ranks: k must divide B "
                                               r"\(1, 2, 4, 8, 16, 32, 64\)"):
         _plan(_resumable(), k=3)
-    with pytest.raises(CheckpointError, match=r"pass --batch-size and --accum-steps with 4 x b x m = 64"):
+    with pytest.raises(CheckpointError, match=r"pass --batch-size and --accum-steps with 4 x b x m = 64 \(e.g. "
+                                              r"--batch-size 16 --accum-steps 1\), or neither"):
         _plan(_resumable(), k=4, given={"batch_size"})  # b = 32 given: 4 x 32 > 64
+    with pytest.raises(CheckpointError, match=r"B=64 cannot be split over k=3 ranks"):  # no b and m fit at k = 3:
+        _plan(_resumable(), k=3, given={"batch_size", "accum_steps"})  # the old line asked for 3 x b x m = 64
     alone = _plan(_resumable(), k=4, config={**CONFIG, "batch_size": 8}, given={"batch_size"})
     assert (alone.batch_size, alone.accum_steps) == (8, 2) and alone.derived.startswith("m=2 derived to keep B=64")
 
@@ -590,3 +593,23 @@ def test_the_final_model_falls_back_and_says_where_or_raises_naming_every_place(
     with pytest.raises(SaveError, match=r"the final model was not written: /proc/mpisgd-nope/m.npz \(.*\); "
                                         r"/proc/also-nope/m.npz \("):
         save_params("/proc/mpisgd-nope/m.npz", model, ["/proc/also-nope"])
+
+
+def test_another_model_is_refused_by_name_before_its_layers(tmp_path):
+    """--resume of an MLP's checkpoint with --model cnn names the two models (it named a Permute against a
+    Flatten)."""
+    from mpisgd.model_file import model_structure
+    from mpisgd.nn import Flatten, Linear, Sequential
+
+    st = _resumable(structure=model_structure(Sequential(Flatten(), Linear(5, 3))))
+    with pytest.raises(CheckpointError, match=r"^--model cnn, but the checkpoint \(ck.npz\) is of --model mlp: a "
+                                              r"resumed run must build the same model$"):
+        _plan(st, config={**CONFIG, "model": "cnn"}, structure=model_structure(Sequential(Linear(5, 3))))
+
+
+def test_a_save_model_file_given_to_resume_is_named_as_such(tmp_path):
+    path = tmp_path / "model.npz"
+    np.savez(path, flat=np.zeros(3, np.float32), meta=np.array("{}"))
+    with pytest.raises(CheckpointError, match=r"model.npz is a --save-model file \(the final parameters\), not a "
+                                              r"checkpoint: it holds no optimizer state"):
+        load_checkpoint(path)

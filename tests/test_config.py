@@ -43,6 +43,26 @@ def test_flags_map_to_fields():
     (["--model", "cnn", "--dropout", "0.5"], r"--dropout 0.5: for --model gpt only; --model cnn does not read it$"),
     (["--model", "t:f", "--gpt-heads", "7", "--dropout", "0.1"],
      r"--gpt-heads 7, --dropout 0.1: for --model gpt only; --model t:f does not read them \(a model of your own "),
+    # options the run would not read (each passed silently before)
+    (["--model", "cnn", "--hidden", "8"], r"^--hidden 8 \(the MLP's widths; --model cnn does not read them\) would "
+                                          r"do nothing in this run: drop it, or choose what reads it$"),
+    (["--optimizer", "adamw", "--momentum", "0.5", "--decay-epochs", "3"],
+     r"^--momentum 0.5 \(for --optimizer sgd or lars, not adamw\) and --decay-epochs 3 \(for --decay step, not "
+     r"cosine\) would do nothing in this run: drop them"),
+    (["--beta1", "0.8"], r"--beta1 0.8 \(for --optimizer adamw or lamb, not sgd\)"),
+    (["--trust-coef", "0.01", "--optimizer", "lamb"], r"--trust-coef 0.01 \(for --optimizer lars, not lamb\)"),
+    (["--decay-factor", "0.5"], r"--decay-factor 0.5 \(for --decay step, not cosine\)"),
+    (["--warmup-from", "zero"], r"--warmup-from zero \(there is no warmup\)"),
+    (["--checkpoint-every", "3", "--checkpoint-keep", "5", "--overwrite-checkpoints"],
+     r"--checkpoint-every 3 \(there is no --checkpoint-dir\) and --checkpoint-keep 5 \(there is no "
+     r"--checkpoint-dir\) and --overwrite-checkpoints True \(there is no --checkpoint-dir\)"),
+    (["--resume-allow", "lr"], r"--resume-allow lr \(there is no --resume\)"),
+    (["--test-every-epoch"], r"--test-every-epoch True \(for runs with --val-split only"),
+    (["--synthetic-samples", "100"], r"--synthetic-samples 100 \(for --dataset synthetic only\)"),
+    (["--data-dir", "/d", "--data", "x.npz"], r"--data-dir /d \(with --data, that file is read\)"),
+    (["--data-dir", "/d", "--dataset", "synthetic"], r"--data-dir /d \(Fashion-MNIST's directory; --dataset "
+                                                     r"synthetic does not read it\)"),
+    (["--config", "a.toml", "--config", "b.toml"], r"--config given 2 times \(a.toml, b.toml\): give one file"),
     (["--device", "tpu"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),

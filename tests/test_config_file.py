@@ -4,6 +4,7 @@ effective configuration printed (--print-config) and written beside the outputs,
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_every_option_round_trips_through_the_toml_it_prints():
 
 
 def test_print_config_prints_what_config_reads_back(tmp_path, capsys):
-    argv = ["--model", "cnn", "--hidden", "64", "--limit-test", "100", "--no-overlap", "--data", "/x y/set.npz"]
+    argv = ["--model", "cnn", "--batch-size", "64", "--limit-test", "100", "--no-overlap", "--data", "/x y/set.npz"]
     with pytest.raises(SystemExit) as exc:
         parse_config([*argv, "--print-config"])
     assert exc.value.code == 0
@@ -227,3 +228,43 @@ def test_an_absurd_thread_count_is_one_line(threads, monkeypatch):
         blas_threads(None, 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert blas_threads(None, 1) == (3, "OMP_NUM_THREADS")
+
+
+def test_a_files_option_the_run_would_not_read_is_refused_naming_the_file(tmp_path):
+    path = toml(tmp_path, "momentum = 0.5\n")
+    with pytest.raises(UsageError, match=rf"^--momentum 0.5 \(from --config {re.escape(path)}; for --optimizer sgd "
+                                         r"or lars, not lamb\) would do nothing"):
+        parse_config(["--config", path, "--optimizer", "lamb"], quiet=True)
+    assert parse_config(["--config", path], quiet=True).momentum == 0.5  # read by sgd
+
+
+def test_a_files_level_without_reproducible_is_refused_unless_the_file_or_line_sets_it(tmp_path):
+    level_only = toml(tmp_path, 'reproducible-level = "portable"\n')
+    with pytest.raises(UsageError, match="--reproducible-level portable without --reproducible"):
+        parse_config(["--config", level_only], quiet=True)
+    assert not parse_config(["--config", level_only, "--no-reproducible"], quiet=True).reproducible
+    assert parse_config(["--config", level_only, "--reproducible"], quiet=True).reproducible_level == "portable"
+
+
+def test_the_gpt_recipe_gives_adamw_options_only_to_an_optimizer_that_reads_them():
+    lamb = parse_config(["--model", "gpt", "--optimizer", "lamb"], quiet=True)  # was refused: weight-decay-on
+    assert (lamb.weight_decay_on, lamb.beta2, lamb.weight_decay) == ("all", 0.99, 0.1)
+    sgd = parse_config(["--model", "gpt", "--optimizer", "sgd"], quiet=True)
+    assert (sgd.weight_decay_on, sgd.beta2) == ("all", 0.999)
+    assert parse_config(["--model", "gpt"], quiet=True).weight_decay_on == "matrices"
+
+
+def test_another_models_file_warns_that_its_recipe_runs_with_this_model(tmp_path, capsys):
+    """--print-config of the MLP, then --config it --model cnn: the MLP's lr, epochs and weight decay ran silently."""
+    with pytest.raises(SystemExit):
+        parse_config(["--print-config"])
+    path = toml(tmp_path, capsys.readouterr().out)
+    cfg = parse_config(["--config", path, "--model", "cnn", "--lr", "0.02"], quiet=True)
+    assert (cfg.lr, cfg.epochs) == (0.02, 12)  # documented: a file's keys count as given
+    assert cfg.option_warnings == [
+        f"--config {path} is a --model mlp configuration: its weight-decay = 0.0, epochs = 12 run with --model cnn, "
+        "whose own recipe is weight-decay = 0.0005, epochs = 20 (pass those on the command line, or drop them from "
+        "the file)"]
+    assert parse_config(["--config", path], quiet=True).option_warnings == []  # the file's own model: nothing
+    assert parse_config(["--config", path, "--model", "cnn", "--lr", "0.02", "--weight-decay", "5e-4", "--epochs",
+                         "20"], quiet=True).option_warnings == []

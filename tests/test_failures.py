@@ -29,6 +29,7 @@ from conftest import (
     ROOT,
     TINY,
     Outcome,
+    drop,
     launches,
     mpi_first,
     mpiexec_cmd,
@@ -127,6 +128,11 @@ def test_agree_raises_the_lowest_failing_ranks_message_on_every_rank():
     assert err.value.exit_code == 3
     with pytest.raises(AgreedError, match=r"^bad a$"):  # every rank failed: no rank named
         agree(Gathers(["bad a", "bad b"]), ValueError("bad a"))
+    # a check rank 0 makes for every rank (the checkpoint directory, the resume): its failure is no rank's own
+    with pytest.raises(AgreedError, match=r"^--resume maybe: no such file$"):
+        agree(Gathers(["--resume maybe: no such file", None]), None, on_root=True)
+    with pytest.raises(AgreedError, match=r"^rank 1: bad b$"):  # another rank's own failure is still named
+        agree(Gathers([None, "bad b"]), None, on_root=True)
 
 
 def test_differing_ranks_are_those_off_the_most_common_value():
@@ -187,7 +193,8 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank(args: tuple[str, ...], s
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(("args", "says"), [
-    (("--dataset", "fashion-mnist", "--data-dir", "/nonexistent"), "/nonexistent"),
+    (("--dataset", "fashion-mnist", "--synthetic-samples", "8192", "--data-dir", "/nonexistent"),  # TINY's size
+     "/nonexistent"),  # back to the default, which Fashion-MNIST does not read
     (("--limit-train", "10", "--batch-size", "64"), "fewer than one global batch"),
     (("--resume", "/nonexistent/ckpt.npz"), "--resume /nonexistent/ckpt.npz: no such file"),
     (("--epochs", "x"), "invalid int value: 'x'"),  # argparse's refusal, agreed before set-up
@@ -658,7 +665,8 @@ def test_a_reused_checkpoint_dir_is_refused_unless_resumed_or_overwritten(tmp_pa
     # an epoch is 8 steps: its end, and the last step whatever --checkpoint-every says; nothing pruned
     assert sorted(p.name for p in Path(ck).glob("ckpt-*")) == ["ckpt-000000008.npz", "ckpt-000000010.npz"]
     # refused at set-up (a model that cannot be built): --overwrite-checkpoints deleted them all the same
-    typo = train_here([*run, "--max-steps", "5", "--overwrite-checkpoints", "--model", "no_such_module:build"])
+    typo = train_here([*drop(run, "--hidden"), "--max-steps", "5", "--overwrite-checkpoints", "--model",
+                       "no_such_module:build"])
     assert "cannot import no_such_module" in refused(typo)
     assert sorted(p.name for p in Path(ck).glob("ckpt-*")) == ["ckpt-000000008.npz", "ckpt-000000010.npz"]
     over = train_here([*run, "--max-steps", "5", "--seed", "7", "--overwrite-checkpoints"])
@@ -874,6 +882,14 @@ def test_data_that_is_not_a_data_set_is_one_line_and_exit_2(case: str, says: str
     assert says in line and "allow_pickle" not in line and "apt-get" not in line, line
 
 
+@serial_only  # one rank's run, in this process
+def test_a_context_on_image_data_is_refused_as_doing_nothing() -> None:
+    """--context sizes windows of text or tokens; on images it passed silently."""
+    line = refused(train_here([*TINY, "--max-steps", "1", "--context", "32"]))
+    assert line == "mpisgd: error: --context 32 would do nothing in this run: it is the window of sequence data " \
+        "(--data a text file or an .npz of tokens), and this data is images or features", line
+
+
 @pytest.mark.mpi
 def test_one_stray_label_is_refused_naming_it(shared_tmp: Path) -> None:
     """A label 200 among 0..2 trained a 201-class model, 197 classes empty: now refused, naming the sample."""
@@ -902,7 +918,7 @@ def test_a_model_module_that_fails_is_one_line_and_exit_2(source: str, says: str
                                                           own_module) -> None:
     own_module("mymodel", source)
     data = root_makes(lambda: _npz(shared_tmp / "d.npz"))
-    assert says in refused(train_here([*DATA_RUN, "--data", str(data), "--model", "mymodel:f"]))
+    assert says in refused(train_here([*drop(DATA_RUN, "--hidden"), "--data", str(data), "--model", "mymodel:f"]))
 
 
 # -- outputs never replace inputs or each other -------------------------------------------------------
@@ -1017,7 +1033,7 @@ def f(input_shape, n_classes):
 @serial_only  # one rank's run, in this process
 def test_resuming_an_edited_model_factory_is_refused_naming_the_layer(tmp_path: Path, own_module) -> None:
     """The parameter count is unchanged: before, the checkpoint's parameters were poured into the new layers."""
-    run = (*EPOCH8, "--model", "net:f", "--checkpoint-dir", str(tmp_path / "ck"))
+    run = (*drop(EPOCH8, "--hidden"), "--model", "net:f", "--checkpoint-dir", str(tmp_path / "ck"))
     own_module("net", FACTORY.format(middle="ReLU()", last=""))
     r = train_here([*run, "--max-steps", "4"])
     assert r.status == 0, r
@@ -1091,8 +1107,8 @@ def test_a_set_up_stage_blocking_on_one_rank_is_named_and_the_job_ends(abort: st
     (tmp_path / "blocking_model.py").write_text(BLOCKING_FACTORY)
     t0 = time.monotonic()
     path = f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"
-    r = run_mpi(2, *SYNTH, "--model", "blocking_model:build", "--stall-timeout-s", "2", abort, "--max-steps", "3",
-                timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": path}, cwd=tmp_path)
+    r = run_mpi(2, *drop(SYNTH, "--hidden"), "--model", "blocking_model:build", "--stall-timeout-s", "2", abort,
+                "--max-steps", "3", timeout=120, env={"MPISGD_TEST_TAG": tag, "PYTHONPATH": path}, cwd=tmp_path)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "set-up: building the model" in r.stderr and "ranks [1] have not" in r.stderr, r.stderr[-2000:]

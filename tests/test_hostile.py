@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, mpiexec_cmd, open_mpi_launcher, run_mpi, serial_only, world
+from conftest import ONE_THREAD, ROOT, drop, mpiexec_cmd, open_mpi_launcher, run_mpi, serial_only, world
 
 from mpisgd.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
 from mpisgd.config import Config
@@ -320,8 +320,8 @@ def test_the_stall_abort_bound_holds_without_a_report(tmp_path):
     """--stall-timeout-s 0 --stall-abort-s 3, and one rank blocked in set-up: the job ends with the bound. Before,
     no watchdog existed and the job hung."""
     t0 = time.monotonic()
-    r = run_mpi(2, *SYNTH, "--model", "slowmodel:build", "--stall-timeout-s", "0", "--stall-abort-s", "3",
-                timeout=90, env={**_factory(tmp_path), "SLOW_S": "600", "SLOW_RANK": "1"})
+    r = run_mpi(2, *drop(SYNTH, "--hidden"), "--model", "slowmodel:build", "--stall-timeout-s", "0",
+                "--stall-abort-s", "3", timeout=90, env={**_factory(tmp_path), "SLOW_S": "600", "SLOW_RANK": "1"})
     assert r.returncode != 0 and time.monotonic() - t0 < 60, r.stderr
     assert "longer than the bound of 3 s (--stall-abort-s)" in r.stderr, r.stderr
 
@@ -354,7 +354,8 @@ def _blocks(pid: int, sig: int) -> bool:
 
 def _launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     tag = uuid.uuid4().hex
-    p = subprocess.Popen(mpiexec_cmd(2, *SYNTH, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    base = drop(SYNTH, "--hidden") if any(":" in a for a in args) else SYNTH  # a model of one's own: no widths
+    p = subprocess.Popen(mpiexec_cmd(2, *base, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, **ONE_THREAD, "MPISGD_TEST_TAG": tag, **(env or {})})
     return p, tag
 

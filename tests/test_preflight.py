@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY, train_here
+from conftest import TINY, drop, train_here
 
 from mpisgd.app.preflight import outputs, same_model
 from mpisgd.app.resume import structure_difference
@@ -177,7 +177,7 @@ def test_a_factory_that_builds_another_width_on_the_last_rank_is_refused_naming_
         pytest.importorskip("torch")
     last = MPI.COMM_WORLD.Get_size() - 1
     own_module("rank_models", RANK_MODELS)
-    r = train_here([*TINY, "--max-steps", "3", "--model", f"rank_models:{factory}"])
+    r = train_here([*drop(TINY, "--hidden"), "--max-steps", "3", "--model", f"rank_models:{factory}"])
     assert r.statuses == (2,) * len(r.statuses) and "epoch " not in r.out, r
     assert f"ranks [{last}] built another model than rank 0 (layer " in r.error, r.error
     if factory == "native":
@@ -202,3 +202,13 @@ def test_a_vocab_json_of_ones_own_is_kept_and_an_earlier_runs_replaced(tmp_path)
     mine.write_text('{"size": 2, "chars": "ab"}')
     assert run_files.write_vocab(cfg, '{"size": 3, "chars": "abc"}') == []  # type: ignore[arg-type]
     assert mine.read_text() == '{"size": 3, "chars": "abc"}'
+
+
+def test_cuda_aware_on_the_cpu_runs_with_a_warning_and_sharding_on_a_gpu_is_refused():
+    from mpisgd.app.preflight import device_options
+
+    assert device_options(Config(cuda_aware="staged"), gpu=False) == [
+        "--cuda-aware staged has no effect on the CPU (host buffers go to MPI as they are)"]  # was silent
+    assert device_options(Config(cuda_aware="staged"), gpu=True) == device_options(Config(), gpu=False) == []
+    with pytest.raises(UsageError, match="--shard-optimizer runs on the CPU only"):
+        device_options(Config(shard_optimizer=True), gpu=True)

@@ -76,6 +76,8 @@ def test_a_window_is_the_same_sample_at_any_k(tmp_path):
     ("2-D tokens", "'tokens' must be a 1-D array of integer ids"),
     ("id past vocab_size", "token 2 is 9, not below vocab_size, 5"),
     ("id past vocab", "token 2 is 9, not below the number of characters 'vocab' lists, 2"),
+    ("fractional vocab_size", "'vocab_size' must be one integer, got float64 65.5"),  # was cut to 65
+    ("vocab_size list", "'vocab_size' must be one integer, got int64 [5, 6]"),
 ])
 def test_bad_sequence_data_is_one_line(tmp_path, case, says):
     path = tmp_path / "d"
@@ -89,7 +91,9 @@ def test_bad_sequence_data_is_one_line(tmp_path, case, says):
         arrays = {"npz without tokens": {"ids": np.arange(5)}, "negative ids": {"tokens": np.array([1, -3, 2])},
                   "2-D tokens": {"tokens": np.zeros((3, 3), np.int64)},
                   "id past vocab_size": {"tokens": np.array([1, 2, 9]), "vocab_size": np.array(5)},
-                  "id past vocab": {"tokens": np.array([1, 0, 9]), "vocab": np.array("ab")}}[case]
+                  "id past vocab": {"tokens": np.array([1, 0, 9]), "vocab": np.array("ab")},
+                  "fractional vocab_size": {"tokens": np.array([1, 2]), "vocab_size": np.array(65.5)},
+                  "vocab_size list": {"tokens": np.array([1, 2]), "vocab_size": np.array([5, 6])}}[case]
         path = tmp_path / "d.npz"
         np.savez(path, **arrays)
     with pytest.raises(DataError) as err:
@@ -200,7 +204,7 @@ def test_evaluate_scores_the_test_part_in_the_models_vocabulary(tmp_path, capsys
 
 # -- data parallelism: the same bits at any k, resumed on another k -------------------------------------
 PARALLEL = ("--batch-size", "4", "--global-batch", "24", "--epochs", "2", "--max-steps", "8", "--warmup-steps", "0",
-            "--dropout", "0.1", "--checkpoint-every", "4", "--noise-scale-every", "1")
+            "--dropout", "0.1", "--noise-scale-every", "1")
 
 
 def gpt_params(tmp_path: Path, k: int, tag: str, *extra: str, env: dict | None = None,
@@ -221,9 +225,10 @@ def test_a_reproducible_gpt_has_the_same_bits_at_k_1_2_3_and_resumed_on_another_
             for k in (1, 2, 3)}
     assert all(np.array_equal(runs[1], runs[k]) for k in (2, 3))
     ck = str(tmp_path / "ck")
-    gpt_params(tmp_path, 2, "stopped", "--reproducible", "--checkpoint-dir", ck, env={"MPISGD_FAIL_AT_STEP": "6"},
-               status=1)
-    resumed = gpt_params(tmp_path, 3, "resumed", "--reproducible", "--checkpoint-dir", ck, "--resume", "auto")
+    gpt_params(tmp_path, 2, "stopped", "--reproducible", "--checkpoint-dir", ck, "--checkpoint-every", "4",
+               env={"MPISGD_FAIL_AT_STEP": "6"}, status=1)
+    resumed = gpt_params(tmp_path, 3, "resumed", "--reproducible", "--checkpoint-dir", ck, "--checkpoint-every", "4",
+                         "--resume", "auto")
     np.testing.assert_array_equal(resumed, runs[1])
     epochs = [json.loads(line) for line in (tmp_path / "m2.jsonl").read_text().splitlines() if '"epoch"' in line]
     last = [e for e in epochs if e.get("kind") == "epoch"][-1]

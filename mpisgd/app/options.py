@@ -18,9 +18,10 @@ import difflib
 import json
 import os
 import stat
+import sys
 from typing import Any
 
-from mpisgd.config import ALIASES, GPT_OPTIONS, GROUPS, MODEL_DEFAULTS, Config, parse_int_tuple
+from mpisgd.config import ALIASES, GPT_OPTIONS, GROUPS, MODEL_DEFAULTS, OPTIMIZER_OPTIONS, Config, parse_int_tuple
 from mpisgd.errors import UsageError
 
 
@@ -51,8 +52,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         for name in names:
             _add_option(group, fields[name])
     files = parser.add_argument_group("configuration file")
-    files.add_argument("--config", metavar="FILE.toml", help="read options from this TOML file, by their long "
-                       "names (limit-train = 4096); the command line overrides it (docs/api.md)")
+    files.add_argument("--config", metavar="FILE.toml", action="append", help="read options from this TOML file, "
+                       "by their long names (limit-train = 4096); the command line overrides it (docs/api.md)")
     files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
                        "TOML that --config reads, and exit")
     return parser
@@ -120,9 +121,10 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     others); ``cfg.config_file`` the file's path, or None."""
     parser = build_parser(quiet)
     ns = parser.parse_args(argv)
+    config = _one_config(ns.config)
     from_file: dict[str, Any] = {}
-    if ns.config:
-        from_file = read_config(ns.config)
+    if config:
+        from_file = read_config(config)
         parser.set_defaults(**from_file)
         ns = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(Config)}
@@ -132,12 +134,17 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     on_line = set(given)
     given |= set(from_file)
     values = {k: v for k, v in vars(ns).items() if k in names}
-    values.update({k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given})
+    values.update(_model_defaults(values, given))
     _no_option_left_unread(values, given, on_line)
     cfg = Config(**values)
     cfg.validate()
+    _none_ignored(values, given, set(from_file) - on_line, config)
     cfg.given = given  # type: ignore[attr-defined]
-    cfg.config_file = ns.config  # type: ignore[attr-defined]
+    cfg.config_file = config  # type: ignore[attr-defined]
+    cfg.option_warnings = _other_models_recipe(values, from_file, on_line, config)  # type: ignore[attr-defined]
+    if ns.print_config and not quiet:
+        for warning in cfg.option_warnings:  # type: ignore[attr-defined]
+            print(f"mpisgd: warning: {warning}", file=sys.stderr, flush=True)
     if ns.print_config:
         if not quiet:
             print(to_toml(cfg, "mpisgd's configuration: python -m mpisgd.train --config FILE.toml reads it (the "
@@ -148,10 +155,12 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
 
 def _no_option_left_unread(values: dict[str, Any], given: set[str], on_line: set[str]) -> None:
     """UsageError where an option is given a value of its own that the run would not read: a GPT option with
-    another model, a reproducible level on the command line without --reproducible (the defaults pass, so that
-    --print-config's file, which writes every field, reads back; a file's level with --no-reproducible too)."""
+    another model, a reproducible level without --reproducible, on the command line or in a file that does not set
+    it (the defaults pass, so that --print-config's file, which writes every field, reads back; a file's level
+    with reproducible = false or --no-reproducible too)."""
     level = values["reproducible_level"]
-    if "reproducible_level" in on_line and level != FIELDS["reproducible_level"].default and not values["reproducible"]:
+    stray_level = level != FIELDS["reproducible_level"].default and not values["reproducible"]
+    if stray_level and ("reproducible_level" in on_line or "reproducible" not in given):
         raise UsageError(f"--reproducible-level {level} without --reproducible: nothing would be reproducible; pass "
                          f"--reproducible {level}")
     if values["model"] == "gpt":
@@ -163,6 +172,85 @@ def _no_option_left_unread(values: dict[str, Any], given: set[str], on_line: set
             if "dropout" in stray and ":" in values["model"] else ""
         raise UsageError(f"{named}: for --model gpt only; --model {values['model']} does not read "
                          f"{'it' if len(stray) == 1 else 'them'}{own}")
+
+
+def _other_models_recipe(values: dict[str, Any], from_file: dict[str, Any], on_line: set[str],
+                         config: str | None) -> list[str]:
+    """A warning where --model on the command line replaces the file's model and the file's values of the
+    recipe's options (its lr, epochs, weight decay...) are not this model's recipe: they count as given, so
+    the file's model's recipe runs with this model, which is rarely meant."""
+    model, theirs = values["model"], from_file.get("model")
+    if "model" not in on_line or theirs in (None, model):
+        return []
+    recipe = {**{k: FIELDS[k].default for d in MODEL_DEFAULTS.values() for k in d}, **MODEL_DEFAULTS.get(model, {})}
+    kept = [k for k in recipe if k in from_file and k not in on_line and from_file[k] != recipe[k]]
+    if not kept:
+        return []
+    return [f"--config {config} is a --model {theirs} configuration: its "
+            + ", ".join(f"{k.replace('_', '-')} = {_show(from_file[k])}" for k in kept)
+            + f" run with --model {model}, whose own recipe is "
+            + ", ".join(f"{k.replace('_', '-')} = {_show(recipe[k])}" for k in kept)
+            + " (pass those on the command line, or drop them from the file)"]
+
+
+def _one_config(paths: list[str] | None) -> str | None:
+    """The one --config file (a second one would silently replace the first: refused)."""
+    if paths and len(paths) > 1:
+        raise UsageError(f"--config given {len(paths)} times ({', '.join(paths)}): give one file (the command line "
+                         "overrides it; merge the files into one)")
+    return paths[0] if paths else None
+
+
+def _model_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The stock model's recipe for the options not given; an update rule's own options (the GPT's beta2 and
+    weight-decay-on for AdamW) only where the run's optimizer reads them."""
+    recipe = {k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given}
+    optimizer = recipe.get("optimizer", values["optimizer"])
+    return {k: v for k, v in recipe.items() if optimizer in OPTIMIZER_OPTIONS.get(k, (optimizer,))}
+
+
+def _none_ignored(values: dict[str, Any], given: set[str], in_file: set[str], config: str | None) -> None:
+    """UsageError naming every option given a value of its own (not its default) that the run would not read:
+    the MLP's widths with another model, an update rule's option with another rule, a step decay's epochs with
+    another decay, checkpoint options without --checkpoint-dir, ... (a file's defaults pass, so that the file
+    --print-config writes, which sets every option, reads back)."""
+    stray = []
+    for name, reader in _READ_BY:
+        if name in given and values[name] != FIELDS[name].default and (why := reader(values)):
+            where = f"from --config {config}; " if name in in_file else ""
+            stray.append(f"--{name.replace('_', '-')} {_show(values[name])} ({where}{why})")
+    if stray:
+        one = len(stray) == 1
+        raise UsageError(f"{' and '.join(stray)} would do nothing in this run: drop {'it' if one else 'them'}, or "
+                         f"choose what {'reads it' if one else 'reads them'}")
+
+
+def _optimizer_reads(name: str) -> Any:
+    readers = OPTIMIZER_OPTIONS[name]
+    return lambda v: "" if v["optimizer"] in readers else \
+        f"for --optimizer {' or '.join(readers)}, not {v['optimizer']}"
+
+
+def _no_warmup(v: dict[str, Any]) -> bool:
+    return v["warmup_steps"] == 0 or (v["warmup_steps"] is None and v["warmup_epochs"] == 0)
+
+
+# option -> why the run would not read its value ("" where it would)
+_READ_BY: tuple[tuple[str, Any], ...] = (
+    ("hidden", lambda v: "" if v["model"] == "mlp" else f"the MLP's widths; --model {v['model']} does not read them"),
+    ("synthetic_samples", lambda v: "" if v["dataset"] == "synthetic" else "for --dataset synthetic only"),
+    ("data_dir", lambda v: "with --data, that file is read" if v["data"] else
+     "" if v["dataset"] == "fashion-mnist" else "Fashion-MNIST's directory; --dataset synthetic does not read it"),
+    ("test_every_epoch", lambda v: "" if v["val_split"] > 0 else "for runs with --val-split only (without it the "
+     "test set is scored every epoch)"),
+    *((name, _optimizer_reads(name)) for name in ("momentum", "trust_coef", "beta1", "beta2", "eps")),
+    ("decay_epochs", lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
+    ("decay_factor", lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
+    ("warmup_from", lambda v: "there is no warmup" if _no_warmup(v) else ""),
+    *((name, lambda v: "" if v["checkpoint_dir"] else "there is no --checkpoint-dir")
+      for name in ("checkpoint_every", "checkpoint_keep", "overwrite_checkpoints")),
+    ("resume_allow", lambda v: "there is no --resume" if v["resume"] == "no" else ""),
+)
 
 
 _UNSET = object()

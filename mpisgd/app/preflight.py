@@ -57,10 +57,14 @@ def pinned(environment: dict[str, Any], comm: Any) -> None:
     same_arithmetic(environment, bits_depend_on("pinned"), comm, "the pinned level's same bits")
 
 
-def device_options(cfg: Config, gpu: bool) -> None:
+def device_options(cfg: Config, gpu: bool) -> list[str]:
+    """UsageError for an option the device cannot run; the warnings for those it would not read."""
     if cfg.shard_optimizer and gpu:
         raise UsageError("--shard-optimizer runs on the CPU only (its all-gather takes host buffers); "
                          "drop it or pass --device cpu")
+    if cfg.cuda_aware != "auto" and not gpu:  # a GPU job's script on CPU nodes: it runs, and says so
+        return [f"--cuda-aware {cfg.cuda_aware} has no effect on the CPU (host buffers go to MPI as they are)"]
+    return []
 
 
 def outputs(cfg: Config, rank: int) -> None:

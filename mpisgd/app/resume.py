@@ -117,6 +117,9 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
                               f"pass --global-batch {B}, or leave it out")
     bits = bool(config.get("reproducible") and state.config.get("reproducible") and old_b)  # b decides the bits
     b0 = old_b if bits and isinstance(old_b, int) else 1  # the checkpoint's b, where it decides the bits
+    if config.get("model") != state.config.get("model", config.get("model")):
+        raise CheckpointError(f"--model {config.get('model')}, but the checkpoint ({path}) is of --model "
+                              f"{state.config.get('model')}: a resumed run must build the same model")
     if structure is not None and state.structure:
         diff = structure_difference(structure, state.structure, "in this run", "in the checkpoint")
         if diff:
@@ -130,11 +133,14 @@ def resume_point(state: TrainState, path: str, config: dict[str, Any], given: se
         m = B // (k * b)  # --batch-size given: the micro-batches follow from B and k
         derived = f"m={m} derived to keep B={B} (the checkpoint's run: k={old_k}, b={old_b}, m={old_m})"
     elif k * b * m != B:
-        if given & {"batch_size", "accum_steps"}:
+        if given & {"batch_size", "accum_steps"} and B % k == 0:
+            m_fit = old_m if B % (k * old_m) == 0 else 1
             raise CheckpointError(
                 f"the checkpoint's run has effective batch B={B} (k={old_k} x b={old_b} x m={old_m}), this run "
                 f"k*b*m={k * b * m}: resuming needs the same B, so that the data order and the schedule continue; "
-                f"pass --batch-size and --accum-steps with {k} x b x m = {B}, or neither, and they are derived")
+                f"pass --batch-size and --accum-steps with {k} x b x m = {B} (e.g. --batch-size {B // (k * m_fit)} "
+                f"--accum-steps {m_fit}), or neither, and they are derived (a --config file's batch-size and "
+                "accum-steps count as given)")
         if bits and B % (k * b0):
             ks, complete = divisors(B // b0)
             raise CheckpointError(

@@ -115,10 +115,12 @@ class Run:
         return self.batches.global_batch
 
 
-def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective: bool = False) -> T:
+def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective: bool = False,
+           on_root: bool = False) -> T:
     """Run set-up stage ``what`` on every rank; if it fails anywhere, every rank fails together. The
     agreement is watched, so a rank stuck in the stage (a blocking model factory, a slow disk) is named;
-    a ``collective`` stage (one that communicates itself) is watched whole."""
+    a ``collective`` stage (one that communicates itself) is watched whole; an ``on_root`` stage's checks are
+    rank 0's for every rank (its error is not prefixed "rank 0:")."""
     error: BaseException | None = None
     result: Any = None
     with watchdog.watching(f"set-up: {what}") if collective else contextlib.nullcontext():
@@ -127,7 +129,7 @@ def agreed(comm: Any, fn: Callable[[], T], watchdog: Any, what: str, collective:
         except (UsageError, ReplicaError) as exc:
             error = exc
         with contextlib.nullcontext() if collective else watchdog.watching(f"set-up: {what}"):
-            agree(comm, error)
+            agree(comm, error, on_root=on_root)
     return result
 
 
@@ -137,8 +139,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     t_launch = time.perf_counter()
     wd = watchdog
 
-    def stage(what: str, fn: Callable[[], T], collective: bool = False) -> T:
-        result = agreed(world, fn, wd, what, collective)
+    def stage(what: str, fn: Callable[[], T], collective: bool = False, on_root: bool = False) -> T:
+        result = agreed(world, fn, wd, what, collective, on_root)
         if progress is not None:
             progress()
         return result
@@ -148,12 +150,13 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     rss_start_mib = peak_rss_mib()  # the interpreter, NumPy, MPI, mpisgd and the backend: no data yet
     is_root = ctx.rank == 0
     stage("the options", lambda: preflight.same_options(cfg, world), collective=True)
-    stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
-    stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank))  # a path that cannot be written fails now
-    stage("the configuration's copies and TensorBoard", lambda: run_files.check(cfg, ctx.rank))
+    device_warnings = stage("the device", lambda: preflight.device_options(cfg, ctx.backend.is_gpu))
+    stage("the output paths", lambda: preflight.outputs(cfg, ctx.rank),  # a path that cannot be written fails now
+          on_root=True)
+    stage("the configuration's copies and TensorBoard", lambda: run_files.check(cfg, ctx.rank), on_root=True)
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
-                    if cfg.checkpoint_dir and is_root else None)
+                    if cfg.checkpoint_dir and is_root else None, on_root=True)
     level = cfg.reproducible_level if cfg.reproducible else ""
     threads, threads_from = (1, "the pinned level") if level == "pinned" else \
         stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
@@ -170,7 +173,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
     with wd.watching("set-up: the checkpoint to resume"):
         resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
-    warnings = [f"warning: {w}" for w in run_data.warnings] + warnings
+    warnings = [f"warning: {w}" for w in (*getattr(cfg, "option_warnings", ()), *device_warnings,
+                                          *run_data.warnings)] + warnings
     if not ctx.backend.is_gpu:
         stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
             run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
@@ -239,6 +243,9 @@ def _load_data(cfg: Config) -> RunData:
             raise UsageError(f"--data {cfg.data}: no such file or directory")
         raise UsageError("--model gpt reads sequence data: --data a UTF-8 text file or an .npz of 'tokens' "
                          "(docs/data.md)")
+    if "context" in getattr(cfg, "given", ()) and cfg.context != Config.context:
+        raise UsageError(f"--context {cfg.context} would do nothing in this run: it is the window of sequence data "
+                         "(--data a text file or an .npz of tokens), and this data is images or features")
     if cfg.dataset == "synthetic":
         train, test, name, source = synthetic(cfg.synthetic_samples, cfg.seed), \
             synthetic(2000, cfg.seed, split=1), "synthetic", "synthetic"
@@ -433,7 +440,7 @@ def _resume_point(cfg: Config, world: Any, identity: dict[str, Any], run_dir: Ru
                 warnings += plan.warnings
         except CheckpointError as exc:
             error = exc
-    agree(world, error)
+    agree(world, error, on_root=True)
     plan = world.bcast(plan, root=0)
     if plan is not None:
         cfg.batch_size, cfg.accum_steps = plan.batch_size, plan.accum_steps
@@ -463,7 +470,7 @@ def _restore(run: Run, state: TrainState | None) -> None:
             flat.params[...] = run.ctx.xp.asarray(state.params)
             if run.model.state is not None:
                 run.model.state[...] = run.ctx.xp.asarray(state.model_state)
-    agree(run.ctx.comm, error)
+    agree(run.ctx.comm, error, on_root=True)
     # every rank's scalars (the plan's), rank 0's whole state buffers to every rank (sharded: its chunks)
     run.dp.load_optimizer_state(plan.optimizer_state, state.buffers if state is not None else None)
     run.dp.broadcast_parameters()  # every rank continues from rank 0's parameters and running statistics
