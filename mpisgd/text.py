@@ -136,6 +136,9 @@ def read_stream(path: str, vocab: Vocabulary | None = None) -> tuple[np.ndarray,
     del raw
     if vocab is None:
         chars = "".join(sorted(set(text)))
+        if len(chars) == 1:  # a model of one token predicts it with certainty: loss 0, nothing learnt
+            raise DataError(f"--data {path} holds one distinct character ({chars!r}, {len(text):,} times): a "
+                            "language model needs at least two to have anything to predict")
         vocab = Vocabulary(len(chars), chars)
     ids = vocab.encode(text, f"--data {path}")
     return ids.astype(_stream_dtype(vocab.size)), vocab, f"{len(text):,} characters of UTF-8 text"

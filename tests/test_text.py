@@ -76,6 +76,7 @@ def test_a_window_is_the_same_sample_at_any_k(tmp_path):
     ("2-D tokens", "'tokens' must be a 1-D array of integer ids"),
     ("id past vocab_size", "token 2 is 9, not below vocab_size, 5"),
     ("id past vocab", "token 2 is 9, not below the number of characters 'vocab' lists, 2"),
+    ("one character", "holds one distinct character ('a', 600 times): a language model needs at least two"),
     ("fractional vocab_size", "'vocab_size' must be one integer, got float64 65.5"),  # was cut to 65
     ("vocab_size list", "'vocab_size' must be one integer, got int64 [5, 6]"),
 ])
@@ -86,7 +87,9 @@ def test_bad_sequence_data_is_one_line(tmp_path, case, says):
     elif case == "latin-1":
         path.write_bytes("Café au lait".encode("latin-1"))
     elif case == "short":
-        path.write_text("x" * 600)
+        path.write_text("xy" * 300)
+    elif case == "one character":  # trained a one-token model to loss 0
+        path.write_text("a" * 600)
     else:
         arrays = {"npz without tokens": {"ids": np.arange(5)}, "negative ids": {"tokens": np.array([1, -3, 2])},
                   "2-D tokens": {"tokens": np.zeros((3, 3), np.int64)},
