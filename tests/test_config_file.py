@@ -268,3 +268,19 @@ def test_another_models_file_warns_that_its_recipe_runs_with_this_model(tmp_path
     assert parse_config(["--config", path], quiet=True).option_warnings == []  # the file's own model: nothing
     assert parse_config(["--config", path, "--model", "cnn", "--lr", "0.02", "--weight-decay", "5e-4", "--epochs",
                          "20"], quiet=True).option_warnings == []
+
+
+def test_a_path_that_is_not_utf8_leaves_no_unreadable_configuration_copy(tmp_path):
+    """TOML holds UTF-8 only: the copy of a run whose --metrics-file is raw bytes was written and could not be
+    read back; now it is not written, with a warning."""
+    import os
+
+    from mpisgd.app.run_files import write_config
+
+    metrics = os.fsdecode(os.fsencode(tmp_path) + b"/\xff.jsonl")
+    assert write_config(Config(metrics_file=metrics), 1) == [
+        "warning: the effective configuration was not written: --metrics-file is not UTF-8 text, which a TOML "
+        "file cannot hold"]
+    assert list(tmp_path.iterdir()) == []
+    assert write_config(Config(metrics_file=str(tmp_path / "m.jsonl")), 1) == []
+    assert read_config(str(tmp_path / "m.jsonl.config.toml"))["metrics_file"] == str(tmp_path / "m.jsonl")

@@ -46,6 +46,10 @@ def _is_input(path: Path, cfg: Config) -> bool:
 def write_config(cfg: Config, k: int) -> list[str]:
     """Write the effective configuration beside the metrics file and into the checkpoint directory, each
     all or nothing (rank 0); never over the --config file itself. Returns warnings for the banner."""
+    odd = [name for name, v in cfg.to_dict().items() if isinstance(v, str) and not _utf8(v)]
+    if odd:  # a path of bytes that are not UTF-8: TOML cannot hold it, and the copy would not read back
+        return [f"warning: the effective configuration was not written: --{odd[0].replace('_', '-')} is not UTF-8 "
+                "text, which a TOML file cannot hold"]
     text = to_toml(cfg, f"the effective configuration of a run on k={k} rank(s), written at its "
                                     "start;\nrun it again with: python -m mpisgd.train --config THIS_FILE")
     warnings = []
@@ -58,6 +62,14 @@ def write_config(cfg: Config, k: int) -> list[str]:
         except (OSError, UsageError) as exc:
             warnings.append(f"warning: the effective configuration was not written to {path} ({exc})")
     return warnings
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode's surrogates for bytes that are not UTF-8
+        return False
+    return True
 
 
 def write_vocab(cfg: Config, vocab_json: str) -> list[str]:
