@@ -62,6 +62,59 @@ def ddp_run(comm, make, **kw):
 
 
 # -- one rank --------------------------------------------------------------------------------------
+class _Ticks:
+    """A clock that moves one second per reading (the wrapper's time.perf_counter)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class _Overlapping:
+    """A reducer whose all-reduces overlap: none completes before the end of backward waits for it (5 s each)."""
+
+    def __init__(self, clock: _Ticks) -> None:
+        self.clock, self.starts, self.ends = clock, [], []
+
+    def start(self, buf):
+        self.starts.append(self.clock.now)  # the reading the wrapper just took as the bucket's start
+        reducer = self
+
+        class Handle:
+            def test(self) -> bool:
+                return False
+
+            def wait(self) -> None:
+                reducer.clock.now += 5.0
+                reducer.ends.append(reducer.clock.now)
+
+        return Handle()
+
+    def describe(self) -> str:
+        return "overlapping"
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_wrappers_time_in_flight_is_the_union_of_its_buckets(monkeypatch):
+    """Buckets in flight together count once in comm_total_s (the busbw of its metrics): from the first start
+    to the last completion the wrapper observes, where their own times summed count the overlap again."""
+    from mpisgd.torch import distributed
+
+    clock = _Ticks()
+    monkeypatch.setattr(distributed.time, "perf_counter", clock)
+    reducer = _Overlapping(clock)
+    model = wrap(net(bn=False), MPI.COMM_SELF, reducer=reducer, bucket_cap_mb=0.001)  # 2 buckets of 4.6 KB
+    x, y = data(12)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    starts, observed = reducer.starts, [e + 1.0 for e in reducer.ends]  # completion: the reading after a wait
+    assert len(starts) == len(model.buckets) >= 2
+    union, summed = observed[-1] - starts[0], sum(e - s for s, e in zip(starts, observed, strict=True))
+    assert model.times.comm_total_s == union < summed
 def test_parameters_gradients_and_buffers_are_views_of_flat_buffers():
     model = wrap(net(), MPI.COMM_SELF)
     (g,) = model.groups
