@@ -138,6 +138,8 @@ def test_the_buckets_line_says_what_backward_hid_and_never_a_part_larger_than_it
     assert buckets_line(epoch(comm_exposed_ms=0.29, comm_total_ms=0.26), overlap=True) == (
         "gradient buckets: busbw 1.50 GB/s (start to completion, overlapped with backward), 0.26 ms/step in "
         "flight, 0.29 ms/step waited for after backward (the wait includes its bookkeeping)")
+    assert buckets_line(epoch(bucket_busbw_gbps=0.00123), overlap=False).startswith(
+        "gradient buckets: busbw 1.23 MB/s (start to completion)")  # a tiny model's: it read 0.00 GB/s
     for exposed, total in ((0.29, 0.26), (0.1, 0.25)):
         assert buckets_line(epoch(comm_exposed_ms=exposed, comm_total_ms=total), overlap=False) == (
             f"gradient buckets: busbw 1.50 GB/s (start to completion), {exposed:.2f} ms/step waited for after "
@@ -158,7 +160,7 @@ def test_the_closing_buckets_line_agrees_with_the_banner(overlap):
         assert part is None or float(part[1]) <= float(part[2]), line
     else:
         assert banner.endswith(", after backward"), banner
-        assert re.fullmatch(r"gradient buckets: busbw [\d.]+ GB/s \(start to completion\), [\d.]+ ms/step waited "
+        assert re.fullmatch(r"gradient buckets: busbw [\d.e+-]+ [GM]B/s \(start to completion\), [\d.]+ ms/step waited "
                             r"for after backward \(--no-overlap: nothing hidden\)", line), line
 
 

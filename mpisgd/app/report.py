@@ -252,13 +252,18 @@ def banner(run: Run) -> list[str]:
     return lines
 
 
+def bandwidth(gbps: float) -> str:
+    """GB/s with two decimals; below 1 GB/s in MB/s, three figures (a tiny model's read 0.00 GB/s)."""
+    return f"{gbps:.2f} GB/s" if gbps >= 1 else f"{gbps * 1e3:.3g} MB/s"
+
+
 def buckets_line(last: EpochRecord, overlap: bool) -> str:
     """The gradient buckets' achieved bandwidth (over the time with a bucket in flight, from a start to the
     observed completion, buckets that overlap counted once) and the time the step waited for them after
     backward. The wait also holds starting the buckets that had not started and the stall watchdog's
     bookkeeping, so it can exceed the time in flight: then, and without overlap, the two are not given as a
     part of a whole."""
-    head = f"gradient buckets: busbw {last.bucket_busbw_gbps:.2f} GB/s (start to completion"
+    head = f"gradient buckets: busbw {bandwidth(last.bucket_busbw_gbps)} (start to completion"
     waited, total = last.comm_exposed_ms, last.comm_total_ms
     if not overlap:
         return f"{head}), {waited:.2f} ms/step waited for after backward (--no-overlap: nothing hidden)"
