@@ -41,8 +41,10 @@ def accum_steps_for(global_batch: int, world_size: int, batch_size: int) -> int:
             if global_batch % batch_size == 0 else []
         fits = f"k in {', '.join(map(str, ks[:12]))}{', ...' if len(ks) > 12 else ''}" if ks else \
             f"a --batch-size that divides {global_batch}"
+        other_b = f", or at k={world_size} a --batch-size that divides {global_batch // world_size}" \
+            if ks and global_batch % world_size == 0 else ""
         raise UsageError(f"--global-batch {global_batch} is not k*b*m for k={world_size} ranks and b={batch_size}: "
-                         f"use {fits}")
+                         f"use {fits}{other_b}")
     return global_batch // (world_size * batch_size)
 
 

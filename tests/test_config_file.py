@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env, root_makes, serial_only, train_here
+from conftest import ROOT, TINY, clean_env, root_makes, serial_only, train_here, world
 from test_config import changed
 
 from mpisgd.app.options import parse_config, read_config, to_toml, values
@@ -128,7 +128,7 @@ def test_the_effective_configuration_is_written_beside_the_metrics_and_the_check
     assert written[0].read_text() == written[1].read_text()
     text = written[0].read_text()
     assert "hidden = [16]" in text and "lr = 0.05" in text and f'checkpoint-dir = "{ckpt}"' in text
-    assert "k=1 rank(s)" in text
+    assert "k=1 rank(s)" in text and "global-batch = 32\n" in text and "# accum-steps = (follows" in text
     assert not list(tmp_path.rglob("*.tmp.*"))  # all or nothing: no temporary left
     # the copy runs the same configuration again (here: resuming the finished run)
     again = train_here(["--config", str(written[0]), "--resume", "auto"])
@@ -284,3 +284,18 @@ def test_a_path_that_is_not_utf8_leaves_no_unreadable_configuration_copy(tmp_pat
     assert list(tmp_path.iterdir()) == []
     assert write_config(Config(metrics_file=str(tmp_path / "m.jsonl")), 1) == []
     assert read_config(str(tmp_path / "m.jsonl.config.toml"))["metrics_file"] == str(tmp_path / "m.jsonl")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_configuration_copy_continues_the_run_on_another_k(shared_tmp):
+    """The checkpoint directory's config.toml holds the run's B as global-batch, so it continues the run on
+    one rank (m = k micro-batches). It set batch-size and accum-steps, and a resume at another k was refused."""
+    from mpi4py import MPI
+
+    k, ck = world().Get_size(), shared_tmp / "ck"
+    r = train_here([*TINY, "--batch-size", "16", "--max-steps", "4", "--checkpoint-dir", str(ck)])
+    assert r.status == 0, r
+    alone = train_here(["--config", str(ck / "config.toml"), "--resume", "auto", "--max-steps", "6",
+                        "--resume-allow", "max_steps"], comm=MPI.COMM_SELF) if world().Get_rank() == 0 else None
+    alone = world().bcast(alone, root=0)
+    assert alone.status == 0 and f"now k=1 with the same B={16 * k}" in alone.out, alone

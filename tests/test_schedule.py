@@ -134,3 +134,14 @@ def test_cli_bad_schedule_input_exits_2_with_one_line(extra, message):
     assert r.returncode == 2, r.stderr + r.stdout
     lines = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_a_global_batch_no_k_times_b_divides_names_the_k_and_the_b_that_would():
+    from mpisgd.schedule import accum_steps_for
+
+    assert accum_steps_for(64, 2, 16) == 2
+    with pytest.raises(UsageError, match=r"^--global-batch 64 is not k\*b\*m for k=4 ranks and b=32: use k in 1, 2, "
+                                         r"or at k=4 a --batch-size that divides 16$"):
+        accum_steps_for(64, 4, 32)
+    with pytest.raises(UsageError, match=r"for k=3 ranks and b=32: use k in 1, 2$"):  # 3 divides no b's multiple
+        accum_steps_for(64, 3, 32)

@@ -5,6 +5,7 @@ settled it (a resumed run's derived b and m included)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -50,8 +51,12 @@ def write_config(cfg: Config, k: int) -> list[str]:
     if odd:  # a path of bytes that are not UTF-8: TOML cannot hold it, and the copy would not read back
         return [f"warning: the effective configuration was not written: --{odd[0].replace('_', '-')} is not UTF-8 "
                 "text, which a TOML file cannot hold"]
-    text = to_toml(cfg, f"the effective configuration of a run on k={k} rank(s), written at its "
-                                    "start;\nrun it again with: python -m mpisgd.train --config THIS_FILE")
+    # the run's B as global-batch (m then follows from B, k and b): the copy runs it again, or continues it,
+    # on any k that divides B/b, not only on this k
+    again = dataclasses.replace(cfg, global_batch=k * cfg.batch_size * cfg.accum_steps)
+    text = to_toml(again, f"the effective configuration of a run on k={k} rank(s), written at its start;\nrun it "
+                          "again with: python -m mpisgd.train --config THIS_FILE (on any k that divides "
+                          "global-batch / batch-size)")
     warnings = []
     for path in copies(cfg):
         if _is_input(path, cfg):
