@@ -4,6 +4,7 @@ its CLI, what it reads of the run it plans, and its refusals of bad input (one l
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
@@ -457,6 +458,8 @@ def _bad_metrics(path, case):
         path.write_text(path.read_text().replace('"backward_ms": 9.0', '"backward_ms": Infinity'))
     elif case == "step 0":
         write_metrics(path, epochs=[epoch_record(step=0, epoch=1)])
+    elif case == "zero times":  # every phase 0 ms and a step of 5e-324 ms: 1e3 * B / step is inf samples/s
+        write_metrics(path, forward_ms=0.0, backward_ms=0.0, optimizer_ms=0.0, comm_exposed_ms=0.0, step_ms=5e-324)
     elif case == "npz":
         import numpy as np
 
@@ -500,6 +503,28 @@ def _bad_metrics(path, case):
     ("ok", ["--ranks", "1", "--json", "METRICS"], "is an input of this plan"),
     ("ok", ["--ranks", "1", "--cluster", "CONFIG_PNG", "--plot", "CONFIG_PNG"], "is an input of this plan"),
     ("ok", ["--ranks", "1", "--workload", "AR"], "give one workload"),
+    # a link of 1e-320 Gbit/s: a step of inf ms, 0 samples/s, and a ZeroDivisionError after it
+    ("ok", ["--alpha-us", "0", "--beta-gbit", "1e-320"], "k=2, m=1: step_ms comes out inf: the inputs are out of "
+                                                         "range (check the link's bandwidth"),
+    ("zero times", ["--ranks", "1,2", "--link", "10gbe"], "k=1, m=1: samples_per_s comes out inf"),
+    ("ok", ["--ranks", "1", "--target-epochs", "0"], "--target-epochs must be > 0, got 0.0"),
+    ("ok", ["--ranks", "1", "--target-epochs", "-1"], "--target-epochs must be > 0, got -1.0"),
+    ("ok", ["--ranks", "1,2", "--link", "10gbe", "--backend", "nosuch"], "--backend nosuch picks the rows of a "
+                                                                         "link measured by allreduce_bw.py"),
+    ("ok", ["--ranks", "", "--link", "10gbe"], "--ranks is empty: give comma-separated whole numbers (an unset "
+                                               "shell variable?)"),
+    ("ok", ["--ranks", "1", "--accum-steps", ""], "--accum-steps is empty"),
+    ("ok", ["--ranks", "1,2", "--link", ""], "--link is empty: give a path (an unset shell variable?)"),
+    ("ok", ["--ranks", "1", "--json", ""], "--json is empty"),
+    ("ok", ["--ranks", "1", "--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam' (choose from "
+                                                    "'sgd', 'lars', 'adamw', 'lamb')"),
+    ("ok", ["--ranks", "1", "--library", "gloo"], "argument --library: invalid choice"),  # one line, no usage
+    ("ok", ["--ranks", "1", "--cluster", "C_ZERO"], "c0.toml: ranks_per_node is 0: it must be a finite number > 0"),
+    ("ok", ["--ranks", "1", "--cluster", "C_FALSE"], "cf.toml: ranks_per_node is False, not a number"),
+    ("ok", ["--ranks", "1", "--cluster", "C_HALF"], "ch.toml: ranks_per_node is 1.5: it must be a whole number"),
+    ("ok", ["--ranks", "1", "--json", "NOTES"], "notes.txt exists and is not a plan this tool wrote: the plan "
+                                                "would replace it; remove it or choose another path"),
+    ("ok", ["--ranks", "1", "--plot", "NOTES_PNG"], "notes.png exists and is not a plot (matplotlib's)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, args, message):
     path = tmp_path / "m.jsonl"
@@ -508,16 +533,65 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, args, message)
     (tmp_path / "shape.json").write_text(json.dumps({"rows": [{"size": 4}]}) + "\n")
     (tmp_path / "dir.json").mkdir()
     (tmp_path / "c.png").write_text('ranks_per_node = 1\n')
+    for name, value in (("c0.toml", "0"), ("cf.toml", "false"), ("ch.toml", "1.5")):
+        (tmp_path / name).write_text(f"ranks_per_node = {value}\n")
+    for name in ("notes.txt", "notes.png"):
+        (tmp_path / name).write_text("my notes\n")
     allreduce_json(tmp_path / "ar.json")
     subst = {"BAD_AR": tmp_path / "bad.json", "WRONG_SHAPE": tmp_path / "shape.json", "AR": tmp_path / "ar.json",
              "PLOT_XYZ": tmp_path / "p.xyz", "DIR": tmp_path / "dir.json", "METRICS": path,
-             "CONFIG_PNG": tmp_path / "c.png"}
+             "CONFIG_PNG": tmp_path / "c.png", "C_ZERO": tmp_path / "c0.toml", "C_FALSE": tmp_path / "cf.toml",
+             "C_HALF": tmp_path / "ch.toml", "NOTES": tmp_path / "notes.txt", "NOTES_PNG": tmp_path / "notes.png"}
     args = [str(subst.get(a, a)) for a in args]
     before = path.read_bytes()
     assert plan.main([str(path), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mpisgd.plan: error: ") and message in err, err
     assert path.read_bytes() == before  # an input is never written over
+    for name in ("notes.txt", "notes.png"):  # nor a file of the user's
+        assert (tmp_path / name).read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("line,args,says", [
+    ("", [], "w.toml: batch_per_rank is missing"),  # was "batch_per_rank is None, not a number"
+    ("batch_per_rank = 32\ntarget_samples = 100000\nnoise_scale = 100", ["--step-ms", "5e-324"],
+     "k=1, m=1: samples_per_s comes out inf"),  # a ZeroDivisionError in the speedup
+    ("batch_per_rank = 32", ["--epoch", "7"], "--epoch 7 applies to a metrics file (which epoch's times to "
+                                              "profile); a --workload gives its times itself: drop --epoch"),
+])
+def test_a_workloads_bad_numbers_and_ignored_flags_are_one_line(tmp_path, capsys, line, args, says):
+    desc = tmp_path / "w.toml"
+    step = args[1] if args[:1] == ["--step-ms"] else "10"
+    desc.write_text(f"{line}\nstep_ms = {step}\nparameters = 1000000\n")
+    flags = [] if args[:1] == ["--step-ms"] else args
+    assert plan.main(["--workload", str(desc), "--link", "10gbe", "--ranks", "1,2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpisgd.plan: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_json_and_plot_replace_only_an_earlier_plans(tmp_path, capsys):
+    """--json notes.txt replaced the user's file: an output is replaced only when empty or the plan's own."""
+    m = write_metrics(tmp_path / "m.jsonl")
+    out, image = tmp_path / "p.json", tmp_path / "p.png"
+    out.write_text("")
+    for _ in range(2):  # an empty file, then the earlier plan: both replaced (a rerun of one command)
+        assert plan.main([m, "--ranks", "1", "--json", str(out), "--plot", str(image)]) == 0
+        assert set(json.loads(out.read_text())) >= report.PLAN_KEYS and is_png(image)
+    assert report.is_plan_json(io.BytesIO(out.read_bytes())) and not report.is_plan_json(io.BytesIO(b"[1, 2]"))
+    assert not report.is_plan_json(io.BytesIO(json.dumps({"rows": []}).encode()))
+    assert not report.is_plan_json(io.BytesIO(b"\xff\xfe notes"))
+
+
+def test_ctrl_c_is_one_line_and_130(tmp_path, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "plan", interrupted)
+    try:
+        assert plan.main([write_metrics(tmp_path / "m.jsonl"), "--ranks", "1"]) == 130
+    except KeyboardInterrupt:  # pytest would take it for its own Ctrl-C
+        pytest.fail("a KeyboardInterrupt traceback")
+    assert capsys.readouterr().err == "mpisgd.plan: interrupted (SIGINT) (exit 130)\n"
 
 
 def test_json_on_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatch):

@@ -5,16 +5,22 @@ The data options are the training command's (``--data``, ``--data-dir``, ``--dat
 ``--seed`` for the synthetic set); the test set is scored. It prints the accuracy, the mean loss and a
 table per class. On one process as it is; under ``mpiexec -n K`` every rank first checks that all hold
 the same model and test set, then each scores 1/K of the samples and the counts are summed. Bad input:
-one line from rank 0, exit 2. The file runs no code: a model of the user's own is built only by the
-factory ``--model-factory`` names. Every check across ranks and the sum are watched by the stall
-watchdog (docs/failures.md).
+one line from rank 0, exit 2; an option the data given makes useless (``--seed`` without ``--dataset
+synthetic``, ``--data-dir`` with ``--data`` or ``--dataset synthetic``): a warning from rank 0. The file runs
+no code: a model of the user's own is built only by the factory ``--model-factory`` names. Every check
+across ranks and the sum are watched by the stall watchdog (docs/failures.md). Ctrl-C (SIGINT to mpiexec or
+to any rank) ends every rank at once with one line and exit 130, as the training command does
+(mpisgd.app.signals).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -22,6 +28,7 @@ import numpy as np
 from mpisgd.app.options import _add_option, _Parser
 from mpisgd.config import Config
 from mpisgd.errors import ModelOutputError, UsageError
+from mpisgd.model_file import ModelFileError
 from mpisgd.nn import scoring
 
 FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -109,14 +116,56 @@ def table(counts: np.ndarray, names: tuple[str, ...] | None) -> list[str]:
     return lines
 
 
+class Interrupts:
+    """Ctrl-C as the training command takes it (mpisgd.app.signals): SIGINT is blocked in every thread (MPI's
+    too: create this before MPI starts), and a thread of ours waits for it, then prints one line and ends the
+    whole job (MPI_Abort, exit 130), so that no rank is left waiting in a collective and no rank prints a
+    traceback. SIGTERM keeps its default. :meth:`close` stops the thread and puts the signal mask back."""
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, comm: Any) -> None:
+        from mpisgd.app.signals import Signals  # noqa: PLC0415
+
+        signals = Signals()
+        signals.comm = comm
+        self._thread = threading.Thread(target=self._watch, args=(signals,), name="mpisgd-evaluate-sigint",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, signals: Any) -> None:
+        while not self._closed.is_set():
+            if signal.sigtimedwait({signal.SIGINT}, self.POLL_S) is not None and not self._closed.is_set():
+                signals.on_signal(signal.SIGINT)  # one line, MPI_Abort(130): the process ends there
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            if self._thread.ident is not None and self._thread.is_alive():
+                with contextlib.suppress(OSError):  # it ended just now: nothing to wake
+                    signal.pthread_kill(self._thread.ident, signal.SIGINT)  # wakes its wait now, not at the next poll
+            self._thread.join()
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+
+
 def main(argv: list[str] | None = None) -> int:
+    interrupts = Interrupts()  # before MPI starts its threads: they inherit the mask
     from mpi4py import MPI  # noqa: PLC0415
 
     from mpisgd.abort import guard  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
-    with guard(comm):  # anything else that fails on one rank ends the job, rather than a wait in a collective
-        return _main(argv, comm)
+    interrupts.start(comm)
+    try:
+        with guard(comm):  # anything else that fails on one rank ends the job, rather than a wait in a collective
+            return _main(argv, comm)
+    finally:
+        interrupts.close()
 
 
 def _main(argv: list[str] | None, comm: Any) -> int:
@@ -141,6 +190,9 @@ def _main(argv: list[str] | None, comm: Any) -> int:
 
     try:
         args = agreed("the options", lambda: build_parser(quiet=rank != 0).parse_args(argv))
+        if rank == 0:
+            for line in ignored(args):
+                print(f"mpisgd-evaluate: warning: {line}", file=sys.stderr, flush=True)
         saved, test, name, source, classes, warnings = agreed("the model and the data", lambda: _prepare(args))
         with watchdog.watching("evaluate: the same model and data on every rank"):
             every = comm.allgather(_identity(saved, test, name))
@@ -206,6 +258,19 @@ def _same_everywhere(every: list[dict[str, str]]) -> None:
                          "same model file and data options")
 
 
+def ignored(args: argparse.Namespace) -> list[str]:
+    """The options given that the data options make useless: each one line (a warning; the scoring goes on)."""
+    lines = []
+    synthetic = args.dataset == "synthetic"
+    if args.seed is not None and not synthetic:
+        source = "--data" if args.data is not None else f"--dataset {args.dataset}"
+        lines.append(f"--seed has no effect with {source}: it seeds --dataset synthetic's test set")
+    if args.data_dir is not None and (args.data is not None or synthetic):
+        lines.append(f"--data-dir has no effect with {'--data' if args.data is not None else '--dataset synthetic'}"
+                     ": it says where Fashion-MNIST's files are")
+    return lines
+
+
 def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     for what, value in (("PATH", args.path), ("--data", args.data), ("--data-dir", args.data_dir),
                         ("--model-factory", args.model_factory)):
@@ -220,17 +285,38 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
     language = _language_model(args)
     if language is not None:
         return language
+    saved = _read_before_data(args)
     if args.dataset == "synthetic":  # its samples depend on the seed: the model's own, unless given
-        saved = _read(args, in_shape=(1, 28, 28))
+        saved = saved or _read(args, in_shape=(1, 28, 28))
         seed = args.seed if args.seed is not None else int(saved.meta.get("seed", 0))
         test, name, source, classes = load_test_set(args, seed)
     else:
         test, name, source, classes = load_test_set(args)
-        saved = _read(args, in_shape=tuple(test.images.shape[1:]))
+        saved = saved or _read(args, in_shape=tuple(test.images.shape[1:]))
     warnings = check_fit(saved.meta, test, name, classes, saved.path)
     if args.model_factory is not None:
         _check_scores(saved, test, args.model_factory)
     return saved, test, name, source, classes, warnings
+
+
+def _read_before_data(args: argparse.Namespace) -> Any:
+    """PATH's model, read before the (image) data is loaded, where the file says its input shape; None where it
+    does not (an older file: read once the data gives the shape, which reports any other fault then too).
+    UsageError for a language model: it scores sequence data, not these images (said before loading them)."""
+    from mpisgd.text import Vocabulary  # noqa: PLC0415
+
+    try:
+        saved = _read(args)
+    except ModelFileError:
+        return None
+    vocab = Vocabulary.from_identity(saved.meta.get("data") or {})
+    if saved.meta.get("model") == "gpt" or vocab is not None:
+        given = (f"--data {args.data}" if args.data is not None else
+                 "--dataset synthetic" if args.dataset == "synthetic" else "Fashion-MNIST (no --data)")
+        raise UsageError(f"{saved.path} is a language model (--model {saved.meta.get('model')}"
+                         + (f", a vocabulary of {vocab.size}" if vocab else "") + f"), which {given} cannot feed: "
+                         "give --data with a text file or a token .npz (docs/data.md)")
+    return saved
 
 
 def _read(args: argparse.Namespace, in_shape: tuple[int, ...] | None = None) -> Any:

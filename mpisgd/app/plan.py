@@ -32,12 +32,26 @@ from mpisgd.app.planner import topology as topo
 from mpisgd.app.planner.errors import PlanError, number
 from mpisgd.app.planner.topology import ALGORITHMS, LIBRARIES, PRESETS, Cluster, Link, parse_link
 from mpisgd.app.planner.workload import Rules, Workload, from_description, from_metrics, read_toml
+from mpisgd.config import OPTIMIZERS
 from mpisgd.errors import UsageError
+from mpisgd.files import replaceable
 
 MAX_RANKS = 1 << 20  # a plan beyond a million ranks is a typo
+EXIT_INTERRUPTED = 130  # mpisgd.app.signals.EXIT_INTERRUPTED, the shell's code for Ctrl-C
+PATHS = ("metrics", "workload", "cluster", "link", "intra_link", "backend", "json", "plot")  # never "" for the default
+OVERLAPS = ("auto", "ideal", "none")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown option, a choice not offered) are one PlanError line, not usage + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise PlanError(message)
 
 
 def _int_list(text: str, what: str) -> list[int]:
+    if not text.strip():  # an unset shell variable: never the default instead
+        raise PlanError(f"{what} is empty: give comma-separated whole numbers (an unset shell variable?)")
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -50,8 +64,8 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mpisgd.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = _Parser(prog="python -m mpisgd.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("metrics", nargs="?", default=None,
                    help="the --metrics-file of a short mpisgd.train run (its last run; its last epoch is the profile)")
     p.add_argument("--workload", default=None, help="or a workload described by numbers (TOML; docs/plan.md)")
@@ -73,24 +87,27 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--beta-gbit", type=float, default=None, help="... and beta (Gbit/s of bus bandwidth)")
     g.add_argument("--intra-link", default=None, help="the link within a node (preset or allreduce_bw JSON; "
                                                       "default shm on a CPU, the cluster file's otherwise)")
-    g.add_argument("--backend", default=None, help="which backend's rows of an allreduce_bw JSON (default auto)")
+    g.add_argument("--backend", default=None, help="which backend's rows of an allreduce_bw JSON (default auto; "
+                                                   "only with --link FILE or --intra-link FILE)")
     g.add_argument("--library", default=None, choices=LIBRARIES,
                    help="whose all-reduce: mpi (mpisgd on CPUs) or nccl (GPUs); default: the workload's device")
     g.add_argument("--algorithm", default=None, choices=ALGORITHMS,
                    help="auto: the library's choice (MPI: halving-doubling per level; NCCL: ring or tree, the "
                         "cheaper per bucket); or one forced")
-    g.add_argument("--overlap", default=None, choices=("auto", "ideal", "none"),
+    g.add_argument("--overlap", default=None, choices=OVERLAPS,
                    help="auto: the links' part runs behind backward, a CPU node's intra-node part is the cores' "
                         "work; ideal: both hidden where they can be; none: nothing hidden")
     g = p.add_argument_group("statistics and the rate (default: the run's own, from its run record or config)")
     g.add_argument("--noise-scale", type=float, default=None, help="B_noise in samples (default: the workload's)")
-    g.add_argument("--epoch", type=int, default=None, help="profile this epoch's times (default: the last)")
+    g.add_argument("--epoch", type=int, default=None, help="profile this epoch's times (default: the last; a "
+                                                         "metrics file only)")
     g.add_argument("--target-epochs", type=float, default=None,
                    help="the target: the loss B0 reaches after this many epochs (default: the profiled run's end)")
     g.add_argument("--lr", type=float, default=None, help="the run's --lr (eta0)")
     g.add_argument("--base-batch", type=int, default=None, help="the run's --base-batch (B0 of eta0)")
     g.add_argument("--lr-scaling", default=None, choices=("linear", "sqrt", "none"), help="the run's rule")
-    g.add_argument("--optimizer", default=None, help="the run's update rule (shown with the rate)")
+    g.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help="the run's update rule (shown with the "
+                                                                         "rate)")
     g.add_argument("--margin", type=float, default=0.10,
                    help="recommend the fewest ranks within this fraction of the most goodput")
     g = p.add_argument_group("output")
@@ -98,6 +115,25 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, help="write a plot of samples/s, goodput and efficiency against k "
                                                 "(.png, .pdf, .svg)")
     return p
+
+
+def _given_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag given empty (an unset shell variable) and one that would be ignored without a word."""
+    for name in PATHS:
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            what = "the metrics file" if name == "metrics" else f"--{name.replace('_', '-')}"
+            raise PlanError(f"{what} is empty: give a {'name' if name == 'backend' else 'path'} "
+                            "(an unset shell variable?)")
+    if args.epoch is not None and args.workload is not None:
+        raise PlanError(f"--epoch {args.epoch} applies to a metrics file (which epoch's times to profile); a "
+                        "--workload gives its times itself: drop --epoch")
+    if args.backend is not None and not any(spec is not None and spec not in PRESETS
+                                            for spec in (args.link, args.intra_link)):
+        raise PlanError(f"--backend {args.backend} picks the rows of a link measured by allreduce_bw.py (--link "
+                        "FILE or --intra-link FILE); no link here is one (a preset has no backends): drop --backend")
+    if args.target_epochs is not None and not args.target_epochs > 0:
+        raise PlanError(f"--target-epochs must be > 0, got {args.target_epochs}")
 
 
 def _finite_flags(args: argparse.Namespace) -> None:
@@ -135,14 +171,16 @@ def _cluster(args: argparse.Namespace, w: Workload) -> Cluster:
         if unknown:
             raise PlanError(f"{args.cluster}: unknown key(s) {', '.join(unknown)}")
         source = f"{args.cluster}" + (f" ({table['name']})" if "name" in table else "")
-    library = args.library or table.get("library") or ("nccl" if w.device == "gpu" else "mpi")
-    algorithm = args.algorithm or table.get("algorithm", "auto")
-    overlap = args.overlap or table.get("overlap", "auto")
-    if library not in LIBRARIES or algorithm not in ALGORITHMS or overlap not in ("auto", "ideal", "none"):
+    library = _pick(args.library, table, "library", "nccl" if w.device == "gpu" else "mpi")
+    algorithm = _pick(args.algorithm, table, "algorithm", "auto")
+    overlap = _pick(args.overlap, table, "overlap", "auto")
+    if library not in LIBRARIES or algorithm not in ALGORITHMS or overlap not in OVERLAPS:
         raise PlanError(f"{source}: library {library!r}, algorithm {algorithm!r} or overlap {overlap!r} is unknown")
-    per_node = args.ranks_per_node or table.get("ranks_per_node") or w.ranks_per_node
-    nodes = args.nodes if args.nodes is not None else table.get("nodes")
-    per_node = int(number(per_node, "ranks per node", positive=True, whole=True))
+    per_node = _pick(args.ranks_per_node, table, "ranks_per_node", w.ranks_per_node)
+    nodes = _pick(args.nodes, table, "nodes", None)
+    from_file = args.ranks_per_node is None and "ranks_per_node" in table
+    per_node = int(number(per_node, f"{source}: ranks_per_node" if from_file else "ranks per node", positive=True,
+                          whole=True))
     if nodes is not None:
         nodes = int(number(nodes, "nodes", positive=True, whole=True))
     memory = table.get("node_memory_gib")
@@ -168,6 +206,14 @@ def _cluster(args: argparse.Namespace, w: Workload) -> Cluster:
     elif "inter" in table:
         inter = topo.link_from_table(table["inter"], f"{source}: inter")
     return Cluster(intra, inter, per_node, library, algorithm, overlap, nodes, memory, source)
+
+
+def _pick(flag: Any, table: dict[str, Any], key: str, default: Any) -> Any:
+    """The flag where given, else the cluster file's value where it has the key (whatever it is: 0 and false
+    are checked, not taken for "not given"), else the default."""
+    if flag is not None:
+        return flag
+    return table[key] if key in table else default
 
 
 def _workload(args: argparse.Namespace) -> tuple[Workload, Rules]:
@@ -196,22 +242,34 @@ def _paths(args: argparse.Namespace) -> None:
         raise PlanError(f"--json and --plot are the same file ({args.json}): choose two")
 
 
+def _replaceable_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output that holds a file of the user's: --json replaces only an empty file or an earlier plan,
+    --plot only an empty file or a plot matplotlib made (mpisgd.files.replaceable)."""
+    for flag, out, ours, what in (("--json", args.json, report.is_plan_json, "a plan this tool wrote"),
+                                  ("--plot", args.plot, report.is_plot, "a plot (matplotlib's)")):
+        if out and not replaceable(out, ours):
+            raise PlanError(f"{flag} {out} exists and is not {what}: the plan would replace it; remove it or "
+                            "choose another path")
+
+
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse, plan and print; returns what --json writes. Raises PlanError on bad input."""
     args = parser().parse_args(argv)
     _finite_flags(args)
+    _given_flags(args)
     if args.noise_scale is not None and not args.noise_scale > 0:
         raise PlanError(f"--noise-scale must be > 0, got {args.noise_scale}")
     if not 0 <= args.margin < 1:
         raise PlanError(f"--margin must be in [0, 1), got {args.margin}")
     _paths(args)
+    _replaceable_outputs(args)
     if args.plot:
         report.check_plot_path(args.plot)
     w, rules = _workload(args)
     rules = _rules(args, rules)
     net = _cluster(args, w)
     cap = net.nodes * net.per_node if net.nodes else None
-    if args.ranks:
+    if args.ranks is not None:
         ranks = _int_list(args.ranks, "--ranks")
     else:
         top = cap or 64
@@ -221,13 +279,13 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if net.inter is None and max(ranks) > net.per_node:
         raise PlanError(f"k={max(ranks)} spans nodes of {net.per_node} rank(s): give the link between them "
                         f"(--link {'|'.join(PRESETS)}|FILE, --alpha-us and --beta-gbit, or --cluster)")
-    accum = _int_list(args.accum_steps, "--accum-steps") if args.accum_steps else None
+    accum = _int_list(args.accum_steps, "--accum-steps") if args.accum_steps is not None else None
     target = float(w.samples) if w.samples else None
     if args.target_epochs is not None:
         if not w.steps_per_epoch:
             raise PlanError("--target-epochs needs the epoch's size: a metrics file, or epoch_samples in the workload")
         target = args.target_epochs * w.steps_per_epoch * w.B
-        if not (args.target_epochs > 0 and target >= 1):
+        if not target >= 1:
             raise PlanError(f"--target-epochs {args.target_epochs} is less than one sample of an epoch of "
                             f"{w.steps_per_epoch * w.B}: give a target of one step or more")
     rows = planmodel.plan(w, net, ranks, accum, rules, target)
@@ -247,7 +305,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
     except UsageError as exc:
         print(f"mpisgd.plan: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, as the training CLI's
+        print(f"mpisgd.plan: interrupted (SIGINT) (exit {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0

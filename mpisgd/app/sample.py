@@ -5,19 +5,33 @@ PATH is a ``--save-model`` file, a checkpoint or a checkpoint directory of a ``-
 prompt is encoded with the vocabulary the model was trained with (a prompt with a character it lacks
 is refused, naming the character); then, N times, the model reads the last ``context`` tokens (eval
 mode: no dropout) and the next token is drawn from softmax(logits / temperature) with a generator
-seeded by --seed (--temperature 0: the most likely token). It prints the prompt and what follows. One
-process, no MPI; bad input: one line, exit 2.
+seeded by --seed (--temperature 0, or one so small that logits / temperature overflows: the most likely
+token). It prints the prompt, then each token as it is drawn (flushed), so a long run shows its progress;
+Ctrl-C stops it with one line and exit 130, what was printed kept. One process, no MPI: a launch of
+several ranks (mpiexec) is refused on every rank. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from mpisgd.errors import UsageError
+
+PROG = "mpisgd-sample"
+MAX_TOKENS = 1_000_000  # a million characters (a long book) per run: more is a typo (--tokens 1e12)
+EXIT_INTERRUPTED = 130  # mpisgd.app.signals.EXIT_INTERRUPTED, the shell's code for Ctrl-C
+DEFAULT_PROMPT = "\n"
+# what MPI launchers set in every rank's environment: the job's size (MPICH's hydra, Intel MPI and srun's PMI-2
+# set PMI_SIZE; Open MPI sets OMPI_COMM_WORLD_SIZE), and the rank
+LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m mpisgd.sample", allow_abbrev=False,
                      description="Generate text from a trained language model (--model gpt).")
     parser.add_argument("path", metavar="PATH", help="a --save-model .npz, a checkpoint, or a checkpoint directory")
-    parser.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens (characters) to generate (default: 200)")
+    parser.add_argument("--prompt", default=None, help="the text to continue (default: a new line)")
+    parser.add_argument("--tokens", type=int, default=200,
+                        help=f"tokens (characters) to generate, at most {MAX_TOKENS:,} (default: 200)")
     parser.add_argument("--temperature", type=float, default=1.0, help="divides the logits before the softmax: "
-                        "below 1 more likely tokens, above 1 more varied ones; 0 takes the most likely (default: 1)")
+                        "below 1 more likely tokens, above 1 more varied ones; 0 (or one so small that the "
+                        "division overflows) takes the most likely (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
     return parser
+
+
+def launched_ranks(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(ranks, this rank) of the MPI launch this process is part of, as the launcher's environment says: (1, 0)
+    when none (a size that is missing or not a number counts as none)."""
+    for size_var, rank_var in zip(LAUNCHER_SIZE, LAUNCHER_RANK):
+        try:
+            size = int(environ.get(size_var, ""))
+        except ValueError:
+            continue
+        if size > 1:
+            try:
+                return size, int(environ.get(rank_var, "0"))
+            except ValueError:
+                return size, 0
+    return 1, 0
 
 
 def load(path: str) -> tuple[Any, Any, int]:
@@ -47,46 +79,130 @@ def load(path: str) -> tuple[Any, Any, int]:
     return saved.model, vocab, int(saved.meta["in_shape"][0])
 
 
-def generate(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature: float,
-             rng: np.random.Generator) -> np.ndarray:
-    """The prompt's ids followed by ``tokens`` drawn one at a time (eval mode; the mode is put back)."""
-    ids = list(int(i) for i in prompt)
+def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """A draw from softmax(logits / temperature); the most likely token at 0, or where the division overflows
+    (a temperature of 1e-320: inf / inf would make the probabilities NaN)."""
+    if temperature > 0:
+        with np.errstate(over="ignore"):
+            z = logits / temperature
+        if np.isfinite(z).all():
+            p = np.exp(z - z.max())
+            return int(rng.choice(len(p), p=p / p.sum()))
+    return int(np.argmax(logits))
+
+
+def draw(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature: float,
+         rng: np.random.Generator) -> Iterator[int]:
+    """The ``tokens`` ids that follow the prompt's, one at a time as each is drawn (eval mode; the mode is put
+    back when the iterator ends or is closed). Keeps only the last ``context`` ids."""
+    window: deque[int] = deque((int(i) for i in prompt), maxlen=context)
     was_training = model.training
     model.eval()
     try:
         for _ in range(tokens):
-            window = np.asarray(ids[-context:], dtype=np.int64)[None, :]
-            logits = np.asarray(model.forward(window)[0, -1], dtype=np.float64)
-            if temperature == 0:
-                ids.append(int(np.argmax(logits)))
-                continue
-            z = logits / temperature
-            p = np.exp(z - z.max())
-            ids.append(int(rng.choice(len(p), p=p / p.sum())))
+            logits = np.asarray(model.forward(np.asarray(window, dtype=np.int64)[None, :])[0, -1], dtype=np.float64)
+            token = next_token(logits, temperature, rng)
+            window.append(token)
+            yield token
     finally:
         model.train(was_training)
-    return np.asarray(ids, dtype=np.int64)
+
+
+def generate(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature: float,
+             rng: np.random.Generator) -> np.ndarray:
+    """The prompt's ids followed by ``tokens`` drawn one at a time (eval mode; the mode is put back)."""
+    drawn = list(draw(model, prompt, tokens, context, temperature, rng))
+    return np.asarray([*(int(i) for i in prompt), *drawn], dtype=np.int64)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """UsageError for options no model could take (before the model is read)."""
+    if not args.path.strip():  # an unset shell variable: never the current directory instead
+        raise UsageError("PATH is empty: give a path (an unset shell variable?)")
+    if not 0 <= args.tokens <= MAX_TOKENS:
+        raise UsageError(f"--tokens must be from 0 to {MAX_TOKENS:,}, got {args.tokens}")
+    if not (args.temperature >= 0 and np.isfinite(args.temperature)):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("--prompt is empty: give at least one character to continue")
+
+
+def encode_prompt(vocab: Any, prompt: str | None) -> np.ndarray:
+    """The prompt's ids: --prompt's, or the default (a new line), refused as such where the vocabulary lacks it."""
+    if prompt is not None:
+        return np.asarray(vocab.encode(prompt, "--prompt"))
+    if vocab.chars is not None and DEFAULT_PROMPT not in vocab.chars:
+        shown = "".join(c for c in vocab.chars if c.isprintable())[:20]
+        raise UsageError(f"the default prompt, a new line, is not in the model's vocabulary of {vocab.size} "
+                         f"characters (its training text had none): give --prompt TEXT in characters it has "
+                         f"({shown!r}{'...' if len(vocab.chars) > 20 else ''})")
+    return np.asarray(vocab.encode(DEFAULT_PROMPT, "the default prompt (a new line)"))
+
+
+def decoder(vocab: Any) -> Callable[[int], str]:
+    """Text for one id as it is printed: its character, or for a vocabulary of bare ids the id after a space."""
+    if vocab.chars is not None:
+        return lambda token: str(vocab.chars[token])
+    return lambda token: f" {token}"
+
+
+def _say(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stays, one line says why it ends
+        try:
+            _write("\n")
+        except (OSError, ValueError):
+            pass
+        _say(f"interrupted (SIGINT) (exit {EXIT_INTERRUPTED})")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (| head): stop drawing, quietly
+        _quiet_stdout()
+        return 0
+
+
+def _quiet_stdout() -> None:
+    """Standard output to /dev/null, so that Python's last flush at exit does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stand-in): nothing to quiet
+        pass
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         args = build_parser().parse_args(argv)
-        if args.tokens < 0:
-            raise UsageError(f"--tokens must be >= 0, got {args.tokens}")
-        if not (args.temperature >= 0 and np.isfinite(args.temperature)):
-            raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-        if args.seed < 0:
-            raise UsageError(f"--seed must be >= 0, got {args.seed}")
-        if not args.prompt:
-            raise UsageError("--prompt is empty: give at least one character to continue")
+        ranks, rank = launched_ranks()
+        if ranks > 1:
+            if rank != 0:  # every rank refuses; one says why
+                return 2
+            raise UsageError(f"launched as {ranks} ranks (mpiexec): sampling is one process, with no MPI; run "
+                             "python -m mpisgd.sample without mpiexec")
+        check_args(args)
         model, vocab, context = load(args.path)
-        prompt = vocab.encode(args.prompt, "--prompt")
+        prompt = encode_prompt(vocab, args.prompt)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except UsageError as exc:
-        print(f"mpisgd-sample: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"error: {exc}")
         return 2
-    ids = generate(model, prompt, args.tokens, context, args.temperature, np.random.default_rng(args.seed))
-    sys.stdout.write(vocab.decode(ids) + "\n")
-    sys.stdout.flush()
+    text = decoder(vocab)
+    _write(vocab.decode(prompt))
+    for token in draw(model, prompt, args.tokens, context, args.temperature, np.random.default_rng(args.seed)):
+        _write(text(token))
+    _write("\n")
     return 0
+
+
+def _write(text: str) -> None:
+    """To standard output at once: a long run shows its progress, and Ctrl-C keeps what came."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -14,7 +14,9 @@ class PlanError(UsageError):
 
 def number(value: Any, what: str, *, positive: bool = False, whole: bool = False) -> float:
     """``value`` as a finite float (>= 0, or > 0 with ``positive``; a whole number with ``whole``), else
-    PlanError naming ``what``."""
+    PlanError naming ``what`` (a key a description lacks: ``what`` is missing)."""
+    if value is None:
+        raise PlanError(f"{what} is missing")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PlanError(f"{what} is {value!r}, not a number")
     try:

@@ -130,7 +130,8 @@ def plan(w: Workload, net: Cluster, ranks: Sequence[int], accum: Sequence[int] |
         for m in accum or (w.m,):
             B = k * w.b * m
             t = step_time(w, net, k, m)
-            sps = 1e3 * B / t.step_ms
+            sps = 1e3 * B / _positive(k, m, "step_ms", t.step_ms)
+            _positive(k, m, "samples_per_s", sps)  # divides the time to the target
             eff = statistical_efficiency(w.noise_scale, w.B, B) if w.noise_scale else None
             if target_samples:  # at B, the samples to the loss B0 reaches after E0 (E = E_min (1 + B/B_noise))
                 samples = target_samples / (eff or 1.0)
@@ -139,14 +140,14 @@ def plan(w: Workload, net: Cluster, ranks: Sequence[int], accum: Sequence[int] |
                 to_target = (None, None, None)
             memory = local * w.memory_mib if w.memory_mib else None
             fits = memory is None or net.node_memory_gib is None or memory <= net.node_memory_gib * 1024
-            rows.append(Row(
+            rows.append(_checked(Row(
                 k=k, nodes=nodes, ranks_per_node=local, b=w.b, m=m, B=B,
                 lr=scaled_lr(rules.lr, rules.base_batch, B, rules.scaling), compute_ms=t.compute_ms,
                 allreduce_ms=t.comm_ms, exposed_comm_ms=t.exposed_ms, step_ms=t.step_ms, samples_per_s=sps,
                 scaling_efficiency=t.compute_ms / t.step_ms, statistical_efficiency=eff,
                 goodput=sps * (eff if eff is not None else 1.0), samples_to_target=to_target[0],
                 steps_to_target=to_target[1], time_to_target_s=to_target[2], speedup=None, algorithm=t.algorithm,
-                sharded=t.sharded, memory_mib_per_node=memory, fits=fits))
+                sharded=t.sharded, memory_mib_per_node=memory, fits=fits)))
     first = rows[0]
     out = []
     for r in rows:  # against the first row (the fewest ranks): what the extra ranks buy
@@ -164,6 +165,29 @@ def _with(r: Row, **changes: object) -> Row:
     from dataclasses import replace  # noqa: PLC0415
 
     return replace(r, **changes)  # type: ignore[arg-type]
+
+
+# what the next rows and the recommendation divide by: a row where one of these is 0 (a step of 5e-324 ms, a
+# link of 1e-320 Gbit/s: a step of inf ms, so 0 samples/s) is refused before anything divides by it
+DIVISORS = ("step_ms", "samples_per_s", "goodput", "samples_to_target", "steps_to_target", "time_to_target_s")
+
+
+def _checked(r: Row) -> Row:
+    """``r``, once every number in it is finite and >= 0 and those DIVISORS it has are > 0: PlanError otherwise."""
+    _check_finite(r)
+    for name in DIVISORS:
+        value = getattr(r, name)
+        if value is not None:
+            _positive(r.k, r.m, name, value)
+    return r
+
+
+def _positive(k: int, m: int, name: str, value: float) -> float:
+    """``value`` where it is finite and > 0; PlanError naming the row and the number otherwise."""
+    if not (math.isfinite(value) and value > 0):
+        raise PlanError(f"k={k}, m={m}: {name} comes out {value}: the inputs are out of range (check the link's "
+                        "bandwidth, the profile's or the workload's step times, and --target-epochs)")
+    return value
 
 
 def _check_finite(r: Row) -> None:

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import IO, Any
 
 from mpisgd.app.planner.errors import PlanError
 from mpisgd.app.planner.model import Recommendation, Row
@@ -80,6 +80,30 @@ def result(w: Workload, net: Cluster, rows: Sequence[Row], rec: Recommendation, 
                         "source": net.source},
             "target_samples": target_samples, "margin": margin, "rows": [asdict(r) for r in rows],
             "recommended": {**asdict(rec.row), "constraint": rec.constraint, "reason": rec.reason}}
+
+
+PLAN_KEYS = {"workload", "rules", "cluster", "rows", "recommended"}  # what result() writes, and a plan's JSON holds
+MAX_PLAN_BYTES = 64 * 2**20  # a plan's JSON is kilobytes; a larger file is not one (and is not read whole)
+PLOT_MARKS = (b"matplotlib", b"Matplotlib")  # what matplotlib writes into a .png, .pdf or .svg it makes
+
+
+def is_plan_json(f: IO[bytes]) -> bool:
+    """Whether the open file holds a plan this tool wrote (--json): a JSON object with result()'s keys."""
+    data = f.read(MAX_PLAN_BYTES + 1)
+    if len(data) > MAX_PLAN_BYTES:
+        return False
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and PLAN_KEYS <= set(value)
+
+
+def is_plot(f: IO[bytes]) -> bool:
+    """Whether the open file is a plot matplotlib made (--plot): its name is in the file's first 64 KiB (a
+    .png's Software text, a .pdf's Creator, an .svg's comment)."""
+    head = f.read(64 * 1024)
+    return any(mark in head for mark in PLOT_MARKS)
 
 
 def _put(f: Any, data: bytes) -> None:
