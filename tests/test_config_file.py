@@ -230,12 +230,50 @@ def test_an_absurd_thread_count_is_one_line(threads, monkeypatch):
     assert blas_threads(None, 1) == (3, "OMP_NUM_THREADS")
 
 
-def test_a_files_option_the_run_would_not_read_is_refused_naming_the_file(tmp_path):
-    path = toml(tmp_path, "momentum = 0.5\n")
+def test_a_file_that_contradicts_itself_is_refused_and_one_the_command_line_overrides_warns(tmp_path):
+    """A file whose own optimizer does not read its momentum: refused, naming the file. The same value where the
+    command line chose the optimizer: the file's value is put back to its default, with a warning."""
+    path = toml(tmp_path, 'momentum = 0.5\noptimizer = "lamb"\n')
     with pytest.raises(UsageError, match=rf"^--momentum 0.5 \(from --config {re.escape(path)}; for --optimizer sgd "
                                          r"or lars, not lamb\) would do nothing"):
-        parse_config(["--config", path, "--optimizer", "lamb"], quiet=True)
-    assert parse_config(["--config", path], quiet=True).momentum == 0.5  # read by sgd
+        parse_config(["--config", path], quiet=True)
+    sgd = toml(tmp_path, "momentum = 0.5\n", "sgd.toml")
+    assert parse_config(["--config", sgd], quiet=True).momentum == 0.5  # read by sgd
+    lamb = parse_config(["--config", sgd, "--optimizer", "lamb"], quiet=True)
+    assert lamb.momentum == 0.9 and "momentum" not in lamb.given
+    assert lamb.option_warnings == [f"momentum = 0.5 from --config {sgd} is ignored, as the command line leaves it "
+                                    "unread: for --optimizer sgd or lars, not lamb"]
+
+
+@pytest.mark.parametrize("written,line,reset", [
+    (["--hidden", "16"], ["--model", "cnn"], {"hidden": (1024, 1024)}),  # docs/api.md's --config mlp.toml --model cnn
+    (["--model", "gpt"], ["--optimizer", "sgd"], {"beta2": 0.999, "weight_decay_on": "all"}),  # was refused twice
+    (["--model", "gpt"], ["--model", "mlp"], {"context": 128}),  # the GPT's window, layers... left to the GPT
+    (["--decay", "step", "--decay-epochs", "1"], ["--decay", "cosine"], {"decay_epochs": ()}),
+    (["--checkpoint-dir", "ck", "--resume", "auto", "--resume-allow", "max-steps"], ["--resume", "no"],
+     {"resume_allow": ""}),  # a resumed run's copy starting a fresh run (the Slurm script's MPISGD_RESUME=no)
+])
+def test_print_configs_file_reads_back_with_another_choice_on_the_command_line(tmp_path, capsys, written, line,
+                                                                                reset):
+    with pytest.raises(SystemExit):
+        parse_config([*written, "--print-config"])
+    path = toml(tmp_path, capsys.readouterr().out)
+    cfg = parse_config(["--config", path, *line], quiet=True)
+    assert {k: getattr(cfg, k) for k in reset} == reset and not set(reset) & cfg.given
+    ignored = {w.split(" = ")[0].replace("-", "_") for w in cfg.option_warnings
+               if f" from --config {path} is ignored, as the command line leaves it unread: " in w}
+    assert ignored >= set(reset), cfg.option_warnings
+
+
+def test_a_gpt_file_without_warmup_reads_back(tmp_path, capsys):
+    """The GPT's recipe warms up from zero: its --print-config file without warmup says warmup-from = "zero",
+    which is the GPT's own default, not a value the run would ignore."""
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "gpt", "--warmup-steps", "0", "--print-config"])
+    path = toml(tmp_path, capsys.readouterr().out)
+    assert parse_config(["--config", path], quiet=True).warmup_from == "zero"
+    assert parse_config(["--model", "gpt", "--warmup-steps", "0", "--warmup-from", "zero"], quiet=True).warmup_steps \
+        == 0
 
 
 def test_a_files_level_without_reproducible_is_refused_unless_the_file_or_line_sets_it(tmp_path):

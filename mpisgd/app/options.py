@@ -135,13 +135,16 @@ def parse_config(argv: list[str] | None = None, quiet: bool = False) -> Config:
     given |= set(from_file)
     values = {k: v for k, v in vars(ns).items() if k in names}
     values.update(_model_defaults(values, given))
+    stale, overridden = _overridden_in_file(values, from_file, on_line, config)
+    given -= stale  # put back to their defaults: as if the file had not set them
     _no_option_left_unread(values, given, on_line)
     cfg = Config(**values)
     cfg.validate()
     _none_ignored(values, given, set(from_file) - on_line, config)
     cfg.given = given  # type: ignore[attr-defined]
     cfg.config_file = config  # type: ignore[attr-defined]
-    cfg.option_warnings = _other_models_recipe(values, from_file, on_line, config)  # type: ignore[attr-defined]
+    cfg.option_warnings = overridden + _other_models_recipe(values, from_file, on_line,  # type: ignore[attr-defined]
+                                                            config)
     if ns.print_config and not quiet:
         for warning in cfg.option_warnings:  # type: ignore[attr-defined]
             print(f"mpisgd: warning: {warning}", file=sys.stderr, flush=True)
@@ -209,14 +212,43 @@ def _model_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     return {k: v for k, v in recipe.items() if optimizer in OPTIMIZER_OPTIONS.get(k, (optimizer,))}
 
 
+def _default(name: str, values: dict[str, Any]) -> Any:
+    """The value ``name`` takes when not given: the stock model's recipe's (an update rule's option only where
+    the run's rule reads it), else the field's."""
+    recipe = MODEL_DEFAULTS.get(values["model"], {})
+    if name in recipe and values["optimizer"] in OPTIMIZER_OPTIONS.get(name, (values["optimizer"],)):
+        return recipe[name]
+    return FIELDS[name].default
+
+
+def _overridden_in_file(values: dict[str, Any], from_file: dict[str, Any], on_line: set[str],
+                        config: str | None) -> tuple[set[str], list[str]]:
+    """The --config file's values that an option on the command line leaves unread (the file's MLP widths with
+    --model cnn, its AdamW betas with --optimizer sgd, its resume-allow with --resume no, its step decay's epochs
+    with --decay cosine): put back to their defaults in ``values``, each named in a warning; the run goes on.
+    (Where nothing on the command line decided it, the file contradicts itself: refused, as the command line
+    is.) Returns their names and the warnings."""
+    stale, notes = set(), []
+    for name, deciders, reader in _READ_BY + _DECIDED_ELSEWHERE:
+        if name not in from_file or name in on_line or not set(deciders) & on_line:
+            continue
+        why = reader(values)
+        if why and values[name] != _default(name, values):
+            notes.append(f"{name.replace('_', '-')} = {_show(values[name])} from --config {config} is ignored, as "
+                         f"the command line leaves it unread: {why}")
+            values[name] = _default(name, values)
+            stale.add(name)
+    return stale, notes
+
+
 def _none_ignored(values: dict[str, Any], given: set[str], in_file: set[str], config: str | None) -> None:
     """UsageError naming every option given a value of its own (not its default) that the run would not read:
     the MLP's widths with another model, an update rule's option with another rule, a step decay's epochs with
     another decay, checkpoint options without --checkpoint-dir, ... (a file's defaults pass, so that the file
     --print-config writes, which sets every option, reads back)."""
     stray = []
-    for name, reader in _READ_BY:
-        if name in given and values[name] != FIELDS[name].default and (why := reader(values)):
+    for name, _, reader in _READ_BY:
+        if name in given and values[name] != _default(name, values) and (why := reader(values)):
             where = f"from --config {config}; " if name in in_file else ""
             stray.append(f"--{name.replace('_', '-')} {_show(values[name])} ({where}{why})")
     if stray:
@@ -235,21 +267,35 @@ def _no_warmup(v: dict[str, Any]) -> bool:
     return v["warmup_steps"] == 0 or (v["warmup_steps"] is None and v["warmup_epochs"] == 0)
 
 
-# option -> why the run would not read its value ("" where it would)
-_READ_BY: tuple[tuple[str, Any], ...] = (
-    ("hidden", lambda v: "" if v["model"] == "mlp" else f"the MLP's widths; --model {v['model']} does not read them"),
-    ("synthetic_samples", lambda v: "" if v["dataset"] == "synthetic" else "for --dataset synthetic only"),
-    ("data_dir", lambda v: "with --data, that file is read" if v["data"] else
+WARMUP = ("warmup_steps", "warmup_epochs", "model")
+OPTIMIZER = ("optimizer", "model")  # the GPT's recipe sets its optimizer
+
+# option, the options that decide whether the run reads it, why it would not ("" where it would)
+_READ_BY: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    ("hidden", ("model",),
+     lambda v: "" if v["model"] == "mlp" else f"the MLP's widths; --model {v['model']} does not read them"),
+    ("synthetic_samples", ("dataset", "data"),
+     lambda v: "" if v["dataset"] == "synthetic" else "for --dataset synthetic only"),
+    ("data_dir", ("data", "dataset"), lambda v: "with --data, that file is read" if v["data"] else
      "" if v["dataset"] == "fashion-mnist" else "Fashion-MNIST's directory; --dataset synthetic does not read it"),
-    ("test_every_epoch", lambda v: "" if v["val_split"] > 0 else "for runs with --val-split only (without it the "
-     "test set is scored every epoch)"),
-    *((name, _optimizer_reads(name)) for name in ("momentum", "trust_coef", "beta1", "beta2", "eps")),
-    ("decay_epochs", lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
-    ("decay_factor", lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
-    ("warmup_from", lambda v: "there is no warmup" if _no_warmup(v) else ""),
-    *((name, lambda v: "" if v["checkpoint_dir"] else "there is no --checkpoint-dir")
+    ("test_every_epoch", ("val_split", "model"), lambda v: "" if v["val_split"] > 0 else
+     "for runs with --val-split only (without it the test set is scored every epoch)"),
+    *((name, OPTIMIZER, _optimizer_reads(name)) for name in ("momentum", "trust_coef", "beta1", "beta2", "eps")),
+    ("decay_epochs", ("decay",), lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
+    ("decay_factor", ("decay",), lambda v: "" if v["decay"] == "step" else f"for --decay step, not {v['decay']}"),
+    ("warmup_from", WARMUP, lambda v: "there is no warmup" if _no_warmup(v) else ""),
+    *((name, ("checkpoint_dir",), lambda v: "" if v["checkpoint_dir"] else "there is no --checkpoint-dir")
       for name in ("checkpoint_every", "checkpoint_keep", "overwrite_checkpoints")),
-    ("resume_allow", lambda v: "there is no --resume" if v["resume"] == "no" else ""),
+    ("resume_allow", ("resume",), lambda v: "there is no --resume" if v["resume"] == "no" else ""),
+)
+# the same for options refused elsewhere when given on the command line (Config.validate, the GPT's options,
+# the data's window): from a file whose reader the command line changed, put back with a warning too
+_DECIDED_ELSEWHERE: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    *((name, OPTIMIZER, _optimizer_reads(name)) for name in ("nesterov", "momentum_correction", "weight_decay_on")),
+    *((name, ("model",), lambda v: "" if v["model"] == "gpt" else f"for --model gpt only, not {v['model']}")
+      for name in GPT_OPTIONS),
+    ("context", ("model",), lambda v: f"the window of text or tokens; --model {v['model']} reads images"
+     if v["model"] in ("mlp", "cnn", "resnet") else ""),
 )
 
 
