@@ -660,3 +660,14 @@ def test_published_cases_are_planned_and_the_doc_shows_this_table():
     missing = [line for line in plan_published.markdown(results).splitlines() if line not in doc]
     assert not missing, "docs/plan.md's published table differs from experiments/plan_published.py:\n" + \
         "\n".join(missing)
+
+
+@pytest.mark.parametrize("optimizer,says", [("sgd", "plain SGD may need warmup or LARS there"),
+                                            ("lars", "lars may need warmup there"),
+                                            ("adamw", "AdamW may need warmup or LAMB there")])
+def test_the_large_batch_note_names_the_runs_own_optimizer(tmp_path, capsys, optimizer, says):
+    """With --optimizer lars the note still advised LARS."""
+    m = write_metrics(tmp_path / "m.jsonl")
+    assert plan.main([m, "--ranks", "1,64", "--link", "10gbe", "--optimizer", optimizer]) == 0
+    note = [x for x in capsys.readouterr().out.splitlines() if "are the scaling rule's" in x]
+    assert len(note) == 1 and says in note[0], note

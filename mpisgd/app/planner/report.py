@@ -65,8 +65,9 @@ def table(w: Workload, net: Cluster, rows: Sequence[Row], rec: Recommendation, r
         out.append(f"note: rows with B well above B_noise ({w.noise_scale:.0f}) buy little: each doubling of B there "
                    "nearly doubles the samples to the target")
     if any(r.B > 4 * rules.base_batch for r in rows):
+        advice = {"sgd": "plain SGD may need warmup or LARS there", "adamw": "AdamW may need warmup or LAMB there"}
         out.append(f"note: the rates above {4 * rules.base_batch} samples are the scaling rule's, not tested ones: "
-                   "plain SGD may need warmup or LARS there (docs/large_batch.md)")
+                   f"{advice.get(rules.optimizer, f'{rules.optimizer} may need warmup there')} (docs/large_batch.md)")
     return "\n".join(out)
 
 
