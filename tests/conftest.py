@@ -256,6 +256,26 @@ def train_here(argv: list[str] | tuple[str, ...], comm=None, hooks=None) -> Outc
     return Outcome(status, outs[0], err_0, statuses, outs)
 
 
+def rank_pids(tag: str, program: str = "mpisgd.train") -> dict[int, int]:
+    """{rank: pid} of the live ``program`` processes (python -m PROGRAM) whose environment carries
+    MPISGD_TEST_TAG=tag, by MPICH's PMI_RANK or Open MPI's rank (the launcher itself and zombies left out)."""
+    found: dict[int, int] = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            raw = environ.read_bytes()
+            if f"MPISGD_TEST_TAG={tag}".encode() not in raw:
+                continue
+            env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+            argv = Path(environ.parent, "cmdline").read_bytes().split(b"\0")
+            state = Path(environ.parent, "stat").read_text().split(") ")[1][0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
+        if rank is not None and program.encode() in argv and state != "Z" and b"mpiexec" not in argv[0]:
+            found[int(rank)] = int(environ.parent.name)
+    return found
+
+
 def drop(args: tuple[str, ...] | list[str], *flags: str) -> list[str]:
     """``args`` without ``flags`` and their values (``--hidden 32`` for a model of one's own, which does not
     read it: mpisgd.train refuses an option the run would not read)."""

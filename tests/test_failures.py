@@ -34,6 +34,7 @@ from conftest import (
     mpi_first,
     mpiexec_cmd,
     open_mpi_launcher,
+    rank_pids,
     root_makes,
     run_mpi,
     script,
@@ -67,25 +68,6 @@ def tag() -> Iterator[str]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def rank_pids(tag: str) -> dict[int, int]:
-    """{rank: pid} of the live training processes carrying ``tag`` (MPICH's PMI_RANK or Open MPI's)."""
-    found: dict[int, int] = {}
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            raw = environ.read_bytes()
-            if f"MPISGD_TEST_TAG={tag}".encode() not in raw:
-                continue
-            env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
-            argv = Path(environ.parent, "cmdline").read_bytes().split(b"\0")
-            state = Path(environ.parent, "stat").read_text().split(") ")[1][0]
-        except (OSError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-        rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
-        if rank is not None and b"mpisgd.train" in argv and state != "Z" and b"mpiexec" not in argv[0]:
-            found[int(rank)] = int(environ.parent.name)
-    return found
 
 
 def launch(k: int, tag: str, *args: str, timeout: float = 120, fail_at: str = "") -> tuple[

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, drop, mpiexec_cmd, open_mpi_launcher, run_mpi, serial_only, world
+from conftest import ONE_THREAD, ROOT, drop, mpiexec_cmd, open_mpi_launcher, rank_pids, run_mpi, serial_only, world
 
 from mpisgd.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
 from mpisgd.config import Config
@@ -330,15 +330,9 @@ def _rank_pid(tag: str, rank: int, limit_s: float = 60) -> int:
     """The pid of the training process of ``rank`` whose environment carries MPISGD_TEST_TAG=tag."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        for environ in Path("/proc").glob("[0-9]*/environ"):
-            try:
-                raw = environ.read_bytes()
-                argv = Path(environ.parent, "cmdline").read_bytes()
-            except OSError:
-                continue
-            if f"MPISGD_TEST_TAG={tag}".encode() in raw and b"mpisgd.train" in argv and b"mpiexec" not in argv \
-                    and (f"PMI_RANK={rank}\0".encode() in raw or f"OMPI_COMM_WORLD_RANK={rank}\0".encode() in raw):
-                return int(environ.parent.name)
+        pid = rank_pids(tag).get(rank)
+        if pid is not None:
+            return pid
         time.sleep(0.05)
     pytest.fail(f"no rank {rank} of the job appeared")
 

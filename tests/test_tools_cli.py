@@ -16,7 +16,17 @@ from typing import IO
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, ROOT, clean_env, launches, mpiexec_cmd, open_mpi_launcher, run_mpi, serial_only
+from conftest import (
+    ONE_THREAD,
+    ROOT,
+    clean_env,
+    launches,
+    mpiexec_cmd,
+    open_mpi_launcher,
+    rank_pids,
+    run_mpi,
+    serial_only,
+)
 
 from mpisgd.app import evaluate, sample
 
@@ -237,19 +247,7 @@ def _blocks_sigint(pid: int) -> bool:
 
 def _ranks(tag: str) -> dict[int, int]:
     """{rank: pid} of the live evaluate processes carrying ``tag``."""
-    found = {}
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            raw = environ.read_bytes()
-            argv = Path(environ.parent, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"MPISGD_TEST_TAG={tag}".encode() in raw and b"mpisgd.evaluate" in argv and b"mpiexec" not in argv:
-            env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
-            rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
-            if rank is not None:
-                found[int(rank)] = int(environ.parent.name)
-    return found
+    return rank_pids(tag, "mpisgd.evaluate")
 
 
 def _ready(p: subprocess.Popen, tag: str, k: int = 2) -> dict[int, int]:

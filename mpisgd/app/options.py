@@ -204,21 +204,23 @@ def _one_config(paths: list[str] | None) -> str | None:
     return paths[0] if paths else None
 
 
+def _recipe(model: str, optimizer: str) -> dict[str, Any]:
+    """The stock model's recipe, an update rule's own options (the GPT's beta2 and weight-decay-on for AdamW)
+    only where ``optimizer`` reads them."""
+    return {k: v for k, v in MODEL_DEFAULTS.get(model, {}).items()
+            if optimizer in OPTIMIZER_OPTIONS.get(k, (optimizer,))}
+
+
 def _model_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
-    """The stock model's recipe for the options not given; an update rule's own options (the GPT's beta2 and
-    weight-decay-on for AdamW) only where the run's optimizer reads them."""
-    recipe = {k: v for k, v in MODEL_DEFAULTS.get(values["model"], {}).items() if k not in given}
-    optimizer = recipe.get("optimizer", values["optimizer"])
-    return {k: v for k, v in recipe.items() if optimizer in OPTIMIZER_OPTIONS.get(k, (optimizer,))}
+    """The stock model's recipe for the options not given (with the optimizer it names, where not given)."""
+    optimizer = values["optimizer"] if "optimizer" in given else \
+        MODEL_DEFAULTS.get(values["model"], {}).get("optimizer", values["optimizer"])
+    return {k: v for k, v in _recipe(values["model"], optimizer).items() if k not in given}
 
 
 def _default(name: str, values: dict[str, Any]) -> Any:
-    """The value ``name`` takes when not given: the stock model's recipe's (an update rule's option only where
-    the run's rule reads it), else the field's."""
-    recipe = MODEL_DEFAULTS.get(values["model"], {})
-    if name in recipe and values["optimizer"] in OPTIMIZER_OPTIONS.get(name, (values["optimizer"],)):
-        return recipe[name]
-    return FIELDS[name].default
+    """The value ``name`` takes when not given: the stock model's recipe's, else the field's."""
+    return _recipe(values["model"], values["optimizer"]).get(name, FIELDS[name].default)
 
 
 def _overridden_in_file(values: dict[str, Any], from_file: dict[str, Any], on_line: set[str],

@@ -32,12 +32,12 @@ from mpisgd.app.planner import topology as topo
 from mpisgd.app.planner.errors import PlanError, number
 from mpisgd.app.planner.topology import ALGORITHMS, LIBRARIES, PRESETS, Cluster, Link, parse_link
 from mpisgd.app.planner.workload import Rules, Workload, from_description, from_metrics, read_toml
+from mpisgd.app.signals import EXIT_INTERRUPTED
 from mpisgd.config import OPTIMIZERS
 from mpisgd.errors import UsageError
 from mpisgd.files import replaceable
 
 MAX_RANKS = 1 << 20  # a plan beyond a million ranks is a typo
-EXIT_INTERRUPTED = 130  # mpisgd.app.signals.EXIT_INTERRUPTED, the shell's code for Ctrl-C
 PATHS = ("metrics", "workload", "cluster", "link", "intra_link", "backend", "json", "plot")  # never "" for the default
 OVERLAPS = ("auto", "ideal", "none")
 

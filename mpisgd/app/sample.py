@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.app.signals import EXIT_INTERRUPTED
 from mpisgd.errors import UsageError
 
 PROG = "mpisgd-sample"
 MAX_TOKENS = 1_000_000  # a million characters (a long book) per run: more is a typo (--tokens 1e12)
-EXIT_INTERRUPTED = 130  # mpisgd.app.signals.EXIT_INTERRUPTED, the shell's code for Ctrl-C
 DEFAULT_PROMPT = "\n"
 # what MPI launchers set in every rank's environment: the job's size (MPICH's hydra, Intel MPI and srun's PMI-2
 # set PMI_SIZE; Open MPI sets OMPI_COMM_WORLD_SIZE), and the rank
