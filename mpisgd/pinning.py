@@ -24,11 +24,15 @@ before NumPy is imported.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import importlib.util
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 MARKER = "MPISGD_PINNED"  # set in a pinned process: the variables it was pinned with, as JSON
@@ -37,6 +41,10 @@ NEEDS = ("avx2", "fma")  # CPU flags the pinned kernels use
 THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 FIXED = {"OPENBLAS_CORETYPE": CORETYPE, "MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2",
          "ONEDNN_MAX_CPU_ISA": "AVX2", **dict.fromkeys(THREADS, "1")}
+# the answers of :func:`numpy_dispatch`, per NumPy install ($MPISGD_DISPATCH_CACHE; "off" or empty: none)
+DISPATCH_CACHE: str | None = os.environ.get("MPISGD_DISPATCH_CACHE", "~/.cache/mpisgd/numpy-dispatch.json")
+if DISPATCH_CACHE in ("", "off"):
+    DISPATCH_CACHE = None
 _PROBE = ("import numpy\n"
           "try:\n    from numpy._core import _multiarray_umath as m\n"
           "except ImportError:\n    from numpy.core import _multiarray_umath as m\n"
@@ -74,15 +82,78 @@ def avx512_targets(dispatch: Sequence[str]) -> list[str]:
     return [t for t in dispatch if t == "X86_V4" or t.startswith("AVX512")]
 
 
-def numpy_dispatch(python: str = sys.executable, env: Mapping[str, str] | None = None) -> list[str]:
+def numpy_dispatch(python: str = sys.executable, env: Mapping[str, str] | None = None,
+                   cache: str | None = DISPATCH_CACHE) -> list[str]:
     """The SIMD targets this Python's NumPy was built to dispatch to (asked of a child process: this one
-    must not import NumPy before it is pinned); [] where it cannot tell."""
+    must not import NumPy before it is pinned); [] where it cannot tell. For this interpreter the answer is
+    kept in ``cache`` (None: no cache), under the path, size and time of NumPy's compiled core, so a
+    pinned launch asks once per NumPy install, not once per rank and run (another Python or ``env``: no
+    cache)."""
+    key = _numpy_core_key() if python == sys.executable and env is None and cache else None
+    path = os.path.expanduser(cache) if cache else ""
+    if key is not None:
+        known = _read_json(path).get(key)
+        if isinstance(known, list) and all(isinstance(t, str) for t in known):
+            return list(known)
     clean = {k: v for k, v in (os.environ if env is None else env).items() if k != "NPY_DISABLE_CPU_FEATURES"}
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=clean)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return out.stdout.split() if out.returncode == 0 else []
+    if out.returncode != 0:
+        return []
+    targets = out.stdout.split()
+    if key is not None:
+        _remember(path, key, targets)
+    return targets
+
+
+def _numpy_core_key() -> str | None:
+    """NumPy's compiled core (the module that holds its dispatch targets) as "path size mtime", found
+    without importing NumPy; None where it cannot be found."""
+    try:
+        spec = importlib.util.find_spec("numpy")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for package in spec.submodule_search_locations:
+        for sub in ("_core", "core"):  # NumPy 2, NumPy 1
+            for core in sorted(glob.glob(os.path.join(package, sub, "_multiarray_umath*"))):
+                try:
+                    st = os.stat(core)
+                except OSError:
+                    continue
+                return f"{os.path.realpath(core)} {st.st_size} {st.st_mtime_ns}"
+    return None
+
+
+def _read_json(path: str) -> dict[str, object]:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _remember(path: str, key: str, targets: list[str]) -> None:
+    """Add one answer to the cache file, written whole and renamed into place (ranks that start together
+    may both write: the last one's file stands, each complete); a cache that cannot be written is skipped."""
+    table = _read_json(path)
+    table[key] = targets
+    folder = os.path.dirname(path) or "."
+    tmp = ""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".numpy-dispatch.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def pinned_variables(dispatch: Sequence[str]) -> dict[str, str]:

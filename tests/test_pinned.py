@@ -7,13 +7,14 @@ libraries warns naming them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, run_mpi, serial_only
+from conftest import ROOT, clean_env, openmpi_env, run_mpi, serial_only
 
 from mpisgd import pinning
 from mpisgd.app import preflight
@@ -21,7 +22,6 @@ from mpisgd.app.options import parse_config
 from mpisgd.backend import numpy_simd
 from mpisgd.errors import UsageError
 
-DEBIAN_ENV = Path("/work/main/.openmpi-env")
 JOB = ("-m", "mpisgd.train", "--dataset", "synthetic", "--synthetic-samples", "384", "--limit-test", "64",
        "--batch-size", "16", "--global-batch", "32", "--max-steps", "2", "--hidden", "16", "--progress", "off")
 
@@ -61,6 +61,37 @@ def test_the_variables_for_either_naming_of_numpy_s_targets():
     assert new["MKL_CBWR"].startswith("AVX2") and new["ATEN_CPU_CAPABILITY"] == "avx2"
     here = pinning.pinned_variables(pinning.numpy_dispatch())
     assert here == pinning.pinned_variables(numpy_simd(enabled=False))  # the child's probe, this process's list
+
+
+def test_the_dispatch_probe_runs_once_per_numpy_install(tmp_path, monkeypatch):
+    """The first call asks a child and keeps the answer under NumPy's compiled core; the next reads it
+    without a child; a core that changed (another size or time) is asked again; an unreadable cache file
+    is asked around; "off" keeps nothing."""
+    cache = tmp_path / "c" / "dispatch.json"
+    probes = []
+    real = pinning.subprocess.run
+
+    def counted(*args, **kwargs):
+        probes.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pinning.subprocess, "run", counted)
+    first = pinning.numpy_dispatch(cache=str(cache))
+    assert first == numpy_simd(enabled=False) and len(probes) == 1
+    key = pinning._numpy_core_key()
+    assert key is not None and json.loads(cache.read_text()) == {key: first}
+    assert pinning.numpy_dispatch(cache=str(cache)) == first and len(probes) == 1  # from the cache
+    cache.write_text(json.dumps({key: ["X86_V3"]}))  # what the cache says is what is used: no child asked
+    assert pinning.numpy_dispatch(cache=str(cache)) == ["X86_V3"] and len(probes) == 1
+    path, size, mtime = key.rsplit(" ", 2)
+    cache.write_text(json.dumps({f"{path} {size} {int(mtime) - 1}": ["X86_V3"]}))  # another build at that path
+    assert pinning.numpy_dispatch(cache=str(cache)) == first and len(probes) == 2
+    cache.write_text("{not json")
+    assert pinning.numpy_dispatch(cache=str(cache)) == first and len(probes) == 3
+    assert json.loads(cache.read_text()) == {key: first}  # rewritten whole
+    assert pinning.numpy_dispatch(cache=None) == first and len(probes) == 4
+    assert pinning.numpy_dispatch(env=dict(os.environ), cache=str(cache)) == first and len(probes) == 5
+    assert [p.name for p in cache.parent.iterdir()] == ["dispatch.json"]  # no temporary file left
 
 
 def test_machines_the_level_cannot_hold_on():
@@ -166,13 +197,15 @@ def test_a_rank_pinned_otherwise_is_refused_naming_it_and_the_setting(tmp_path):
 
 
 @serial_only
-@pytest.mark.skipif(not (DEBIAN_ENV / "bin" / "mpiexec").exists(), reason="no Open MPI environment")
 def test_a_resume_under_other_libraries_warns_naming_them(tmp_path):
+    debian = openmpi_env()
+    if debian is None:
+        pytest.skip("no Open MPI environment (bash scripts/install.sh openmpi)")
     ck = tmp_path / "ck"
     r = run_mpi(1, *JOB, "--reproducible", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
                 env={"MPISGD_FAIL_AT_STEP": "1"})
     assert r.returncode == 1 and list(ck.glob("ckpt-*.npz")), r.stderr[-2000:]
-    bin_dir = DEBIAN_ENV / "bin"
+    bin_dir = debian / "bin"
     r = subprocess.run([str(bin_dir / "mpiexec"), "-n", "1", str(bin_dir / "python"), *JOB, "--reproducible",
                         "--checkpoint-dir", str(ck), "--resume", "auto"], capture_output=True, text=True,
                        timeout=300, env={**clean_env(), "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
