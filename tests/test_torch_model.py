@@ -259,3 +259,25 @@ def test_a_module_the_run_cannot_train_is_refused_in_one_line(model, extra, says
                     "--limit-test", "20", "--max-steps", "2", "--progress", "off", "--warmup-epochs", "0", *extra])
     assert r.statuses == (2,) * len(r.statuses) and says in r.error, r
     assert "shape (1, 28, 28)" not in r.error, r.error
+
+
+def test_deterministic_algorithms_without_loading_inductor():
+    """In a fresh process: the eager kernels' switch is on (put_, which has no deterministic kernel, is
+    refused), TorchInductor's configuration was not imported for it, and where a module imports it later
+    it reads deterministic mode too."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, clean_env
+
+    code = ("import sys, torch\n"
+            "from mpisgd.torch.runtime import deterministic_algorithms\n"
+            "deterministic_algorithms()\n"
+            "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor.config' in sys.modules)\n"
+            "try:\n    torch.zeros(3).put_(torch.tensor([0]), torch.tensor([1.0]))\n"
+            "except RuntimeError as exc:\n    print('refused' if 'deterministic' in str(exc) else exc)\n"
+            "import torch._inductor.config as c\nprint(c.deterministic)\n")
+    env = {k: v for k, v in clean_env().items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "False", "refused", "True"], r.stdout
