@@ -17,6 +17,7 @@ or changes its meaning or unit raises :data:`SCHEMA`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -163,7 +164,10 @@ def to_json(record: Record) -> dict[str, Any]:
     return out
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """The fields' types, resolved once per record class (resolving them per record made reading a
+    metrics file of 2,000 records take 2.5 s)."""
     return typing.get_type_hints(cls)
 
 
@@ -215,8 +219,9 @@ def from_json(obj: dict[str, Any]) -> Record | None:
     if cls is None:
         return None
     values = {}
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
-        hint = _hints(cls)[f.name]
+        hint = hints[f.name]
         if f.name not in obj:
             if f.default is dataclasses.MISSING:
                 raise RecordError(f"{'an' if cls.kind[0] in 'aeiou' else 'a'} {cls.kind} record without {f.name}")
