@@ -46,6 +46,7 @@ and DDP on CUDA (NCCL, or gloo where ranks share a GPU).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -188,7 +189,8 @@ def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, devic
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def baseline_jobs(chosen: list[str], model: str, device: str, k: int, have_torch: bool) -> list[tuple[str, int, int]]:
+def baseline_jobs(chosen: list[str], model: str, device: str, k: int,
+                  have_torch: bool | None = None) -> list[tuple[str, int, int]]:
     """--compare's launches: (impl, ranks, BLAS threads) of the chosen baselines that apply here."""
     # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
     threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if device == "gpu" else 2]
@@ -198,8 +200,10 @@ def baseline_jobs(chosen: list[str], model: str, device: str, k: int, have_torch
     jobs = [("numpy", 1, t) for t in threads]
     torches = [("torch", 1, 1)] if "torch" in chosen else []
     torches += [("torch-ddp", k, 1)] if "torch-ddp" in chosen else []
+    if have_torch is None:  # looked up, not imported: an import costs seconds of a launch's start-up
+        have_torch = importlib.util.find_spec("torch") is not None
     if torches and not have_torch:
-        print("# torch not importable: PyTorch skipped (pip install torch; the CPU build is enough)")
+        print("# torch not installed: PyTorch skipped (pip install torch; the CPU build is enough)")
         return jobs
     return jobs + torches
 
@@ -342,7 +346,6 @@ def main(argv: list[str] | None = None) -> None:
     model, ks = cfg.model, args.ks
     hidden, batch = ",".join(map(str, cfg.hidden)), str(cfg.batch_size)
     limit = str(cfg.limit_train or "")  # the baselines train on as many samples
-    have_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     jobs = [("mpisgd", k, 1) for k in ks]
     if args.replicated:
         jobs += [("mpisgd-replicated", k, 1) for k in ks if k > 1]
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.apart:
         jobs += [("mpisgd-apart", k, 1) for k in ks if k > 1]
     if args.compare:
-        jobs += baseline_jobs(args.chosen, model, args.device, max(ks), have_torch)
+        jobs += baseline_jobs(args.chosen, model, args.device, max(ks))
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
