@@ -11,6 +11,7 @@ symbolic link is written through (the file it names is replaced, not the link).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -67,7 +68,9 @@ def check_output_dir(path: str, what: str) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"{what} {path}: cannot write there ({exc.strerror})") from None
+        # creating a file where the directory exists: ENOENT means a file system that takes no new files (/proc)
+        why = "it takes no new files" if exc.errno == errno.ENOENT and p.is_dir() else exc.strerror
+        raise UsageError(f"{what} {path}: cannot write there ({why})") from None
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
