@@ -36,6 +36,16 @@ def openmpi_env() -> Path | None:
     if os.environ.get("MPISGD_OPENMPI_ENV"):
         pytest.fail(f"MPISGD_OPENMPI_ENV={OPENMPI_ENV} has no bin/mpiexec: bash scripts/install.sh openmpi")
     return None
+
+
+def run_openmpi(debian: Path, n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python args...`` in the Open MPI environment ``debian`` (:func:`openmpi_env`): its
+    launcher and its Python, this checkout's mpisgd, one BLAS thread per rank."""
+    bin_dir = debian / "bin"
+    env = {**clean_env(), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return subprocess.run([str(bin_dir / "mpiexec"), "--oversubscribe", "-n", str(n), str(bin_dir / "python"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 # under mpiexec (pytest-mpi), the job's size; a test that starts its own processes runs once, serially
 RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 serial_only = pytest.mark.skipif(RANKS > 1, reason="starts its own processes: run in the serial pass")

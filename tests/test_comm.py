@@ -8,13 +8,12 @@ reached by all ranks, results are gathered, and only then asserted.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import DTYPES, ROOT, clean_env, gathered, local_values, openmpi_env, oracle, run_mpi, serial_only, world
+from conftest import DTYPES, ROOT, gathered, local_values, openmpi_env, oracle, run_mpi, run_openmpi, serial_only, world
 
 from mpisgd.comm import STRATEGIES, create_reducer
 from mpisgd.comm.base import InOrder, ScratchPool, add_in_rank_order, chunk_bounds, chunk_counts, flat_view
@@ -241,10 +240,6 @@ def test_comm_suites_at_four_ranks():
     if debian is None:
         res = run_mpi(4, *args, timeout=900, cwd=ROOT)
     else:  # Open MPI yields the cores while a rank waits; MPICH's ranks spin (4 on 2 cores: 3 times longer)
-        bin_dir = debian / "bin"
-        env = {**clean_env(), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT),
-               "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-        res = subprocess.run([str(bin_dir / "mpiexec"), "--oversubscribe", "-n", "4", str(bin_dir / "python"), *args],
-                             capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+        res = run_openmpi(debian, 4, *args, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert " passed" in res.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, openmpi_env, run_mpi, serial_only
+from conftest import ROOT, clean_env, openmpi_env, run_mpi, run_openmpi, serial_only
 
 from mpisgd import pinning
 from mpisgd.app import preflight
@@ -205,12 +205,7 @@ def test_a_resume_under_other_libraries_warns_naming_them(tmp_path):
     r = run_mpi(1, *JOB, "--reproducible", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
                 env={"MPISGD_FAIL_AT_STEP": "1"})
     assert r.returncode == 1 and list(ck.glob("ckpt-*.npz")), r.stderr[-2000:]
-    bin_dir = debian / "bin"
-    r = subprocess.run([str(bin_dir / "mpiexec"), "-n", "1", str(bin_dir / "python"), *JOB, "--reproducible",
-                        "--checkpoint-dir", str(ck), "--resume", "auto"], capture_output=True, text=True,
-                       timeout=300, env={**clean_env(), "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-                                         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                                         "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    r = run_openmpi(debian, 1, *JOB, "--reproducible", "--checkpoint-dir", str(ck), "--resume", "auto")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "warning: resume: the checkpoint was written with other arithmetic (" in out
