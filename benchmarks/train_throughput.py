@@ -189,8 +189,7 @@ def run_baseline(impl: str, k: int, threads: int, hidden: str, batch: str, devic
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def baseline_jobs(chosen: list[str], model: str, device: str, k: int,
-                  have_torch: bool | None = None) -> list[tuple[str, int, int]]:
+def baseline_jobs(chosen: list[str], model: str, device: str, k: int) -> list[tuple[str, int, int]]:
     """--compare's launches: (impl, ranks, BLAS threads) of the chosen baselines that apply here."""
     # on a GPU one hand-written loop (CuPy arrays) stands for both: BLAS threads do not apply
     threads = [t for t in (1, 2) if f"numpy-{t}t" in chosen][:1 if device == "gpu" else 2]
@@ -200,9 +199,8 @@ def baseline_jobs(chosen: list[str], model: str, device: str, k: int,
     jobs = [("numpy", 1, t) for t in threads]
     torches = [("torch", 1, 1)] if "torch" in chosen else []
     torches += [("torch-ddp", k, 1)] if "torch-ddp" in chosen else []
-    if have_torch is None:  # looked up, not imported: an import costs seconds of a launch's start-up
-        have_torch = importlib.util.find_spec("torch") is not None
-    if torches and not have_torch:
+    # looked up, not imported: an import costs seconds of a launch's start-up
+    if torches and importlib.util.find_spec("torch") is None:
         print("# torch not installed: PyTorch skipped (pip install torch; the CPU build is enough)")
         return jobs
     return jobs + torches
