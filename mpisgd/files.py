@@ -55,10 +55,23 @@ def replaceable(path: str | os.PathLike, looks_ours: Callable[[IO[bytes]], bool]
 
 
 def check_output_dir(path: str, what: str) -> None:
-    """``path`` is (or can be made) a directory this process can create files in."""
+    """``path`` is (or can be made) a directory this process can create files in. It is left as found:
+    the directories made to find out are removed again (the writers make them when they write)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"{what} {path} exists and is not a directory")
+    made = [d for d in (p, *p.parents) if not d.exists()]  # deepest first
+    try:
+        _check_writable(p, path, what)
+    finally:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:  # never made, or something landed in it meanwhile: left
+                break
+
+
+def _check_writable(p: Path, path: str, what: str) -> None:
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -269,10 +269,6 @@ def train_here(argv: list[str] | tuple[str, ...], comm=None, hooks=None) -> Outc
                 status = cli.run(cfg, comm, None, hooks=hooks)
             except cli._errors_every_rank_raises() as exc:
                 status = cli._report(exc, comm)
-    if status != 0:
-        # the CLI's process would end here; in this one, what a failed set-up left (the checkpoint
-        # directory's lock, held by an object no longer reachable) is let go now, not at some later collection
-        gc.collect()
     statuses = tuple(comm.allgather(status))
     outs = tuple(comm.allgather(out.getvalue()))
     err_0 = comm.bcast(err.getvalue(), root=0)

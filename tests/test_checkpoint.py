@@ -443,6 +443,32 @@ def test_resume_auto_refuses_when_no_checkpoint_reads_unless_told_to_overwrite(t
     assert _names(tmp_path) == ["ckpt-000000004.npz"]
 
 
+def test_a_released_directory_is_as_it_was_found(tmp_path):
+    """release(): the lock file goes if this run made it, then the directories it made while empty; another
+    run's lock file and checkpoints stay. A refusal in the constructor releases too."""
+    from mpisgd.app.run_dir import RunDirectory
+    from mpisgd.checkpoint import LOCK
+    from mpisgd.errors import UsageError
+
+    RunDirectory(str(tmp_path / "a" / "b"), "no", overwrite=False).release()
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    RunDirectory(str(tmp_path / "a" / "b" / "c"), "no", overwrite=False).release()
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["notes.txt"]
+    save_checkpoint(tmp_path / "used", _st(8, "theirs"))
+    (tmp_path / "used" / LOCK).write_text("pid 1 on elsewhere, job -, run theirs\n")
+    with pytest.raises(UsageError, match="holds another run's checkpoints"):
+        RunDirectory(str(tmp_path / "used"), "no", overwrite=False)
+    rd = RunDirectory(str(tmp_path / "used"), "auto", overwrite=False)
+    rd.release()
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == [LOCK, "ckpt-000000008.npz"]
+    (tmp_path / "used" / LOCK).unlink()
+    with pytest.raises(UsageError, match="holds another run's checkpoints"):
+        RunDirectory(str(tmp_path / "used"), "no", overwrite=False)
+    assert [p.name for p in (tmp_path / "used").iterdir()] == ["ckpt-000000008.npz"]
+
+
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
 def test_a_lock_that_is_not_a_file_is_one_line(tmp_path, kind):
     import os

@@ -921,6 +921,29 @@ def test_an_output_colliding_with_an_input_or_another_output_is_refused(outs, sa
 
 
 @pytest.mark.mpi
+def test_a_run_refused_at_set_up_leaves_its_output_places_as_it_found_them(shared_tmp: Path) -> None:
+    """Refused after the checkpoint directory is locked (the model cannot be built): the directories the
+    output checks and the lock made are gone again, new ones and an empty one alike; an earlier run's
+    directory keeps its lock file and checkpoints."""
+    new = shared_tmp / "new"
+    empty, used = shared_tmp / "empty", shared_tmp / "used"
+    outs = ("--checkpoint-dir", str(new / "ck"), "--metrics-file", str(new / "m" / "m.jsonl"),
+            "--tensorboard", str(new / "tb"), "--save-model", str(new / "s" / "model.npz"))
+    typo = (*drop(TINY, "--hidden"), "--max-steps", "2", "--model", "no_such_module:build")
+    root_makes(empty.mkdir)
+    for ck in (str(empty), str(used)):
+        if ck == str(used):
+            assert train_here([*TINY, "--max-steps", "2", "--checkpoint-dir", ck]).status == 0
+        before = root_makes(lambda ck=ck: sorted(p.name for p in Path(ck).iterdir()))
+        line = refused(train_here([*typo, *outs, "--checkpoint-dir", ck, "--resume", "auto"]))
+        assert "cannot import no_such_module" in line, line
+        assert root_makes(lambda ck=ck: sorted(p.name for p in Path(ck).iterdir())) == before
+    assert before[0] == ".mpisgd.lock" and "ckpt-000000002.npz" in before, before
+    assert "cannot import no_such_module" in refused(train_here([*typo, *outs]))
+    assert not root_makes(new.exists)
+
+
+@pytest.mark.mpi
 def test_a_lock_file_that_is_a_directory_is_one_line(shared_tmp: Path) -> None:
     ck = shared_tmp / "ck"
     root_makes(lambda: (ck / ".mpisgd.lock").mkdir(parents=True))

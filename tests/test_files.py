@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -24,5 +25,17 @@ def test_a_file_in_the_way_and_a_place_that_cannot_be_made(tmp_path):
         check_output_dir(str(tmp_path / "f"), "--checkpoint-dir")
     with pytest.raises(UsageError, match=r"cannot create the directory \(Not a directory\)"):
         check_output_dir(str(tmp_path / "f" / "sub"), "--checkpoint-dir")
-    check_output_dir(str(tmp_path / "new" / "deep"), "--checkpoint-dir")  # made, and writable
-    assert (tmp_path / "new" / "deep").is_dir() and not list((tmp_path / "new" / "deep").iterdir())
+    (tmp_path / "kept").mkdir()
+    for where in ("new/deep", "kept/deep", "kept"):  # writable, and left as found (the writers make it)
+        check_output_dir(str(tmp_path / where), "--checkpoint-dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "kept"] and not list((tmp_path / "kept").iterdir())
+
+
+def test_a_place_that_is_made_but_cannot_be_written_is_removed_again(tmp_path, monkeypatch):
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", no_space)
+    with pytest.raises(UsageError, match=r"cannot write there \(No space left on device\)"):
+        check_output_dir(str(tmp_path / "a" / "b"), "--tensorboard")
+    assert not list(tmp_path.iterdir())

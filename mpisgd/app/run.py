@@ -157,82 +157,87 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
     run_dir = stage("the checkpoint directory", lambda: RunDirectory(cfg.checkpoint_dir, cfg.resume,
                                                                      cfg.overwrite_checkpoints)
                     if cfg.checkpoint_dir and is_root else None, on_root=True)
-    level = cfg.reproducible_level if cfg.reproducible else ""
-    threads, threads_from = (1, "the pinned level") if level == "pinned" else \
-        stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
-    if ctx.backend.device == "cpu":
-        set_threads(threads)
-    environment = backend_environment(ctx.backend, threads, level)
-    if level == "pinned":  # every rank pinned, and alike (mpisgd.pinning)
-        stage("the pinned kernels", lambda: preflight.pinned(environment, world), collective=True)
-    run_data = stage("loading the data", lambda: _load_data(cfg))
-    stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
-    stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
-    module = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: it must match
-    structure = model_structure(module)
-    stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
-    with wd.watching("set-up: the checkpoint to resume"):
-        resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
-    warnings = [f"warning: {w}" for w in (*getattr(cfg, "option_warnings", ()), *device_warnings,
-                                          *run_data.warnings)] + warnings
-    if not ctx.backend.is_gpu:
-        stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
-            run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
-                                                     ctx.local_size, preflight.state_buffers(cfg)))
-    xp = ctx.xp
-    model = module.materialize(xp, cfg.dtype, cfg.seed)
-    model.ctx.kernels = stage("the kernels", lambda: kernels_for("portable" if level == "portable" else "fast"))
-    stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
-    warnings += stage("the backward of your own modules", lambda: _check_user_modules(cfg, module, run_data))
-    if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs
-        environment.update(stage("the PyTorch model", lambda: _prepare_torch(cfg, model, run_data, threads,
-                                                                              ctx.rank, level)))
-    if resume is not None and resume.environment and cfg.reproducible:  # this run's environment complete now
-        keys = (*bits_depend_on(level), "torch")  # a PyTorch model's bits depend on torch's build and threads too
-        differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
-                            for k in keys if resume.environment.get(k) != environment.get(k))
-        if differs:
-            warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
-                            f"--reproducible at the {level} level promises the same bits only where these are "
-                            "the same")
-    optimizer = _optimizer(cfg, model)
-    params = model.flat.params
-    if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
-        stage("the arithmetic", lambda: same_arithmetic(world, arithmetic(params, _level1(optimizer)),
-                                                        UsageError), collective=True)
-    timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
-    reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
-    shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
-    with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
-        dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
-                          overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
-                          shard_optimizer=shard, shared_grads=cfg.shared_grads,
-                          loss=(TokenCrossEntropy(kernels=model.ctx.kernels) if run_data.tokens
-                                else SoftmaxCrossEntropy(model.ctx.kernels)),
-                          reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
-                          clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
-                          check_in=False)  # the loop checks in itself, with its stop flag
-    B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
-    batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
-                                                         cfg.accum_steps))
-    spe = batches.steps_per_epoch
-    n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
-    schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
-    with wd.watching("set-up: the rank map"):
-        places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
-    run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
-              n_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
-              timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
-              val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
-    if resume is not None:
-        with wd.watching("set-up: restoring the checkpoint"):
-            _restore(run, state)
-    if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
-        run.warnings += run_files.write_config(cfg, ctx.size)
-        vocab = text.Vocabulary.from_identity(run_data.identity)
-        if vocab is not None:
-            run.warnings += run_files.write_vocab(cfg, text.vocab_json(vocab))
-    return run
+    try:
+        level = cfg.reproducible_level if cfg.reproducible else ""
+        threads, threads_from = (1, "the pinned level") if level == "pinned" else \
+            stage("the BLAS threads", lambda: blas_threads(cfg.threads, ctx.local_size))
+        if ctx.backend.device == "cpu":
+            set_threads(threads)
+        environment = backend_environment(ctx.backend, threads, level)
+        if level == "pinned":  # every rank pinned, and alike (mpisgd.pinning)
+            stage("the pinned kernels", lambda: preflight.pinned(environment, world), collective=True)
+        run_data = stage("loading the data", lambda: _load_data(cfg))
+        stage("comparing the data", lambda: preflight.same_data(run_data.identity, world), collective=True)
+        stage("the effective batch", lambda: _global_batch(cfg, ctx.size))
+        module = stage("building the model", lambda: _build_model(cfg, run_data))  # before resuming: it must match
+        structure = model_structure(module)
+        stage("the model on every rank", lambda: preflight.same_model(structure, world), collective=True)
+        with wd.watching("set-up: the checkpoint to resume"):
+            resume, state, warnings = _resume_point(cfg, world, run_data.identity, run_dir, structure)
+        warnings = [f"warning: {w}" for w in (*getattr(cfg, "option_warnings", ()), *device_warnings,
+                                              *run_data.warnings)] + warnings
+        if not ctx.backend.is_gpu:
+            stage("the memory", lambda: preflight.memory(module, cfg.dtype, data.resident_nbytes(
+                run_data.train, run_data.test, *([run_data.val] if run_data.val else [])),
+                                                         ctx.local_size, preflight.state_buffers(cfg)))
+        xp = ctx.xp
+        model = module.materialize(xp, cfg.dtype, cfg.seed)
+        model.ctx.kernels = stage("the kernels", lambda: kernels_for("portable" if level == "portable" else "fast"))
+        stage("the model's output", lambda: _check_model_output(cfg, model, xp, run_data))
+        warnings += stage("the backward of your own modules", lambda: _check_user_modules(cfg, module, run_data))
+        if getattr(model, "framework", "") == "torch":  # pin torch's threads; --reproducible: what it needs
+            environment.update(stage("the PyTorch model", lambda: _prepare_torch(cfg, model, run_data, threads,
+                                                                                  ctx.rank, level)))
+        if resume is not None and resume.environment and cfg.reproducible:  # this run's environment complete now
+            keys = (*bits_depend_on(level), "torch")  # a PyTorch model's bits depend on torch's build and threads too
+            differs = ", ".join(f"{k} {resume.environment.get(k)!r} -> {environment.get(k)!r}"
+                                for k in keys if resume.environment.get(k) != environment.get(k))
+            if differs:
+                warnings.append(f"warning: resume: the checkpoint was written with other arithmetic ({differs}); "
+                                f"--reproducible at the {level} level promises the same bits only where these are "
+                                "the same")
+        optimizer = _optimizer(cfg, model)
+        params = model.flat.params
+        if level != "portable":  # every rank rounds alike, or the replicas drift apart (DataParallel checks it too)
+            stage("the arithmetic", lambda: same_arithmetic(world, arithmetic(params, _level1(optimizer)),
+                                                            UsageError), collective=True)
+        timeline = Timeline(enabled=bool(cfg.timeline), rank=ctx.rank)
+        reducer = stage("the all-reduce strategy", lambda: _reducer(cfg, world, ctx))
+        shard, shard_why = shard_policy(cfg.shard_optimizer, ctx.size, ctx.backend.is_gpu, model.flat.nbytes)
+        with wd.watching("set-up: data parallelism (model check, broadcast, all-reduce plan)"):
+            dp = DataParallel(model, optimizer, world, reducer=reducer, bucket_cap_mb=cfg.bucket_cap_mb,
+                              overlap=cfg.overlap, on_nan=cfg.on_nan, timeline=timeline, watchdog=wd,
+                              shard_optimizer=shard, shared_grads=cfg.shared_grads,
+                              loss=(TokenCrossEntropy(kernels=model.ctx.kernels) if run_data.tokens
+                                    else SoftmaxCrossEntropy(model.ctx.kernels)),
+                              reproducible=cfg.reproducible, noise_every=cfg.noise_scale_every,
+                              clip_grad_norm=cfg.clip_grad_norm, measure_grad_norm=bool(cfg.tensorboard),
+                              check_in=False)  # the loop checks in itself, with its stop flag
+        B = effective_batch(cfg.batch_size, ctx.size, cfg.accum_steps)
+        batches = stage("the batches", lambda: GlobalBatches(len(run_data.train), B, ctx.rank, ctx.size,
+                                                             cfg.accum_steps))
+        spe = batches.steps_per_epoch
+        n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
+        schedule = stage("the schedule", lambda: Schedule.from_config(cfg, ctx.size, spe, n_steps))
+        with wd.watching("set-up: the rank map"):
+            places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
+        run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
+                  n_steps, BatchLoader(run_data.train, xp, cfg.dtype), BatchLoader(run_data.test, xp, cfg.dtype),
+                  timeline, run_dir, resume, rss_start_mib, t_launch, environment, structure, shard_why, warnings,
+                  val_loader=BatchLoader(run_data.val, xp, cfg.dtype) if run_data.val else None)
+        if resume is not None:
+            with wd.watching("set-up: restoring the checkpoint"):
+                _restore(run, state)
+        if is_root:  # the configuration as set-up settled it (a resumed run's b and m included)
+            run.warnings += run_files.write_config(cfg, ctx.size)
+            vocab = text.Vocabulary.from_identity(run_data.identity)
+            if vocab is not None:
+                run.warnings += run_files.write_vocab(cfg, text.vocab_json(vocab))
+        return run
+    except BaseException:  # refused (or interrupted) before training: the checkpoint directory as it was found
+        if run_dir is not None:
+            run_dir.release()
+        raise
 
 
 def _load_data(cfg: Config) -> RunData:

@@ -30,7 +30,8 @@ class RunDirectory:
     """A checkpoint directory held by one run (rank 0): an exclusive lock for the run's life, the run's
     identity, and refusal of another run's checkpoints unless the run resumes them or starts over on
     purpose. What resuming decides to move aside or delete happens at the run's first checkpoint
-    (:meth:`save`), so that a run refused during set-up leaves the directory as it was."""
+    (:meth:`save`), so that a run refused during set-up leaves the directory as it was: :meth:`release`
+    also removes the lock file and the directories it made."""
 
     def __init__(self, directory: str, resume: str, overwrite: bool) -> None:
         self.path = Path(directory)
@@ -38,8 +39,10 @@ class RunDirectory:
         self.run_id = uuid.uuid4().hex[:12]
         self.lineage = {self.run_id}  # run ids whose checkpoints are this run's (pruned as it goes)
         self._pending: list[tuple[Path, Path | None]] = []  # (file, where it moves; None: deleted) at 1st save
+        self._made = [d for d in (self.path, *self.path.parents) if not d.exists()]  # deepest first
         self.path.mkdir(parents=True, exist_ok=True)
-        lock = self.path / LOCK
+        lock = self._lock_path = self.path / LOCK
+        self._made_lock = not lock.exists()
         if lock.exists() and not lock.is_file():
             raise UsageError(f"--checkpoint-dir {directory}: its lock file {lock} exists and is not a regular file; "
                              "remove it (mpisgd makes it)")
@@ -61,6 +64,7 @@ class RunDirectory:
         existing = list_checkpoints(self.path)
         if existing and resume == "no":
             if not overwrite:
+                self.release()
                 raise UsageError(f"--checkpoint-dir {directory} holds another run's checkpoints ({existing[0].name}, "
                                  f"{len(existing)} in all): pass --resume auto to continue that run, or "
                                  "--overwrite-checkpoints to start over (they are deleted)")
@@ -140,6 +144,19 @@ class RunDirectory:
         if not self._lock.closed:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
+
+    def release(self) -> None:
+        """The run was refused before its first checkpoint: let go of the directory and leave it as it
+        was found. The lock file goes if this run made it (while still held, so no other run holds it),
+        then the directories this run made, where they are still empty."""
+        if self._made_lock and not self._lock.closed:
+            self._lock_path.unlink(missing_ok=True)
+        self.close()
+        for d in self._made:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (someone else's files), or gone: left as it is
+                break
 
 
 def _same_file(a: Path, b: str) -> bool:
