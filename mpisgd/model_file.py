@@ -276,7 +276,7 @@ def _build(meta: dict[str, Any], flat: np.ndarray, named: dict[str, np.ndarray],
             raise ModelFileError(
                 f"{p} holds a model of its own, built by {name}; reading a file runs no code it names: if you "
                 f"trust that code, pass it as the factory (load_model(path, factory={name!r}), or "
-                f"python -m mpisgd.evaluate --model-factory {name})")
+                f"--model-factory {name} to python -m mpisgd.evaluate or mpisgd.sample)")
         elif isinstance(factory, str):
             module = build_model(factory, in_shape, classes, seed=int(meta.get("seed", 0)))
         else:

@@ -323,26 +323,49 @@ def test_evaluate_refuses_a_factorys_module_that_returns_no_tensor_in_one_line(t
                f"return one tensor (the scores), got {got}" in err, err
 
 
-def test_evaluate_scores_a_language_model_of_your_own_with_the_factory_it_names(tmp_path, monkeypatch, capsys):
-    """A PyTorch model trained on token data: evaluate reads it with --model-factory (it answered 'pass it as
-    the factory' even when the factory was passed), and without one says to pass it."""
+def test_a_language_model_of_your_own_trains_on_text_and_evaluate_and_sample_read_it_with_its_factory(
+        tmp_path, monkeypatch, capsys):
+    """A PyTorch model given a text file: read as characters (as for --model gpt), the model scores every
+    position. evaluate reads the saved file with --model-factory (it answered 'pass it as the factory' even
+    when the factory was passed), on the text or an .npz of its tokens, and names the model as the file does;
+    sample draws from it. Without the factory both say to pass it. A binary file is refused as text, saying why
+    it was read as text."""
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'mpisgd[torch]')")
     text = "In the beginning God created the heaven and the earth. " * 40
     chars = "".join(sorted(set(text)))
+    corpus = tmp_path / "genesis.txt"
+    corpus.write_text(text)
     data = tmp_path / "tokens.npz"
     np.savez(data, tokens=np.array([chars.index(c) for c in text]), vocab=np.array(chars))
     saved, factory = tmp_path / "lm.npz", "examples.torch_models:gpt_tokens"
-    r = run_mpi(1, "-m", "mpisgd.train", "--model", factory, "--data", str(data), "--context", "8", "--max-steps",
+    r = run_mpi(1, "-m", "mpisgd.train", "--model", factory, "--data", str(corpus), "--context", "8", "--max-steps",
                 "2", "--batch-size", "4", "--progress", "off", "--save-model", str(saved), cwd=ROOT, timeout=180,
                 env={"PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr + r.stdout
+    assert "characters of UTF-8 text" in r.stdout, r.stdout
     from mpisgd.app.evaluate import main as evaluate_here  # in this process: evaluate sets no torch state
+    from mpisgd.app.sample import main as sample_here
 
     monkeypatch.syspath_prepend(str(ROOT))  # examples.torch_models
     capsys.readouterr()
-    status = evaluate_here([str(saved), "--data", str(data), "--model-factory", factory])
-    out, err = capsys.readouterr()
-    assert status == 0 and "bits/char" in out, err + out
-    status = evaluate_here([str(saved), "--data", str(data)])
-    err = capsys.readouterr().err
-    assert status == 2 and "pass it as the factory" in err, err
+    scores = []
+    for given in (corpus, data):
+        status = evaluate_here([str(saved), "--data", str(given), "--model-factory", factory])
+        out, err = capsys.readouterr()
+        assert status == 0 and "bits/char" in out and f"| {factory}, " in out, err + out
+        scores.append(out.splitlines()[-1])
+    assert scores[0] == scores[1]  # the same tokens either way
+    assert sample_here([str(saved), "--model-factory", factory, "--prompt", "In the", "--tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    drawn = out.removeprefix("In the").removesuffix("\n")  # the prompt, 12 characters, the line's end
+    assert out.startswith("In the") and len(drawn) == 12 and set(drawn) <= set(chars), repr(out)
+    for main in (evaluate_here, sample_here):
+        status = main([str(saved), *(["--data", str(data)] if main is evaluate_here else [])])
+        err = capsys.readouterr().err
+        assert status == 2 and "pass it as the factory" in err and "--model-factory" in err, err
+    binary = tmp_path / "genesis.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    r = run_mpi(1, "-m", "mpisgd.train", "--model", factory, "--data", str(binary), "--max-steps", "1",
+                "--progress", "off", cwd=ROOT, timeout=180, env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "is not UTF-8 text" in r.stderr and "is your own: a file that is not an .npz or " \
+        ".npy is read as its text" in r.stderr, r.stderr

@@ -188,8 +188,10 @@ def test_gpt_needs_sequence_data_and_token_data_needs_gpt(tmp_path):
     assert r.returncode == 2 and "nowhere.txt: no such file or directory" in r.stderr, r.stderr
     tokens = tmp_path / "tokens.npz"
     np.savez(tokens, tokens=np.arange(4000) % 7)
-    r = run_mpi(1, "-m", "mpisgd.train", "--data", str(tokens), "--max-steps", "1", "--progress", "off")
-    assert r.returncode == 2 and "which --model mlp cannot read: use --model gpt" in r.stderr, r.stderr
+    r = run_mpi(1, "-m", "mpisgd.train", "--model", "resnet", "--data", str(tokens), "--max-steps", "1",
+                "--progress", "off")  # one rule for the image models (it said: use --model mlp)
+    assert r.returncode == 2 and "which --model resnet cannot read: use --model gpt or a language model of your own" \
+        in r.stderr, r.stderr
 
 
 def test_evaluate_scores_the_test_part_in_the_models_vocabulary(tmp_path, capsys):

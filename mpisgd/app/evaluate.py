@@ -213,8 +213,8 @@ def _main(argv: list[str] | None, comm: Any) -> int:
     if rank == 0 and test.tokens:  # a language model: loss per token, not a table of its characters
         n, right, loss = counts.sum(axis=0)
         unit = "char" if (saved.meta.get("data") or {}).get("vocab", {}).get("chars") else "token"
-        print(f"model: {saved.path} | gpt, {saved.model.flat.size:,} parameters {saved.meta.get('dtype')}, context "
-              f"{saved.meta['in_shape'][0]}, vocabulary {n_classes}")
+        print(f"model: {saved.path} | {saved.meta['model']}, {saved.model.flat.size:,} parameters "
+              f"{saved.meta.get('dtype')}, context {saved.meta['in_shape'][0]}, vocabulary {n_classes}")
         print(f"data: {source} | the test part: {len(test):,} windows, {int(n):,} tokens")
         print(f"loss {loss / n:.4f} nats/{unit} = {loss / n / np.log(2):.4f} bits/{unit} | token accuracy "
               f"{right / n:.4f} ({int(right):,} of {int(n):,})")
@@ -320,16 +320,21 @@ def _read_before_data(args: argparse.Namespace) -> Any:
 
 
 def _read(args: argparse.Namespace, in_shape: tuple[int, ...] | None = None) -> Any:
-    """PATH's model, built by --model-factory where it is one of your own. UsageError when the factory is given
-    for a file of one of mpisgd's own models: those are built by mpisgd's builders, and the factory would be
-    ignored without a word."""
+    """PATH's model, built by --model-factory where it is one of your own (:func:`read_with_factory`)."""
+    return read_with_factory(args.path, args.model_factory, in_shape)
+
+
+def read_with_factory(path: str, factory: str | None, in_shape: tuple[int, ...] | None = None) -> Any:
+    """The model file's model, built by ``factory`` (--model-factory) where it is one of your own. UsageError
+    when the factory is given for a file of one of mpisgd's own models: those are built by mpisgd's builders,
+    and the factory would be ignored without a word."""
     from mpisgd.model_file import read_model  # noqa: PLC0415
     from mpisgd.nn.models import STOCK  # noqa: PLC0415
 
-    saved = read_model(args.path, in_shape=in_shape, factory=args.model_factory)
-    if args.model_factory is not None and saved.meta["model"] in STOCK:
+    saved = read_model(path, in_shape=in_shape, factory=factory)
+    if factory is not None and saved.meta["model"] in STOCK:
         raise UsageError(f"{saved.path} holds mpisgd's own {saved.meta['model']} model, which needs no factory: "
-                         f"drop --model-factory {args.model_factory} (it builds a model of your own, a PyTorch "
+                         f"drop --model-factory {factory} (it builds a model of your own, a PyTorch "
                          "module or an mpisgd.nn one)")
     return saved
 

@@ -28,7 +28,7 @@ from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
 from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
-from mpisgd.data import BatchLoader, Dataset, GlobalBatches, load_data, synthetic
+from mpisgd.data import BatchLoader, DataError, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
 from mpisgd.kernels import kernels_for
 from mpisgd.model_file import FORMAT, VERSION, model_structure
@@ -241,8 +241,15 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
 
 
 def _load_data(cfg: Config) -> RunData:
-    if text.is_token_data(cfg.data, text=cfg.model == "gpt"):
-        return _load_tokens(cfg)
+    own = cfg.model not in STOCK  # a model of your own may be a language model: a file that is no array set is text
+    if text.is_token_data(cfg.data, text=cfg.model == "gpt" or own):
+        try:
+            return _load_tokens(cfg)
+        except DataError as exc:
+            if not own or text.is_token_data(cfg.data, text=False):
+                raise
+            raise DataError(f"{exc} (--model {cfg.model} is your own: a file that is not an .npz or .npy is "
+                            "read as its text)") from None
     if cfg.model == "gpt":
         if cfg.data and not Path(cfg.data).exists():
             raise UsageError(f"--data {cfg.data}: no such file or directory")
@@ -274,8 +281,9 @@ def _load_tokens(cfg: Config) -> RunData:
     """A text file or an .npz of tokens: contiguous training, validation and test parts, windows of
     --context tokens (mpisgd.text)."""
     assert cfg.data is not None
-    if cfg.model in ("mlp", "cnn"):
-        raise UsageError(f"--data {cfg.data} holds token ids, which --model {cfg.model} cannot read: use --model gpt")
+    if cfg.model in STOCK and cfg.model != "gpt":
+        raise UsageError(f"--data {cfg.data} holds token ids, which --model {cfg.model} cannot read: use --model gpt "
+                         "or a language model of your own")
     d = text.load_tokens(cfg.data, cfg.context, cfg.val_split)
     train, test = d.train, d.test
     if cfg.limit_train:

@@ -1,7 +1,8 @@
 """Text from a trained language model: ``python -m mpisgd.sample PATH --prompt TEXT --tokens N``
 (or ``mpisgd-sample``).
 
-PATH is a ``--save-model`` file, a checkpoint or a checkpoint directory of a ``--model gpt`` run. The
+PATH is a ``--save-model`` file, a checkpoint or a checkpoint directory of a language model's run
+(``--model gpt``, or a model of your own trained on sequence data: ``--model-factory`` builds it). The
 prompt is encoded with the vocabulary the model was trained with (a prompt with a character it lacks
 is refused, naming the character); then, N times, the model reads the last ``context`` tokens (eval
 mode: no dropout) and the next token is drawn from softmax(logits / temperature) with a generator
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mpisgd.app.options import _Parser  # noqa: PLC0415
 
     parser = _Parser(prog="python -m mpisgd.sample", allow_abbrev=False,
-                     description="Generate text from a trained language model (--model gpt).")
+                     description="Generate text from a trained language model (--model gpt, or your own "
+                     "trained on sequence data).")
     parser.add_argument("path", metavar="PATH", help="a --save-model .npz, a checkpoint, or a checkpoint directory")
     parser.add_argument("--prompt", default=None, help="the text to continue (default: a new line)")
     parser.add_argument("--tokens", type=int, default=200,
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "below 1 more likely tokens, above 1 more varied ones; 0 (or one so small that the "
                         "division overflows) takes the most likely (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    parser.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION", default=None,
+                        help="build a language model of your own (a file whose model is package.module:function, "
+                        "PyTorch's included) with this factory; it is imported and run, so name only code you "
+                        "trust (a file never runs code by itself)")
     return parser
 
 
@@ -66,16 +72,18 @@ def launched_ranks(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     return 1, 0
 
 
-def load(path: str) -> tuple[Any, Any, int]:
-    """(model, vocabulary, context) of a language model's file; UsageError where it is not one."""
-    from mpisgd.model_file import read_model  # noqa: PLC0415
+def load(path: str, factory: str | None = None) -> tuple[Any, Any, int]:
+    """(model, vocabulary, context) of a language model's file (a model of your own built by ``factory``);
+    UsageError where it is not one."""
+    from mpisgd.app.evaluate import read_with_factory  # noqa: PLC0415
     from mpisgd.text import Vocabulary  # noqa: PLC0415
 
-    saved = read_model(path)
+    saved = read_with_factory(path, factory)
     vocab = Vocabulary.from_identity(saved.meta.get("data") or {})
-    if vocab is None or saved.meta.get("model") != "gpt":
+    if vocab is None:
         raise UsageError(f"{saved.path} is not a language model (--model {saved.meta.get('model')}, no vocabulary): "
-                         "sampling needs a --model gpt run's model or checkpoint")
+                         "sampling needs the model or checkpoint of a run on sequence data (--model gpt, or your "
+                         "own)")
     return saved.model, vocab, int(saved.meta["in_shape"][0])
 
 
@@ -187,7 +195,7 @@ def _main(argv: list[str] | None) -> int:
             raise UsageError(f"launched as {ranks} ranks (mpiexec): sampling is one process, with no MPI; run "
                              "python -m mpisgd.sample without mpiexec")
         check_args(args)
-        model, vocab, context = load(args.path)
+        model, vocab, context = load(args.path, args.model_factory)
         prompt = encode_prompt(vocab, args.prompt)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
