@@ -474,6 +474,8 @@ def _bad_metrics(path, case):
     ("no epochs", [], "no epoch records"),
     ("other program", [], "without"),
     ("no noise", [], "no noise_scale"),
+    ("no noise", ["--ranks", "1,2,x"], "--ranks must be comma-separated whole numbers"),  # the option first
+    ("no noise", ["--accum-steps", "0"], "--accum-steps must be whole numbers >= 1"),
     ("bad batch", [], "do not make B"),
     ("schema 9", [], "metrics schema 9; this mpisgd reads schema 0, 1"),
     ("nan bucket", [], "bucket_nbytes[0] is null"),

@@ -265,12 +265,14 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _replaceable_outputs(args)
     if args.plot:
         report.check_plot_path(args.plot)
+    given_ranks = _int_list(args.ranks, "--ranks") if args.ranks is not None else None  # before the files
+    accum = _int_list(args.accum_steps, "--accum-steps") if args.accum_steps is not None else None
     w, rules = _workload(args)
     rules = _rules(args, rules)
     net = _cluster(args, w)
     cap = net.nodes * net.per_node if net.nodes else None
-    if args.ranks is not None:
-        ranks = _int_list(args.ranks, "--ranks")
+    if given_ranks is not None:
+        ranks = given_ranks
     else:
         top = cap or 64
         ranks = sorted({2**i for i in range(int(math.log2(top)) + 1)} | {top})
@@ -279,7 +281,6 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if net.inter is None and max(ranks) > net.per_node:
         raise PlanError(f"k={max(ranks)} spans nodes of {net.per_node} rank(s): give the link between them "
                         f"(--link {'|'.join(PRESETS)}|FILE, --alpha-us and --beta-gbit, or --cluster)")
-    accum = _int_list(args.accum_steps, "--accum-steps") if args.accum_steps is not None else None
     target = float(w.samples) if w.samples else None
     if args.target_epochs is not None:
         if not w.steps_per_epoch:
