@@ -684,6 +684,13 @@ def test_resume_checks_the_run_identity_and_names_every_difference(tmp_path: Pat
                           "lr,max_steps"])
     assert allowed.status == 0, allowed
     assert "resume: changed --lr 0.1 -> 0.05 on purpose" in allowed.out, allowed.out
+    # the model's structure cannot change: said so, and --resume-allow offered for the others only
+    line = refused(train_here([*run, "--dtype", "float64", "--lr", "0.05", "--max-steps", "30", "--resume", "auto"]))
+    assert line.endswith("--dtype cannot change on a resume (the model's structure): give the checkpoint's value; "
+                         "to continue with the other changes on purpose pass --resume-allow max_steps"), line
+    line = refused(train_here([*run, "--dtype", "float64", "--lr", "0.05", "--max-steps", "20", "--resume", "auto"]))
+    assert line.endswith("--dtype float32 -> float64; --dtype cannot change on a resume (the model's structure): "
+                         "give the checkpoint's value"), line
 
 
 @pytest.mark.mpi

@@ -33,11 +33,14 @@ def identity_changes(saved: dict[str, Any], now: dict[str, Any], allowed: tuple[
     text = {k: f"--{k.replace('_', '-')} {show(k, a)} -> {show(k, b)}" for k, (a, b) in diffs.items()}
     refused = [k for k in diffs if k in STRUCTURE or k not in allowed]
     if refused:
-        hint = "" if all(k in STRUCTURE for k in refused) else \
-            "; to continue with these changes on purpose pass --resume-allow " + ",".join(
-                k for k in refused if k not in STRUCTURE)
+        fixed = [f"--{k.replace('_', '-')}" for k in refused if k in STRUCTURE]
+        allowable = [k for k in refused if k not in STRUCTURE]
+        hints = ([f"{' and '.join(fixed)} cannot change on a resume (the model's structure): give the checkpoint's "
+                  f"{'value' if len(fixed) == 1 else 'values'}"] if fixed else []) + \
+            ([f"to continue with {'the other' if fixed else 'these'} changes on purpose pass --resume-allow "
+              + ",".join(allowable)] if allowable else [])
         raise CheckpointError("this run differs from the checkpoint's: " + "; ".join(text[k] for k in refused)
-                              + hint)
+                              + "".join(f"; {h}" for h in hints))
     return {k: text[k] for k in diffs}
 
 
