@@ -1,10 +1,7 @@
 """A PyTorch model under mpisgd.DataParallel (the CLI's path), at k = 2, 3: the same losses as
 DistributedDataParallel over gloo with the same model, data and seed; overlap on a chain of layers gives
-the bits of the unoverlapped step.
-
-Today's DataParallel starts a bucket when its first module reports, so overlap is tested on a chain,
-whose modules report in reverse order; models with branches run with overlap=False until DataParallel
-counts arrivals (phase 2 of the PyTorch issue)."""
+the bits of the unoverlapped step, on a chain and on a ResNet, whose shortcut's gradients arrive out of the
+flat buffer's order (a bucket starts when its last gradient arrives, mpisgd.parallel.buckets)."""
 
 from __future__ import annotations
 
@@ -80,9 +77,10 @@ def test_losses_match_distributed_data_parallel(make, dtype, tol):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_overlap_on_a_chain_gives_the_bits_of_the_unoverlapped_step():
+@pytest.mark.parametrize("make", [chain, resnet], ids=["chain", "resnet"])
+def test_overlap_gives_the_bits_of_the_unoverlapped_step(make):
     comm = MPI.COMM_WORLD
-    a = mpisgd_losses(comm, chain, "float32", overlap=True)
-    b = mpisgd_losses(comm, chain, "float32", overlap=False)
+    a = mpisgd_losses(comm, make, "float32", overlap=True)
+    b = mpisgd_losses(comm, make, "float32", overlap=False)
     assert a[0] == b[0]
     np.testing.assert_array_equal(a[1], b[1])
