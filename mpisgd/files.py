@@ -55,35 +55,28 @@ def replaceable(path: str | os.PathLike, looks_ours: Callable[[IO[bytes]], bool]
 
 
 def check_output_dir(path: str, what: str) -> None:
-    """``path`` is (or can be made) a directory this process can create files in. It is left as found:
-    the directories made to find out are removed again (the writers make them when they write)."""
+    """``path`` is (or can be made) a directory this process can create files in. Nothing is made: a probe
+    file is created and removed in ``path``, or where it does not exist yet in its nearest existing parent
+    (making a directory takes what making a file there takes), so that a run refused later, or several
+    ranks checking one place at once, leave the place as it was (the writers make the directories)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"{what} {path} exists and is not a directory")
-    made = [d for d in (p, *p.parents) if not d.exists()]  # deepest first
-    try:
-        _check_writable(p, path, what)
-    finally:
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:  # never made, or something landed in it meanwhile: left
-                break
-
-
-def _check_writable(p: Path, path: str, what: str) -> None:
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{what} {path}: cannot create the directory ({exc.strerror})") from None
-    probe = p / f".mpisgd-write-test{TMP_SUFFIX}{os.getpid()}"
+    base = p
+    while not base.exists() and base != base.parent:  # (a dangling link counts as missing: made in its parent)
+        base = base.parent
+    here = base == p
+    if not base.is_dir():
+        raise UsageError(f"{what} {path}: cannot create the directory ({os.strerror(errno.ENOTDIR)})")
+    probe = base / f".mpisgd-write-test{TMP_SUFFIX}{os.getpid()}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
         # creating a file where the directory exists: ENOENT means a file system that takes no new files (/proc)
-        why = "it takes no new files" if exc.errno == errno.ENOENT and p.is_dir() else exc.strerror
-        raise UsageError(f"{what} {path}: cannot write there ({why})") from None
+        why = "it takes no new files" if exc.errno == errno.ENOENT and base.is_dir() else exc.strerror
+        raise UsageError(f"{what} {path}: " + ("cannot write there" if here else "cannot create the directory")
+                         + f" ({why})") from None
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:

@@ -935,7 +935,7 @@ def test_a_run_refused_at_set_up_leaves_its_output_places_as_it_found_them(share
     new = shared_tmp / "new"
     empty, used = shared_tmp / "empty", shared_tmp / "used"
     outs = ("--checkpoint-dir", str(new / "ck"), "--metrics-file", str(new / "m" / "m.jsonl"),
-            "--tensorboard", str(new / "tb"), "--save-model", str(new / "s" / "model.npz"))
+            "--save-model", str(new / "s" / "model.npz"), "--timeline", str(new / "t" / "tl"))
     typo = (*drop(TINY, "--hidden"), "--max-steps", "2", "--model", "no_such_module:build")
     root_makes(empty.mkdir)
     for ck in (str(empty), str(used)):

@@ -31,11 +31,13 @@ def test_a_file_in_the_way_and_a_place_that_cannot_be_made(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "kept"] and not list((tmp_path / "kept").iterdir())
 
 
-def test_a_place_that_is_made_but_cannot_be_written_is_removed_again(tmp_path, monkeypatch):
+def test_a_place_whose_parent_cannot_take_files_is_refused_and_nothing_is_made(tmp_path, monkeypatch):
     def no_space(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Path, "write_bytes", no_space)
-    with pytest.raises(UsageError, match=r"cannot write there \(No space left on device\)"):
+    with pytest.raises(UsageError, match=r"--tensorboard .*/a/b: cannot create the directory \(No space left"):
         check_output_dir(str(tmp_path / "a" / "b"), "--tensorboard")
+    with pytest.raises(UsageError, match=r"--tensorboard .*: cannot write there \(No space left on device\)"):
+        check_output_dir(str(tmp_path), "--tensorboard")
     assert not list(tmp_path.iterdir())

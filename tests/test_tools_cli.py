@@ -68,8 +68,8 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sample_refuses_in_one_line(tmp_path, capsys, monkeypatch, no_launcher, args, says):
     load = sample.load
 
-    def never_drawn(path):  # a refusal comes before the first token (--tokens 1e12 drew until the end of time)
-        model, vocab, context = load(path)
+    def never_drawn(path, factory=None):  # a refusal comes before the first token (--tokens 1e12 drew forever)
+        model, vocab, context = load(path, factory)
         monkeypatch.setattr(model, "forward", lambda x: pytest.fail("a token was drawn"))
         return model, vocab, context
 
@@ -96,8 +96,8 @@ def test_sample_streams_each_token_and_ctrl_c_keeps_what_was_printed(tmp_path, c
                                                         "flush": lambda self: writes.append("<flush>")})())
     load, calls = sample.load, []
 
-    def interrupted_at_the_sixth_token(path):
-        model, vocab, context = load(path)
+    def interrupted_at_the_sixth_token(path, factory=None):
+        model, vocab, context = load(path, factory)
         forward = model.forward
 
         def counted(x):
