@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import drop, run_mpi, serial_only, train_here
 
 from mpisgd.data import BatchLoader, DataError, GlobalBatches
 from mpisgd.text import TEST_FRACTION, Vocabulary, check_same_vocabulary, load_tokens, read_stream, windows
@@ -131,6 +131,20 @@ TINY = ("--model", "gpt", "--gpt-layers", "2", "--gpt-width", "32", "--gpt-heads
 def train(tmp_path: Path, *extra: str, data: str | None = None) -> tuple:
     data = data or write(tmp_path)
     return run_mpi(1, "-m", "mpisgd.train", *TINY, "--data", data, *extra)
+
+
+@serial_only  # one rank's run, in this process
+def test_a_run_shorter_than_the_recipes_warmup_warms_up_over_all_of_it(tmp_path):
+    """--model gpt --max-steps 2: the recipe's 100 warmup steps are longer than the run. It was refused
+    ("shorten --warmup-steps", which the user never gave); now the warmup takes the run, with a warning. A
+    warmup of one's own longer than the run is still refused."""
+    run = [*drop(TINY, "--warmup-steps"), "--data", write(tmp_path), "--max-steps", "2"]
+    r = train_here(run)
+    assert r.status == 0, r
+    assert "warning: --model gpt's recipe warms up for longer (--warmup-steps 100) than this run of 2 step(s): " \
+        "the warmup takes the whole run" in r.out, r.out
+    r = train_here([*run, "--warmup-steps", "5"])
+    assert r.status == 2 and "warmup of 5 steps is longer than the run (2 steps)" in r.error, r
 
 
 def test_gpt_trains_through_the_cli_and_samples(tmp_path):
