@@ -11,10 +11,11 @@ Every rank computes the same value from the same inputs; nothing is stateful.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from mpisgd.config import Config
+from mpisgd.config import MODEL_DEFAULTS, Config
 from mpisgd.errors import UsageError
 from mpisgd.portable.scalar import LIBM, PORTABLE, ScalarMath
 
@@ -105,6 +106,25 @@ class Schedule:
         if self.decay == "step":
             return self.peak_lr * self.scalar_math.power(self.decay_factor, sum(step >= m for m in self.milestones))
         return self.peak_lr
+
+    @classmethod
+    def for_run(cls, cfg: Config, world_size: int, steps_per_epoch: int,
+                total_steps: int) -> tuple[Schedule, list[str]]:
+        """:meth:`from_config`, except where the model's own recipe warms up for longer than the run (a short
+        --max-steps run of the ResNet or the GPT, or a rerun of its effective configuration): then the warmup
+        takes the whole run, and the second value says so (the trainer's and ``plot lr``'s warning). Any other
+        warmup longer than the run stays an error."""
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_epochs * steps_per_epoch)
+        recipe = MODEL_DEFAULTS.get(cfg.model, {})
+        own = (recipe.get("warmup_steps", Config.warmup_steps), recipe.get("warmup_epochs", Config.warmup_epochs))
+        if warmup <= total_steps or (cfg.warmup_steps, cfg.warmup_epochs) != own:
+            return cls.from_config(cfg, world_size, steps_per_epoch, total_steps), []
+        named = f"--warmup-steps {cfg.warmup_steps}" if cfg.warmup_steps is not None else \
+            f"--warmup-epochs {cfg.warmup_epochs:g}, {warmup} steps"
+        short = dataclasses.replace(cfg, warmup_steps=total_steps)
+        return cls.from_config(short, world_size, steps_per_epoch, total_steps), [
+            f"--model {cfg.model}'s recipe warms up for longer ({named}) than this run of {total_steps} step(s): "
+            "the warmup takes the whole run (give --warmup-steps to choose)"]
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, steps_per_epoch: int, total_steps: int) -> Schedule:

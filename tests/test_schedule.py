@@ -106,6 +106,20 @@ def test_warmup_longer_than_the_run_is_a_usage_error():
         Schedule.from_config(cfg, 1, steps_per_epoch=10, total_steps=30)
 
 
+def test_a_run_shorter_than_its_models_recipe_warmup_warms_up_over_the_whole_run():
+    """The ResNet's recipe warms up for an epoch: a run of 2 steps takes them all, saying so; the same run
+    with a warmup of one's own (or the recipe's value changed) is refused as before."""
+    cfg = parse_config(["--model", "resnet", "--max-steps", "2"], quiet=True)
+    sched, said = Schedule.for_run(cfg, 1, steps_per_epoch=468, total_steps=2)
+    assert sched.warmup_steps == 2 and sched.total_steps == 2
+    assert said == ["--model resnet's recipe warms up for longer (--warmup-epochs 1, 468 steps) than this run of 2 "
+                    "step(s): the warmup takes the whole run (give --warmup-steps to choose)"]
+    assert Schedule.for_run(cfg, 1, steps_per_epoch=2, total_steps=2)[1] == []  # it fits: nothing to say
+    for own in (["--warmup-steps", "3"], ["--warmup-epochs", "0.5"]):
+        with pytest.raises(UsageError, match="longer than the run"):
+            Schedule.for_run(parse_config(["--model", "resnet", "--max-steps", "2", *own], quiet=True), 1, 468, 2)
+
+
 @pytest.mark.parametrize("kw", [dict(total_steps=0), dict(warmup_steps=-1), dict(decay="linear"),
                                 dict(decay_factor=0.0), dict(peak_lr=0.0)])
 def test_schedule_rejects_bad_values(kw):

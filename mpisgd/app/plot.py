@@ -49,7 +49,10 @@ def schedule_for(cfg: Config, ranks: int, samples: int | None = None) -> tuple[S
     if spe < 1:
         raise UsageError(f"{n} training samples make no step of B={batch}")
     total = total_steps(cfg.epochs, spe, cfg.max_steps)
-    return Schedule.from_config(cfg, ranks, spe, total), spe
+    sched, warnings = Schedule.for_run(cfg, ranks, spe, total)
+    for warning in warnings:
+        print(f"mpisgd.plot: warning: {warning}", file=sys.stderr, flush=True)
+    return sched, spe
 
 
 def plot_lr(cfg: Config, ranks: int, out: str, samples: int | None = None) -> str:

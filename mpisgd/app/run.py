@@ -11,7 +11,6 @@ description of the run, which the loop (mpisgd.app.trainer) drives and the banne
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from mpisgd.backend import arithmetic, bits_depend_on, peak_rss_mib, set_threads
 from mpisgd.backend import environment as backend_environment
 from mpisgd.checkpoint import CheckpointError, TrainState, find_resume
 from mpisgd.comm import create_reducer
-from mpisgd.config import MODEL_DEFAULTS, Config
+from mpisgd.config import Config
 from mpisgd.context import Context, blas_threads, init
 from mpisgd.data import BatchLoader, DataError, Dataset, GlobalBatches, load_data, synthetic
 from mpisgd.errors import UsageError
@@ -219,8 +218,8 @@ def build_run(cfg: Config, world: Any, watchdog: Any, progress: Callable[[], Non
                                                              cfg.accum_steps))
         spe = batches.steps_per_epoch
         n_steps = total_steps(cfg.epochs, spe, cfg.max_steps)
-        schedule, short = stage("the schedule", lambda: _schedule(cfg, ctx.size, spe, n_steps))
-        warnings += short
+        schedule, short = stage("the schedule", lambda: Schedule.for_run(cfg, ctx.size, spe, n_steps))
+        warnings += [f"warning: {w}" for w in short]
         with wd.watching("set-up: the rank map"):
             places = world.allgather((ctx.host, ctx.local_rank, ctx.backend.gpu_id))
         run = Run(cfg, ctx, places, threads, threads_from, run_data, model, optimizer, dp, batches, schedule,
@@ -294,23 +293,6 @@ def _load_tokens(cfg: Config) -> RunData:
         test = test.head(cfg.limit_test)
     identity = dict(d.identity, n_train=len(train), n_test=len(test))
     return RunData(train, test, d.source, identity, [], d.val)
-
-
-def _schedule(cfg: Config, k: int, steps_per_epoch: int, n_steps: int) -> tuple[Schedule, list[str]]:
-    """The run's schedule, and a warning where the model's recipe warms up for longer than the run (a short
-    --max-steps run of the ResNet or the GPT, or a rerun of its effective configuration): the warmup then
-    takes the whole run. Any other warmup longer than the run stays an error (Schedule)."""
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_epochs * steps_per_epoch)
-    recipe = {name: MODEL_DEFAULTS.get(cfg.model, {}).get(name, Config.__dataclass_fields__[name].default)
-              for name in ("warmup_steps", "warmup_epochs")}
-    if warmup <= n_steps or (cfg.warmup_steps, cfg.warmup_epochs) != (recipe["warmup_steps"],
-                                                                     recipe["warmup_epochs"]):
-        return Schedule.from_config(cfg, k, steps_per_epoch, n_steps), []
-    named = f"--warmup-steps {cfg.warmup_steps}" if cfg.warmup_steps is not None else \
-        f"--warmup-epochs {cfg.warmup_epochs:g}, {warmup} steps"
-    return Schedule.from_config(dataclasses.replace(cfg, warmup_steps=n_steps), k, steps_per_epoch, n_steps), [
-        f"warning: --model {cfg.model}'s recipe warms up for longer ({named}) than this run of {n_steps} "
-        f"step(s): the warmup takes the whole run (give --warmup-steps to choose)"]
 
 
 def gpt_arch(cfg: Config) -> dict[str, Any]:
