@@ -34,6 +34,18 @@ def test_resnet_20_is_the_papers_network():
         build_model("resnet", (784,), 10)
 
 
+@pytest.mark.parametrize("model", ["resnet", "cnn"])
+def test_channels_last_images_are_refused_naming_the_transpose(model):
+    """N x H x W x C arrays (CIFAR as many loaders give it, Fashion-MNIST with a trailing 1) trained as 32 or 28
+    channels of images 3 or 1 pixel wide; refused in one line. Channels-first images of any size still build."""
+    for shape, says in (((32, 32, 3), "3 channel(s) of 32 x 32 images"), ((28, 28, 1), "1 channel(s) of 28 x 28")):
+        with pytest.raises(ValueError, match=rf"look like H x W x C \(channels last: {re.escape(says)}.*"
+                                             r"x.transpose\(0, 3, 1, 2\)"):
+            build_model(model, shape, 10)
+    for shape in ((3, 32, 32), (1, 28, 28), (4, 16, 16), (16, 12, 12)):
+        build_model(model, shape, 10)
+
+
 @pytest.mark.parametrize("in_shape", [(1, 12, 12), (3, 9, 11)])
 def test_resnet_is_pytorchs_in_train_and_eval_mode(in_shape):
     """Same parameters: the same logits, parameter gradients and running statistics after a train-mode step,

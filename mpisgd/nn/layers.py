@@ -159,6 +159,21 @@ class Permute(Module):
         return f"Permute({self.axes})"
 
 
+def image_shape(model: str, in_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``in_shape`` as (C, H, W) for a convolutional ``model``; ValueError, in one line, for samples that are
+    not 3-D, and for ones that look channels-last (H x W x C: 28 x 28 x 1, 32 x 32 x 3), which would train
+    as many channels of images a few pixels wide."""
+    if len(in_shape) != 3:
+        raise ValueError(f"--model {model} takes C x H x W samples (images); the data's are {in_shape}: use --model "
+                         "mlp")
+    c, h, w = in_shape
+    if w in (1, 3, 4) and min(c, h) >= 8:
+        raise ValueError(f"--model {model} reads C x H x W samples; the data's are {c} x {h} x {w}, which look like "
+                         f"H x W x C (channels last: {w} channel(s) of {c} x {h} images): give the arrays as N x C x H "
+                         "x W (numpy: x.transpose(0, 3, 1, 2))")
+    return c, h, w
+
+
 class Conv2d(SpatialModule):
     """2-D convolution (cross-correlation), square kernel: (N, C, H, W) batches, batch last inside.
 

@@ -23,7 +23,7 @@ import numpy as np
 from mpisgd.errors import ModelOutputError
 from mpisgd.nn.containers import Sequential
 from mpisgd.nn.gpt import GPTShape, gpt
-from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU
+from mpisgd.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, Permute, ReLU, image_shape
 from mpisgd.nn.module import Model, Module, parameter_shapes
 from mpisgd.nn.resnet import resnet
 
@@ -53,9 +53,7 @@ def cnn(n_classes: int = 10, in_shape: tuple[int, ...] = (1, 28, 28)) -> Sequent
     Each max-pool comes before its ReLU: the two commute (both are monotone), so this is the same
     function and gradient as conv-ReLU-pool, with the ReLU on a quarter of the elements.
     """
-    if len(in_shape) != 3:
-        raise ValueError(f"--model cnn takes C x H x W samples (images); the data's are {in_shape}: use --model mlp")
-    c, h, w = in_shape
+    c, h, w = image_shape("cnn", in_shape)
     h4, w4 = (h // 2 - 4) // 2, (w // 2 - 4) // 2  # after pool, the unpadded 5x5 conv, pool
     if h4 < 1 or w4 < 1:
         raise ValueError(f"--model cnn needs images of at least 12 x 12; the data's are {h} x {w}")

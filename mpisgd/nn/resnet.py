@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mpisgd.nn.containers import Residual, Sequential
 from mpisgd.nn.dropout import Dropout
-from mpisgd.nn.layers import Conv2d, Linear, ReLU
+from mpisgd.nn.layers import Conv2d, Linear, ReLU, image_shape
 from mpisgd.nn.module import Module
 from mpisgd.nn.normalization import BatchNorm2d
 from mpisgd.nn.pooling import GlobalAvgPool2d
@@ -35,13 +35,10 @@ def resnet(in_shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10, depth: 
            widths: tuple[int, int, int] = WIDTHS, dropout: float = 0.0) -> Sequential:
     """ResNet-``depth`` (depth = 6n + 2: 20, 32, 44, 56, 110) for C x H x W images; ``dropout`` > 0 puts a
     Dropout between the pooling and the classifier."""
-    if len(in_shape) != 3:
-        raise ValueError(f"--model resnet takes C x H x W samples (images); the data's are {in_shape}: use --model "
-                         "mlp")
+    c = image_shape("resnet", in_shape)[0]
     if depth < 8 or (depth - 2) % 6:
         raise ValueError(f"resnet: depth must be 6n + 2 with n >= 1 (8, 14, 20, 32, ...), got {depth}")
     n = (depth - 2) // 6
-    c = in_shape[0]
     layers: list[Module] = [Conv2d(c, widths[0], 3, padding=1, bias=False), BatchNorm2d(widths[0]), ReLU(inplace=True)]
     width = widths[0]
     for stage, out in enumerate(widths):
