@@ -369,9 +369,14 @@ def validate(train: Dataset, test: Dataset, global_batch: int | None = None, dty
         if 0 in d.images.shape[1:]:
             raise DataError(f"the {what} samples have shape {d.images.shape[1:]}: no input values")
         if d.images.shape[0] != d.labels.shape[0] or d.labels.ndim != 1:
-            raise DataError(f"the {what} set has {d.images.shape[0]} inputs but labels of shape {d.labels.shape}")
+            one_hot = d.labels.ndim == 2 and d.labels.shape[0] == d.images.shape[0] and d.labels.shape[1] > 1
+            raise DataError(f"the {what} set has {d.images.shape[0]} inputs but labels of shape {d.labels.shape}"
+                            + (": one row of scores per sample (one-hot)? mpisgd takes one class index per sample: "
+                               "y.argmax(axis=1)" if one_hot else ""))
         if d.labels.dtype.kind not in "iu":
-            raise DataError(f"{what} labels must be integers, got {d.labels.dtype}")
+            whole = d.labels.dtype.kind == "f" and bool(np.all(np.isfinite(d.labels) & (np.mod(d.labels, 1) == 0)))
+            raise DataError(f"{what} labels must be integers, got {d.labels.dtype}"
+                            + (" (whole numbers: y.astype(np.int64))" if whole else ""))
         if int(d.labels.min()) < 0:
             at = int(np.argmin(d.labels))
             raise DataError(f"{what} labels must be >= 0 (classes 0..C-1); the smallest is {int(d.labels.min())} "
@@ -436,6 +441,28 @@ def scale_warnings(train: Dataset, test: Dataset) -> list[str]:
     return [f"training inputs are {train.images.dtype}, fed as x * {train.scale:.4g} + {train.shift:.4g}, test inputs "
             f"{test.images.dtype}, fed as x * {test.scale:.4g} + {test.shift:.4g}: unless the test set was scaled so "
             "beforehand, it is scored on other inputs than those trained on; give both sets in one dtype"]
+
+
+LARGE_INPUT = 100.0  # fed inputs beyond this: warned of (models train on inputs of order 1)
+
+
+def magnitude_warnings(train: Dataset) -> list[str]:
+    """Float training inputs fed at a magnitude far from 1 (raw pixel values 0..255, features in their own
+    units): they usually make the first steps' gradients overflow or the training crawl. A pass over the
+    inputs, in pieces (integer inputs are scaled by mpisgd: none)."""
+    if train.images.dtype.kind != "f":
+        return []
+    rows = max(1, CHECK_PIECE_BYTES // max(1, train.images[:1].nbytes))
+    largest = 0.0
+    for lo in range(0, len(train), rows):
+        x = np.asarray(train.images[lo:lo + rows])
+        with np.errstate(over="ignore", invalid="ignore"):
+            largest = max(largest, float(np.max(np.abs(x * train.scale + train.shift))))
+    if not largest > LARGE_INPUT:
+        return []
+    return [f"the training inputs reach {largest:.3g} in magnitude: models train best on inputs of order 1 "
+            "(standardise them, (x - mean) / std, or divide images by 255); the first steps' gradients may "
+            "overflow"]
 
 
 def _check_finite(what: str, d: Dataset, dtype: np.dtype | None) -> None:

@@ -7,6 +7,8 @@ memory."""
 from __future__ import annotations
 
 import json
+import re
+import warnings
 import zlib
 from pathlib import Path
 
@@ -300,6 +302,12 @@ def bad_set(tmp_path: Path, case: str) -> Path:
         a["x_test"] = rng.normal(size=(16, 6)).astype("float32")
     elif case == "float labels":
         a["y_train"] = a["y_train"].astype("float32")
+    elif case == "fractional labels":
+        a["y_train"] = a["y_train"] + 0.5
+    elif case == "one-hot":
+        a["y_train"] = np.eye(3)[a["y_train"]]
+    elif case == "raw scale":
+        a["x_train"], a["x_test"] = a["x_train"] * 1e30, a["x_test"] * 1e30
     elif case == "negative":
         a["y_train"][3] = -1
     elif case == "nan":
@@ -314,7 +322,11 @@ def bad_set(tmp_path: Path, case: str) -> Path:
 
 
 @pytest.mark.parametrize("case,says", mpi_first([
-    ("missing", "missing y_test"), ("shapes", "they must have one shape"), ("float labels", "must be integers"),
+    ("missing", "missing y_test"), ("shapes", "they must have one shape"),
+    ("float labels", "must be integers, got float32 (whole numbers: y.astype(np.int64))"),
+    ("fractional labels", "must be integers, got float64"),
+    ("one-hot", "labels of shape (64, 3): one row of scores per sample (one-hot)? mpisgd takes one class index per "
+                "sample: y.argmax(axis=1)"),
     ("negative", "labels must be >= 0"), ("nan", "hold NaN (sample 10, the first)"), ("empty", "the test set is empty"),
     ("int inputs", "must be uint8 or floating point"), ("small", "fewer than one global batch"),
 ]))
@@ -323,6 +335,24 @@ def test_bad_data_is_one_line_and_exit_2(shared_tmp, case, says):
     r = train_here(["--data", str(data), "--hidden", "8", "--progress", "off", "--batch-size",
                     "128" if case == "small" else "8"])  # 64 samples: not one batch at any k
     assert r.statuses == (2,) * k() and says in r.error and "epoch" not in r.out, r
+
+
+def test_inputs_far_from_order_one_are_warned_of_and_their_overflow_is_one_line(shared_tmp):
+    """Float inputs of about 1e30 (raw units): a warning before training says so; the overflow that follows is the
+    trainer's one line (--on-nan), not NumPy's RuntimeWarnings from every rank. Standardised inputs: no word."""
+    data = root_makes(lambda: bad_set(shared_tmp, "raw scale"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = train_here(["--data", str(data), "--hidden", "8", "--progress", "off", "--batch-size", "8"])
+    assert r.statuses == (1,) * k() and "non-finite gradient" in r.error, r
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    said = " ".join(r.out.split())  # rank 0's warnings wrap to the terminal's width
+    assert re.search(r"warning: the training inputs reach [0-9.]+e\+30 in magnitude: models train best on inputs "
+                     r"of order 1", said), said
+    assert "RuntimeWarning" not in r.err + "".join(r.outs), r.err
+    ok = root_makes(lambda: bad_set(shared_tmp, "ok"))
+    r = train_here(["--data", str(ok), "--hidden", "8", "--progress", "off", "--batch-size", "8"])
+    assert r.status == 0 and "in magnitude" not in r.out, r
 
 
 BAD_MODELS = """

@@ -270,7 +270,8 @@ def _load_data(cfg: Config) -> RunData:
         test = test.head(cfg.limit_test)
     classes = data.validate(train, test, dtype=cfg.dtype)
     identity = {**data.identity(name, train, test), "classes": classes}
-    warnings = data.label_warnings(train, test, classes) + data.scale_warnings(train, test)
+    warnings = data.label_warnings(train, test, classes) + data.scale_warnings(train, test) + \
+        data.magnitude_warnings(train)
     if not cfg.val_split:
         return RunData(train, test, source, identity, warnings)
     train, val = data.hold_out(train, cfg.val_split, cfg.seed)  # before sharding: the same samples at any k

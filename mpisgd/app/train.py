@@ -89,7 +89,9 @@ def run(cfg: Config, world: Any, signals: Any = None, watchdog: Any = None, hook
     """Set up, train, shut down (collective). The stall watchdog (one with ``cfg``'s bounds unless given)
     watches set-up and training alike; ``hooks`` (before each step) default to those the environment
     injects (the test suite's failures and delays, mpisgd.app.inject)."""
-    from mpisgd.app.inject import Injected  # noqa: PLC0415 - heavy imports after argument checks
+    import numpy as np  # noqa: PLC0415 - heavy imports after argument checks
+
+    from mpisgd.app.inject import Injected  # noqa: PLC0415
     from mpisgd.app.run import build_run  # noqa: PLC0415
     from mpisgd.app.trainer import Trainer  # noqa: PLC0415
 
@@ -103,7 +105,9 @@ def run(cfg: Config, world: Any, signals: Any = None, watchdog: Any = None, hook
         raise
     trainer = Trainer(setup, signals, hooks=Injected.from_environ() if hooks is None else hooks)
     try:
-        status = trainer.fit()
+        # an overflow is the trainer's to report (--on-nan), once, not NumPy's RuntimeWarning per array per rank
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            status = trainer.fit()
     except _errors_every_rank_raises():
         trainer.close()
         raise
