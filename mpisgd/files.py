@@ -63,7 +63,10 @@ def check_output_dir(path: str, what: str) -> None:
     if p.exists() and not p.is_dir():
         raise UsageError(f"{what} {path} exists and is not a directory")
     base = p
-    while not base.exists() and base != base.parent:  # (a dangling link counts as missing: made in its parent)
+    while not base.exists() and base != base.parent:
+        if base.is_symlink():  # a link to nothing: no directory can be made there
+            raise UsageError(f"{what} {path}: cannot create the directory ({base} is a symbolic link to "
+                             f"{os.readlink(base)}, which does not exist)")
         base = base.parent
     here = base == p
     if not base.is_dir():
