@@ -62,15 +62,19 @@ def check_output_dir(path: str, what: str) -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"{what} {path} exists and is not a directory")
-    base = p
+    base, missing = p, []
     while not base.exists() and base != base.parent:
         if base.is_symlink():  # a link to nothing: no directory can be made there
             raise UsageError(f"{what} {path}: cannot create the directory ({base} is a symbolic link to "
                              f"{os.readlink(base)}, which does not exist)")
+        missing.append(base.name)
         base = base.parent
     here = base == p
     if not base.is_dir():
         raise UsageError(f"{what} {path}: cannot create the directory ({os.strerror(errno.ENOTDIR)})")
+    longest = max((len(os.fsencode(name)) for name in missing), default=0)
+    if longest > _name_max(base):
+        raise UsageError(f"{what} {path}: cannot create the directory ({os.strerror(errno.ENAMETOOLONG)})")
     probe = base / f".mpisgd-write-test{TMP_SUFFIX}{os.getpid()}"
     try:
         probe.write_bytes(b"")
@@ -80,6 +84,14 @@ def check_output_dir(path: str, what: str) -> None:
         why = "it takes no new files" if exc.errno == errno.ENOENT and base.is_dir() else exc.strerror
         raise UsageError(f"{what} {path}: " + ("cannot write there" if here else "cannot create the directory")
                          + f" ({why})") from None
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name ``directory``'s file system takes (255 where it does not say)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:

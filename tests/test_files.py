@@ -31,13 +31,16 @@ def test_a_file_in_the_way_and_a_place_that_cannot_be_made(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "kept"] and not list((tmp_path / "kept").iterdir())
 
 
-def test_a_link_to_nothing_on_the_way_is_refused_before_training(tmp_path):
-    """The writers' mkdir would fail on it after the training: found now, naming the link."""
+def test_a_link_to_nothing_or_a_name_too_long_on_the_way_is_refused_before_training(tmp_path):
+    """The writers' mkdir would fail on them after the training: found now, the link named."""
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
     for where in ("gone", "gone/deeper"):
         with pytest.raises(UsageError, match=r"cannot create the directory \(.*/gone is a symbolic link to "
                                              r".*/nowhere, which does not exist\)"):
             check_output_dir(str(tmp_path / where), "--checkpoint-dir")
+    with pytest.raises(UsageError, match=r"cannot create the directory \(File name too long\)"):
+        check_output_dir(str(tmp_path / "new" / ("x" * 300)), "--checkpoint-dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone"]
 
 
 def test_a_place_whose_parent_cannot_take_files_is_refused_and_nothing_is_made(tmp_path, monkeypatch):
