@@ -16,6 +16,8 @@ from typing import Any
 
 from mpisgd.errors import UsageError
 
+NAME_MAX = 255  # bytes of one file name (Linux's file systems: ext4, XFS, tmpfs, NFS)
+
 # What a resumed run must share with the run that wrote its checkpoint, unless --resume-allow names it
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout", "data", "seed",
@@ -164,9 +166,15 @@ class Config:
 
     def validate(self) -> None:
         """Raise UsageError naming the first invalid value."""
-        for name in ("data", "data_dir", "checkpoint_dir", "save_model", "metrics_file", "timeline", "resume"):
-            if getattr(self, name) is not None and not getattr(self, name).strip():  # an unset shell variable
+        for name in ("data", "data_dir", "checkpoint_dir", "save_model", "metrics_file", "timeline", "resume",
+                     "tensorboard"):
+            path = getattr(self, name)
+            if path is not None and not path.strip():  # an unset shell variable
                 raise UsageError(f"--{name.replace('_', '-')} is empty: give a path (an unset shell variable?)")
+            longest = max((len(part.encode(errors="surrogateescape")) for part in (path or "").split("/")), default=0)
+            if longest > NAME_MAX:  # every file system call on it would fail (ENAMETOOLONG), some after training
+                raise UsageError(f"--{name.replace('_', '-')} {path[:40]}...: a name in it is {longest} bytes long; "
+                                 f"file systems take at most {NAME_MAX}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -32,10 +32,14 @@ def _not_regular(path: Path) -> bool:
 
 
 def check_output_file(path: str, what: str) -> None:
-    """``path`` can be created or replaced: its directory exists (or is made) and is writable, and the
+    """``path`` can be created or replaced: its directory exists (or can be made) and is writable, and the
     path is not something other than a regular file. Raises UsageError naming ``what`` (an option)."""
     p = Path(path)
-    if _not_regular(p):
+    try:
+        not_regular = _not_regular(p)
+    except OSError as exc:  # a name too long, a loop of links: what the file system says, in one line
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+    if not_regular:
         raise UsageError(f"{what} {path} exists and is not a regular file; choose another path")
     check_output_dir(str(p.parent) or ".", what)
 
@@ -59,7 +63,13 @@ def check_output_dir(path: str, what: str) -> None:
     file is created and removed in ``path``, or where it does not exist yet in its nearest existing parent
     (making a directory takes what making a file there takes), so that a run refused later, or several
     ranks checking one place at once, leave the place as it was (the writers make the directories)."""
-    p = Path(path)
+    try:
+        _check_output_dir(Path(path), path, what)
+    except OSError as exc:  # a name too long, a loop of links: what the file system says, in one line
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+
+
+def _check_output_dir(p: Path, path: str, what: str) -> None:
     if p.exists() and not p.is_dir():
         raise UsageError(f"{what} {path} exists and is not a directory")
     base, missing = p, []

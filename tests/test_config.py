@@ -138,13 +138,19 @@ def test_cnn_takes_its_own_recipe_where_the_command_line_is_silent():
 
 
 @pytest.mark.parametrize("flag", ["--data", "--data-dir", "--checkpoint-dir", "--save-model", "--metrics-file",
-                                  "--timeline", "--resume"])
-def test_an_empty_path_is_refused_not_taken_as_no_path(flag):
-    """`--data $DATA` with DATA unset: before, Fashion-MNIST was trained instead, with exit 0."""
+                                  "--timeline", "--resume", "--tensorboard"])
+def test_an_empty_path_or_a_name_too_long_is_refused(flag):
+    """`--data $DATA` with DATA unset: before, Fashion-MNIST was trained instead, with exit 0 (`--tensorboard ''`
+    ran without TensorBoard). A name of 300 bytes: before, a traceback from the first check that touched it,
+    or for --resume and --data from set-up (ENAMETOOLONG)."""
     with pytest.raises(UsageError, match=f"{flag} is empty: give a path"):
         parse_config([flag, ""], quiet=True)
     with pytest.raises(UsageError, match=f"{flag} is empty"):
         parse_config([flag, "  "], quiet=True)
+    with pytest.raises(UsageError, match=f"{flag} /tmp/y+\\.\\.\\.: a name in it is 300 bytes long; file systems "
+                                         "take at most 255"):
+        parse_config([flag, "/tmp/" + "y" * 300 + "/x"], quiet=True)
+    parse_config([flag, "/tmp/" + "y" * 255], quiet=True)  # the longest name there is
 
 
 def test_the_optimizer_is_part_of_the_run_identity():
