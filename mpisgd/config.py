@@ -18,6 +18,15 @@ from mpisgd.errors import UsageError
 
 NAME_MAX = 255  # bytes of one file name (Linux's file systems: ext4, XFS, tmpfs, NFS)
 
+
+def check_names(path: str | None, what: str) -> None:
+    """UsageError where a name in ``path`` is longer than NAME_MAX bytes: every file system call on it would
+    fail (ENAMETOOLONG), some of them after the training."""
+    longest = max((len(part.encode(errors="surrogateescape")) for part in (path or "").split("/")), default=0)
+    if longest > NAME_MAX:
+        raise UsageError(f"{what} {path[:40] if path else ''}...: a name in it is {longest} bytes long; file systems "
+                         f"take at most {NAME_MAX}")
+
 # What a resumed run must share with the run that wrote its checkpoint, unless --resume-allow names it
 # ("data": the data set's name, sizes and fingerprint); the model's structure may never change.
 IDENTITY = ("model", "hidden", "dtype", "context", "gpt_layers", "gpt_heads", "gpt_width", "dropout", "data", "seed",
@@ -171,10 +180,7 @@ class Config:
             path = getattr(self, name)
             if path is not None and not path.strip():  # an unset shell variable
                 raise UsageError(f"--{name.replace('_', '-')} is empty: give a path (an unset shell variable?)")
-            longest = max((len(part.encode(errors="surrogateescape")) for part in (path or "").split("/")), default=0)
-            if longest > NAME_MAX:  # every file system call on it would fail (ENAMETOOLONG), some after training
-                raise UsageError(f"--{name.replace('_', '-')} {path[:40]}...: a name in it is {longest} bytes long; "
-                                 f"file systems take at most {NAME_MAX}")
+            check_names(path, f"--{name.replace('_', '-')}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.config import check_names
 from mpisgd.errors import UsageError
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
@@ -302,6 +303,8 @@ def load_arrays(path: str) -> tuple[Dataset, Dataset]:
 
 def load_data(path: str | None, data_dir: str | None) -> tuple[Dataset, Dataset, str, str]:
     """(train, test, name, where) for ``--data`` / ``--data-dir`` (IDX), else the Fashion-MNIST search."""
+    check_names(path, "--data")
+    check_names(data_dir, "--data-dir")
     if path and not (Path(path).is_dir() and any(_find(Path(path), stem) for stem in FILES.values())):
         if not Path(path).exists():
             raise DataError(f"--data {path}: no such file or directory")

@@ -83,6 +83,12 @@ def read_model(path: str, in_shape: tuple[int, ...] | None = None, xp: Any = Non
                factory: str | Factory | None = None) -> SavedModel:
     """load_model, with the file's description of the model."""
     p = Path(path)
+    try:
+        p.stat()
+    except FileNotFoundError:
+        pass  # said below
+    except OSError as exc:  # a name too long, a loop of links: what the file system says, in one line
+        raise ModelFileError(f"{path}: {exc.strerror or exc}") from None
     if p.is_dir():
         try:
             state, found, _ = find_resume("auto", str(p))

@@ -100,9 +100,9 @@ def is_token_data(path: str | None, text: bool) -> bool:
     if not path:
         return False
     p = Path(path)
-    if not p.is_file():
-        return False
     try:
+        if not p.is_file():
+            return False
         with open(p, "rb") as f:
             magic = f.read(6)
         if magic == _NPY:

@@ -241,13 +241,17 @@ def test_nan_or_integer_parameters_are_refused(tmp_path, params, says):
 
 
 @pytest.mark.parametrize("option", ["--data", "--data-dir", "PATH"])
-def test_evaluate_with_an_empty_path_is_refused_not_fashion_mnist(tmp_path, option):
+def test_evaluate_with_an_empty_path_or_a_name_too_long_is_refused(tmp_path, option):
     """`evaluate --data ''` (an unset shell variable) scored Fashion-MNIST."""
     from mpisgd.app.evaluate import _prepare, build_parser
 
     model = str(_hostile_file(tmp_path / "m.npz", {}))
     argv = ["", "--data", str(tmp_path)] if option == "PATH" else [model, option, ""]
     with pytest.raises(UsageError, match=f"{re.escape(option)} is empty: give a path"):
+        _prepare(build_parser(quiet=True).parse_args(argv))
+    long = "/tmp/" + "y" * 300  # ENAMETOOLONG from the first look at it: a traceback before
+    argv = [long, "--dataset", "synthetic"] if option == "PATH" else [model, option, long]
+    with pytest.raises(UsageError, match="a name in it is 300 bytes long|File name too long"):
         _prepare(build_parser(quiet=True).parse_args(argv))
 
 

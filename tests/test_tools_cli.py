@@ -59,6 +59,7 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- sample --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,says", [
     (["", "--tokens", "3"], "PATH is empty: give a path (an unset shell variable?)"),
+    (["/tmp/" + "y" * 300 + ".npz"], "y.npz: File name too long"),  # a traceback before
     (["MODEL", "--tokens", "1000000000000"], "--tokens must be from 0 to 1,000,000, got 1000000000000"),
     (["MODEL", "--tokens", "-1"], "--tokens must be from 0 to 1,000,000"),
     (["NO_NEWLINE", "--tokens", "3"], "the default prompt, a new line, is not in the model's vocabulary of 4 "
