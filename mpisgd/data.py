@@ -356,8 +356,8 @@ FINGERPRINT_BYTES = 8 << 20  # inputs hashed per set by identity(), at least FIN
 FINGERPRINT_MIN_SAMPLES = 64
 
 
-def validate(train: Dataset, test: Dataset, global_batch: int | None = None, dtype: str | np.dtype | None = None
-             ) -> int:
+def validate(train: Dataset, test: Dataset, global_batch: int | None = None, dtype: str | np.dtype | None = None,
+             warnings: list[str] | None = None) -> int:
     """Refuse what cannot train, naming the array and the problem; returns the number of classes C
     (labels 0..C-1, inferred). Checks: one input per sample and inputs with values, non-empty, one label
     per sample, the same per-sample shape in both sets, integer labels >= 0 and not absurdly many classes,
@@ -384,7 +384,9 @@ def validate(train: Dataset, test: Dataset, global_batch: int | None = None, dty
             at = int(np.argmin(d.labels))
             raise DataError(f"{what} labels must be >= 0 (classes 0..C-1); the smallest is {int(d.labels.min())} "
                             f"({what} sample {at})")
-        _check_finite(what, d, np.dtype(dtype) if dtype is not None else None)
+        largest = _check_finite(what, d, np.dtype(dtype) if dtype is not None else None)
+        if what == "training" and warnings is not None and largest > LARGE_INPUT:
+            warnings.append(_magnitude_warning(largest))
     if train.images.shape[1:] != test.images.shape[1:]:
         raise DataError(f"training samples are {train.images.shape[1:]}, test samples {test.images.shape[1:]}: "
                         "they must have one shape")
@@ -449,37 +451,29 @@ def scale_warnings(train: Dataset, test: Dataset) -> list[str]:
 LARGE_INPUT = 100.0  # fed inputs beyond this: warned of (models train on inputs of order 1)
 
 
-def magnitude_warnings(train: Dataset) -> list[str]:
+def _magnitude_warning(largest: float) -> str:
     """Float training inputs fed at a magnitude far from 1 (raw pixel values 0..255, features in their own
-    units): they usually make the first steps' gradients overflow or the training crawl. A pass over the
-    inputs, in pieces (integer inputs are scaled by mpisgd: none)."""
-    if train.images.dtype.kind != "f":
-        return []
-    rows = max(1, CHECK_PIECE_BYTES // max(1, train.images[:1].nbytes))
-    largest = 0.0
-    for lo in range(0, len(train), rows):
-        x = np.asarray(train.images[lo:lo + rows])
-        with np.errstate(over="ignore", invalid="ignore"):
-            largest = max(largest, float(np.max(np.abs(x * train.scale + train.shift))))
-    if not largest > LARGE_INPUT:
-        return []
-    return [f"the training inputs reach {largest:.3g} in magnitude: models train best on inputs of order 1 "
-            "(standardise them, (x - mean) / std, or divide images by 255); the first steps' gradients may "
-            "overflow"]
+    units): they usually make the first steps' gradients overflow or the training crawl."""
+    return (f"the training inputs reach {largest:.3g} in magnitude: models train best on inputs of order 1 "
+            "(standardise them, (x - mean) / std, or divide images by 255); the first steps' gradients may overflow")
 
 
-def _check_finite(what: str, d: Dataset, dtype: np.dtype | None) -> None:
-    """NaN or inf in the float inputs, or values that become inf in ``dtype``: refused, naming the sample."""
+def _check_finite(what: str, d: Dataset, dtype: np.dtype | None) -> float:
+    """NaN or inf in the float inputs, or values that become inf in ``dtype``: refused, naming the sample.
+    Returns the largest magnitude of the inputs as fed (0 for integer inputs, which mpisgd scales)."""
     if d.images.dtype.kind != "f":
-        return
+        return 0.0
     n = len(d)
     rows = max(1, CHECK_PIECE_BYTES // max(1, d.images[:1].nbytes))
+    largest = 0.0
     for lo in range(0, n, rows):
         x = np.asarray(d.images[lo:lo + rows])
         with np.errstate(over="ignore", invalid="ignore"):
             y = x if dtype is None or dtype == x.dtype else (x * d.scale + d.shift).astype(dtype)
         finite = np.isfinite(y).reshape(len(y), -1).all(axis=1)
         if finite.all():
+            with np.errstate(over="ignore"):
+                largest = max(largest, float(np.max(np.abs(x * d.scale + d.shift))))
             continue
         i = int(np.argmin(finite))
         j = int(np.argmin(np.isfinite(y[i]).ravel()))
@@ -488,6 +482,7 @@ def _check_finite(what: str, d: Dataset, dtype: np.dtype | None) -> None:
             raise DataError(f"{what} inputs hold {float(value):g} (sample {lo + i}), which overflows {dtype}, the "
                             "model's dtype: scale the inputs, or pass --dtype float64")
         raise DataError(f"{what} inputs hold {'NaN' if np.isnan(value) else 'inf'} (sample {lo + i}, the first)")
+    return largest
 
 
 def identity(name: str, train: Dataset, test: Dataset) -> dict[str, Any]:
