@@ -220,6 +220,10 @@ def load_tokens(path: str, context: int, val_fraction: float, vocab: Vocabulary 
     short for one window, naming it)."""
     stream, vocab, what = read_stream(path, vocab)
     sizes = split_sizes(len(stream), val_fraction)
+    if sizes[0] <= 0:
+        raise DataError(f"--val-split {val_fraction:g} and the test part (the last {TEST_FRACTION:.0%}) take all "
+                        f"{len(stream):,} tokens of --data {path}: leave text for training (--val-split below "
+                        f"{1 - TEST_FRACTION:g})")
     bounds = np.cumsum((0, *sizes))
     parts: list[Dataset | None] = []
     for name, size, lo in zip(("training", "validation", "test"), sizes, bounds, strict=False):

@@ -104,6 +104,18 @@ def test_bad_sequence_data_is_one_line(tmp_path, case, says):
     assert says in str(err.value) and "\n" not in str(err.value), err.value
 
 
+@pytest.mark.parametrize("val_fraction", [0.95, 0.99])
+def test_a_validation_share_that_leaves_no_training_text_is_one_line(tmp_path, val_fraction):
+    """--val-split 0.99 said the training part "has -1,200" tokens."""
+    path = tmp_path / "t.txt"
+    path.write_text("xy" * 3000)
+    with pytest.raises(DataError) as err:
+        load_tokens(str(path), context=8, val_fraction=val_fraction)
+    says = str(err.value)
+    assert f"--val-split {val_fraction:g} and the test part (the last 5%) take all 6,000 tokens" in says, says
+    assert "below 0.95" in says and "has -" not in says and "\n" not in says
+
+
 def test_an_npz_of_tokens_with_its_characters(tmp_path):
     stream, vocab, _ = read_stream(write(tmp_path))
     path = tmp_path / "tokens.npz"
