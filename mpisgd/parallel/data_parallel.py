@@ -34,7 +34,7 @@ from mpisgd.comm import Reducer, create_reducer
 from mpisgd.nn.loss import SoftmaxCrossEntropy
 from mpisgd.optim import Optimizer, clip_grad_norm_
 from mpisgd.parallel.buckets import BucketSchedule, make_buckets
-from mpisgd.parallel.check_in import CHECK_IN_WORDS
+from mpisgd.parallel.check_in import CHECK_IN_WORDS, BatchProblem, batch_problem
 from mpisgd.parallel.check_in import check_in as step_check_in
 from mpisgd.parallel.fixed_point import ExactGradients
 from mpisgd.parallel.gradients import FloatGradients
@@ -122,6 +122,9 @@ class DataParallel:
         self.sharded = shard_optimizer and self.k > 1
         self.loss: Loss = loss or SoftmaxCrossEntropy()
         self._n_classes: int | None = None  # the model's outputs, known after the first forward
+        self._classes_at = -1  # the step of that forward
+        ignore = getattr(self.loss, "ignore_index", None)  # targets the loss does not score (TokenCrossEntropy's)
+        self._ignore: int | None = int(ignore) if ignore is not None else None
         self._rows = np.zeros((0, self.replica.stat_size))  # per micro-batch, the model's statistics
         self._closed = False
         reduced = kind.reduced_dtype(flat.dtype)
@@ -196,9 +199,15 @@ class DataParallel:
         """One optimizer step over this rank's micro-batches, each ``(x, y)`` or ``(x, y, sample_ids)``
         (without ids: mpisgd.parallel.replica.micro_batches_of says which); returns the local mean loss
         (0-d array). The model is put in train mode."""
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"train_step's lr must be a finite number >= 0, got {lr}")
         batches = micro_batches_of(micro_batches, self.rank, self.loss)
-        if self.check_in and self.k > 1:
-            self._check_in(0, batches)
+        if self.check_in:  # the caller has not vouched for its batches: check them (on every rank at once)
+            problem = self._batch_problem(batches)
+            if self.k > 1:
+                self._check_in(0, batches, problem)
+            elif problem:
+                raise ValueError(f"train_step: {problem.says(self._n_classes, self._ignore)}")
         self.replica.train()
         targets = sum(b.count for b in batches)
         # every target weighs 1/(k*targets): with the same count on every rank (the check-in compares it)
@@ -247,14 +256,24 @@ class DataParallel:
             row[...] = 0.0
             self.replica.begin_batch(step=self.step_count, sample_ids=batch.ids, stat_row=row)
             logits = self.replica.forward(batch.x)
+            self._bound_labels(logits, batch)
             loss = self.loss.forward_array(logits, batch.y)
-        self._n_classes = logits.shape[1] if logits.ndim == 2 else None
         t1 = time.perf_counter()
         with self.timeline.span("backward"):
             self.replica.backward(self.loss.backward(scale), hook)
         self.times.forward_s += t1 - t0
         self.times.backward_s += time.perf_counter() - t1
         return loss
+
+    def _bound_labels(self, logits: Array, batch: MicroBatch) -> None:
+        """Learn the labels' upper bound (the model's outputs) at the first forward, and check that step's
+        labels against it: its check-in could not (the ranks' next check-ins compare them)."""
+        if self._n_classes is None and logits.ndim >= 2:
+            self._n_classes, self._classes_at = logits.shape[-1], self.step_count
+        if self.check_in and self._classes_at == self.step_count and \
+                self._batch_problem([batch]) == BatchProblem.RANGE:
+            raise ValueError(f"train_step: rank {self.rank} passed "
+                             f"{BatchProblem.RANGE.says(self._n_classes, self._ignore)}")
 
     def _update(self, lr: float) -> None:
         """The step on the averaged gradient: first its global norm, when clipping or asked (from the
@@ -280,13 +299,17 @@ class DataParallel:
         Allgather). Returns the largest ``stop`` any rank passed (0: none; a SIGTERM to stop at this step)."""
         if self.k == 1:
             return stop
-        return self._check_in(stop, micro_batches_of(micro, self.rank, self.loss) if micro else [])
+        batches = micro_batches_of(micro, self.rank, self.loss) if micro else []
+        return self._check_in(stop, batches, self._batch_problem(batches))
 
-    def _check_in(self, stop: int, batches: Sequence[MicroBatch]) -> int:
+    def _batch_problem(self, batches: Sequence[MicroBatch]) -> BatchProblem:
+        return batch_problem([(b.x, b.y) for b in batches], self._n_classes, self._ignore)
+
+    def _check_in(self, stop: int, batches: Sequence[MicroBatch], problem: BatchProblem) -> int:
         return step_check_in(self.comm, self.watchdog, self.timeline, self.meter, step=self.step_count,
-                        size=self.flat.size, itemsize=self.flat.dtype.itemsize, buckets=len(self.buckets),
-                        labels=[b.y for b in batches], targets=sum(b.count for b in batches), stop=stop,
-                        n_classes=self._n_classes)
+                             size=self.flat.size, itemsize=self.flat.dtype.itemsize, buckets=len(self.buckets),
+                             micro_batches=len(batches), targets=sum(b.count for b in batches), stop=stop,
+                             problem=problem, n_classes=self._n_classes, ignore=self._ignore)
 
     def grads_finite(self) -> bool:
         """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
