@@ -200,5 +200,11 @@ def test_layout_names_and_errors():
         Conv2d(3, 2, 3).materialize(np).forward(np.zeros((4, 2, 5, 5)))
     with pytest.raises(ValueError, match="smaller than the kernel"):
         Conv2d(1, 1, 5).materialize(np).forward(np.zeros((1, 1, 3, 3)))
+    # a Linear given another width: reshape(-1, in) made other rows (or a NumPy error about gufuncs)
+    with pytest.raises(ValueError, match=r"Linear\(8, 2\) takes 8 features .* got shape \(8, 4\)"):
+        Linear(8, 2).materialize(np).forward(np.zeros((8, 4)))
+    with pytest.raises(ValueError, match=r"Linear\(400, 10\) takes 400 features .* got shape \(4, 576\)"):
+        Sequential(Flatten(), Linear(400, 10)).materialize(np).forward(np.zeros((4, 1, 24, 24)))
+    assert Linear(8, 2).materialize(np).forward(np.zeros((2, 3, 8))).shape == (2, 3, 2)  # leading axes are rows
     with pytest.raises(ValueError, match="channels, kernel and stride must be >= 1"):
         Conv2d(1, 1, 3, stride=0)

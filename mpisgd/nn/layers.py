@@ -64,6 +64,9 @@ class Linear(Module):
         return {"W": W.astype(dtype), "b": np.zeros(self.n_out, dtype)}
 
     def forward(self, x: Array) -> Array:
+        if x.ndim == 0 or x.shape[-1] != self.n_in:  # else reshape makes other rows, or fails obscurely
+            raise ValueError(f"{self!r} takes {self.n_in} features on the input's last axis, got shape "
+                             f"{tuple(x.shape)}")
         self._x = x.reshape(-1, self.n_in)  # a view (x itself when 2-D): rows of one GEMM
         self._w = self.ctx.kernels.weight(self.params["W"], self._w)
         y = self._buf("y", (*x.shape[:-1], self.n_out), x)
