@@ -562,6 +562,13 @@ class GlobalBatches:
     accum_steps: int = 1
 
     def __post_init__(self) -> None:
+        k, m = self.world_size, self.accum_steps
+        if k < 1 or m < 1 or not 0 <= self.rank < k:
+            raise ValueError(f"GlobalBatches: rank {self.rank} of world_size {k} with accum_steps {m}: the rank must "
+                             "be in 0..world_size-1, world_size and accum_steps >= 1")
+        if self.global_batch < 1 or self.global_batch % (k * m):
+            raise ValueError(f"GlobalBatches: the global batch {self.global_batch} is not a positive multiple of "
+                             f"world_size x accum_steps = {k * m}: the ranks' micro-batches would differ in size")
         if self.steps_per_epoch < 1:
             raise DataError(f"the training set has {self.n_samples} samples, fewer than one global batch "
                             f"B = {self.global_batch} (k={self.world_size} ranks x b={self.local_batch} "
@@ -578,6 +585,9 @@ class GlobalBatches:
     def indices(self, perm: np.ndarray, step: int, micro: int) -> np.ndarray:
         """Sample indices of this rank's micro-batch ``micro`` of step ``step`` (within the epoch)."""
         b, m = self.local_batch, self.accum_steps
+        if not (0 <= step < self.steps_per_epoch and 0 <= micro < m):
+            raise IndexError(f"GlobalBatches.indices: step {step}, micro-batch {micro}; an epoch has steps "
+                             f"0..{self.steps_per_epoch - 1} of micro-batches 0..{m - 1} (the step within the epoch)")
         start = step * self.global_batch + (self.rank * m + micro) * b
         return perm[start:start + b]
 
@@ -589,6 +599,8 @@ class BatchLoader:
     def __init__(self, data: Dataset, xp: Any, dtype: str | np.dtype) -> None:
         self.xp = xp
         self.data = data
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise ValueError(f"BatchLoader: inputs in float32 or float64 (the model's dtype), got {np.dtype(dtype)}")
         self.dtype = np.dtype(np.int64) if data.tokens else np.dtype(dtype)
         self._images = xp.asarray(data.images)  # uint8 on the device: 4x smaller than floats
         self._labels = xp.asarray(data.labels)

@@ -3,7 +3,8 @@ error: on every rank at once (the check-in, k >= 2), or a ValueError at k = 1. B
 classes and float labels were an IndexError from inside the loss on the ranks that had them (the others
 waited in the all-reduce), an empty micro-batch a ZeroDivisionError, a NaN rate trained silently, a
 negative label at k = 1 silently scored the last class, and TokenCrossEntropy's documented ignore_index (-1)
-was refused at k >= 2 as a label outside the classes."""
+was refused at k >= 2 as a label outside the classes. The building blocks of such a loop (GlobalBatches,
+BatchLoader, materialize, Linear, the optimizers) refuse arguments that would train wrongly or fail later."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from conftest import world
 from mpi4py import MPI
 
 from mpisgd.agreement import ReplicaError
+from mpisgd.data import BatchLoader, GlobalBatches, synthetic
 from mpisgd.nn import GPTShape, TokenCrossEntropy, gpt, mlp
 from mpisgd.optim import SGD
 from mpisgd.optim.adam import AdamW
@@ -119,3 +121,25 @@ def test_targets_the_loss_ignores_train_at_k_2_and_more():
         assert np.isfinite(float(dp.train_step([padded_tokens(comm.Get_rank())], lr=1e-3)))
     dp.check_replicas()
     dp.close()
+
+
+def _batches(**change):
+    args = {"n_samples": 100, "global_batch": 12, "rank": 0, "world_size": 2, "accum_steps": 1, **change}
+    return GlobalBatches(**args)
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda: _batches(global_batch=10, world_size=3), "global batch 10 is not a positive multiple of world_size x "
+                                                       "accum_steps = 3"),  # rank 0 drew 3 samples, rank 2 four
+    (lambda: _batches(rank=2), "the rank must be in 0..world_size-1"),  # samples of a rank that does not exist
+    (lambda: _batches(global_batch=0), "not a positive multiple"),  # ZeroDivisionError
+    (lambda: _batches().indices(np.arange(100), 8, 0), "an epoch has steps 0..7"),  # an empty batch
+    (lambda: _batches(accum_steps=2).indices(np.arange(100), 0, 2), "of micro-batches 0..1"),
+    (lambda: SGD(classifier(MPI.COMM_SELF).flat, weight_decay=float("nan")), "weight decay must be finite"),
+    (lambda: mlp((8,), n_in=4).materialize(np, "int32"), "the parameters' dtype is float32 or float64, got int32"),
+    (lambda: mlp((0,), n_in=4), r"Linear\(4, 0\): its input and output widths must be >= 1"),
+    (lambda: BatchLoader(synthetic(10), np, "int32"), "inputs in float32 or float64"),  # a NumPy casting error
+])
+def test_the_librarys_building_blocks_refuse_arguments_that_would_train_wrongly(make, says):
+    with pytest.raises((ValueError, IndexError), match=says):
+        make()

@@ -356,7 +356,7 @@ def test_inputs_far_from_order_one_are_warned_of_and_their_overflow_is_one_line(
 
 
 BAD_MODELS = """
-from mpisgd.nn import Flatten, Linear, Sequential
+from mpisgd.nn import Flatten, Linear, Module, Sequential
 def raises(input_shape, n_classes):
     raise RuntimeError("this model is broken")
 def three_outputs(input_shape, n_classes):
@@ -367,6 +367,12 @@ def one_argument(input_shape):
     return Sequential(Flatten(), Linear(5, 3))
 def negative_width(input_shape, n_classes):
     return Sequential(Flatten(), Linear(5, -3), Linear(-3, n_classes))
+class Gain(Module):
+    def __init__(self, n):
+        super().__init__()
+        self.param_shapes = [("g", (n,))]
+def empty_parameter(input_shape, n_classes):  # a module of your own checks no size: the model check does
+    return Sequential(Flatten(), Linear(5, n_classes), Gain(0))
 """
 
 
@@ -376,7 +382,8 @@ def negative_width(input_shape, n_classes):
     ("badmodels:three_outputs", "gives (4,) outputs per sample; the data have 3 classes"),
     ("badmodels:one_argument", "takes 1 positional argument but 2 were given (mpisgd calls a factory as "
                                "f(input_shape, n_classes))"),
-    ("badmodels:negative_width", "parameter 1.Linear.W has shape (5, -3): a parameter's dimensions must be "),
+    ("badmodels:negative_width", "raised ValueError: Linear(5, -3): its input and output widths must be >= 1"),
+    ("badmodels:empty_parameter", "parameter 2.Gain.g has shape (0,): a parameter's dimensions must be "),
     ("badmodels:not_a_model", "must return an mpisgd.nn.Module (e.g. a Sequential) or a torch.nn.Module, got int"),
     ("cnn", "--model cnn takes C x H x W samples"),
     ("vgg", "--model must be mlp, cnn, resnet, gpt or package.module:function"),

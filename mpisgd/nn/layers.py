@@ -50,6 +50,8 @@ class Linear(Module):
 
     def __init__(self, n_in: int, n_out: int, init_std: float | None = None) -> None:
         super().__init__()
+        if n_in < 1 or n_out < 1:
+            raise ValueError(f"Linear({n_in}, {n_out}): its input and output widths must be >= 1")
         self.n_in, self.n_out, self.init_std = n_in, n_out, init_std
         self.param_shapes = [("W", (n_in, n_out)), ("b", (n_out,))]
         self._x: Array = None  # the input as (rows, in)

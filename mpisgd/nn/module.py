@@ -176,6 +176,8 @@ class Module:
     def materialize(self, xp: Any, dtype: str | np.dtype = "float32", seed: int = 0) -> Model:
         """The model of this tree: flat buffers on ``xp``, parameters initialised from ``seed`` (drawn on
         the host with NumPy, in pre-order, so CPU and GPU runs with the same seed start alike)."""
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise ValueError(f"materialize: the parameters' dtype is float32 or float64, got {np.dtype(dtype)}")
         return Model(self, xp, np.dtype(dtype), seed)
 
     def extra_repr(self) -> str:

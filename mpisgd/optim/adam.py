@@ -60,7 +60,7 @@ class AdamW:
         if not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"eps must be finite and > 0, got {eps}")
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+            raise ValueError(f"weight decay must be finite and >= 0, got {weight_decay}")
         if decay_mask is not None and len(decay_mask) != len(flat.shapes):
             raise ValueError(f"decay_mask has {len(decay_mask)} entries for {len(flat.shapes)} parameter tensors")
         self.flat = flat

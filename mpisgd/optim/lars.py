@@ -45,8 +45,8 @@ class LARS(SGD):
     def __init__(self, flat: FlatBuffer, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, momentum_correction: bool = False, trust_coef: float = 0.1,
                  level1: bool = True) -> None:
-        if weight_decay < 0:
-            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight decay must be finite and >= 0, got {weight_decay}")
         if not (math.isfinite(trust_coef) and trust_coef > 0):
             raise ValueError(f"trust coefficient must be finite and > 0, got {trust_coef}")
         super().__init__(flat, momentum, nesterov, 0.0, momentum_correction, level1)

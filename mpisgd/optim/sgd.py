@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,8 +45,8 @@ class SGD:
                              "parameters")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight decay must be finite and >= 0, got {weight_decay}")
         self.flat = flat
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
         self.momentum_correction = momentum_correction
