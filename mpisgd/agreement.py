@@ -70,6 +70,45 @@ def verify_same(comm: Any, value: Any, what: str, error: type[Exception] = Repli
                     f"({len(values)} ranks; values: {dict(enumerate(values))})")
 
 
+def verify_same_layout(comm: Any, layout: dict[str, Any] | list[Any], what: str, noun: str = "item",
+                       error: type[Exception] = ReplicaError) -> None:
+    """Raise ``error`` on every rank when ``layout`` (a dict of named parts, or a list of items called
+    ``noun``) differs between ranks, naming the odd ranks and each one's first difference from the others ("dtype:
+    rank 1 has 'float64' where rank 0 has 'float32'"). One small allgather of digests; the layouts
+    themselves travel only when they differ (every rank then takes that path alike)."""
+    digests = comm.allgather(layout_digest(layout))
+    bad = differing_ranks(digests)
+    if not bad:
+        return
+    every = comm.allgather(layout)
+    usual = next(r for r in range(len(every)) if r not in bad)
+    raise error(f"{what} differs on rank(s) {bad} from the other ranks: "
+                + "; ".join(first_difference(every[usual], every[r], usual, r, noun) for r in bad))
+
+
+def first_difference(a: dict[str, Any] | list[Any], b: dict[str, Any] | list[Any], ra: int, rb: int,
+                     noun: str) -> str:
+    """Where rank ``rb``'s layout ``b`` first differs from rank ``ra``'s ``a``, in words (values cut to 120
+    characters)."""
+    def cut(v: Any) -> str:
+        text = repr(v)
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in a:
+            if key not in b or a[key] != b[key]:
+                va, vb = a[key], b.get(key)
+                if isinstance(va, list | tuple) and isinstance(vb, list | tuple) and len(va) == len(vb):
+                    i = next(i for i in range(len(va)) if va[i] != vb[i])
+                    return f"{key} [{i}]: rank {rb} has {cut(vb[i])} where rank {ra} has {cut(va[i])}"
+                return f"{key}: rank {rb} has {cut(vb)} where rank {ra} has {cut(va)}"
+        return f"rank {rb} has parts rank {ra} lacks: {sorted(set(b) - set(a))}"
+    for i, (va, vb) in enumerate(zip(a, b, strict=False)):
+        if va != vb:
+            return f"{noun} {i}: rank {rb} has {cut(vb)} where rank {ra} has {cut(va)}"
+    return f"rank {rb} has {len(b)} {noun}s where rank {ra} has {len(a)}"
+
+
 def name_differences(records: Sequence[dict[str, Any]], flag: bool = False) -> list[str]:
     """For per-rank dictionaries, one phrase per key whose value is not the same everywhere:
     "KEY is A on ranks [0, 1] but B on rank(s) [2]" (with ``flag``, KEY spelled as an option)."""

@@ -250,7 +250,8 @@ def test_model_state_is_broadcast_compared_and_part_of_the_layout():
         dp.check_replicas()
     dp.close()
     odd = Fake(stats=True, state_size=3 if rank == last else 2)
-    with pytest.raises(ReplicaError, match=rf"state.* differs on rank\(s\) \[{last}\]"):
+    with pytest.raises(ReplicaError, match=rf"state.* differs on rank\(s\) \[{last}\] .*: state size: rank {last} "
+                                           r"has 3 where rank 0 has 2"):
         DataParallel(odd, SGD(odd.flat), comm)
     assert np.array_equal(after_start, [1.0, 1.0])  # rank 0's
 

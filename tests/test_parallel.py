@@ -380,7 +380,8 @@ def test_ranks_with_another_optimizer_are_refused_on_every_rank():
     comm = world()
     model = mlp((8,)).materialize(np, "float64")
     optimizer = AdamW(model.flat) if comm.Get_rank() == 1 else SGD(model.flat, momentum=0.9)
-    with pytest.raises(ReplicaError, match=r"the optimizer .* differs on rank\(s\) \[1\]"):
+    with pytest.raises(ReplicaError, match=r"the optimizer .* differs on rank\(s\) \[1\] from the other ranks: "
+                                           r"optimizer: rank 1 has 'AdamW' where rank 0 has 'SGD'"):
         DataParallel(model, optimizer, comm)
 
 

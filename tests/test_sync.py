@@ -80,9 +80,13 @@ def test_broadcast_gives_every_rank_root_values_and_new_arrays_for_read_only_inp
 def test_ranks_with_other_arrays_are_refused_on_every_rank():
     comm = world()
     avg = GradientAverager(comm)
-    shape = (4,) if comm.Get_rank() == 0 else (5,)
-    with pytest.raises(ReplicaError, match=r"differs on rank\(s\)"):
-        avg.average_([np.zeros(shape)])
+    odd = comm.Get_size() - 1
+    shape = (5,) if comm.Get_rank() == odd else (4,)
+    with pytest.raises(ReplicaError, match=rf"differs on rank\(s\) \[{odd}\] from the other ranks: array 0: rank {odd} "
+                                           r"has \(\(5,\), 'float64'\) where rank 0 has \(\(4,\), 'float64'\)"):
+        avg.average_([np.zeros(shape)])  # the difference named, not two digests
+    with pytest.raises(ReplicaError, match=rf"rank {odd} has 1 arrays where rank 0 has 2"):
+        avg.average_([np.zeros(4)] * (1 if comm.Get_rank() == odd else 2))
     with pytest.raises(TypeError, match="floating-point"):
         avg.average_([np.zeros(3, dtype=np.int64)])
     avg.close()

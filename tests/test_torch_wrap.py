@@ -327,3 +327,18 @@ def test_a_rank_at_another_step_is_named_on_every_rank():
         torch.nn.functional.cross_entropy(model(x), y).backward()
     model.step = 0
     model.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_with_another_model_is_refused_naming_the_tensor_that_differs():
+    """The message names the first tensor that differs and both ranks' versions (it showed two digests)."""
+    from mpisgd.agreement import ReplicaError
+
+    comm = MPI.COMM_WORLD
+    odd = comm.Get_size() - 1
+    module = net(dtype=torch.float32 if comm.Get_rank() == odd else torch.float64, bn=False)
+    first = next(iter(module.state_dict()))
+    with pytest.raises(ReplicaError, match=rf"differs on rank\(s\) \[{odd}\] from the other ranks: tensor 0: "
+                                           rf"rank {odd} has \('{first}', .*'torch.float32'.* where rank 0 has "
+                                           r".*'torch.float64'"):
+        wrap(module, comm)

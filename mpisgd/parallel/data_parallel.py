@@ -28,7 +28,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.agreement import ReplicaError, bcast_, differing_ranks, layout_digest, same_arithmetic, verify_same
+from mpisgd.agreement import (
+    ReplicaError,
+    bcast_,
+    differing_ranks,
+    same_arithmetic,
+    verify_same,
+    verify_same_layout,
+)
 from mpisgd.backend import arithmetic, is_device_array, to_numpy
 from mpisgd.comm import Reducer, create_reducer
 from mpisgd.nn.loss import SoftmaxCrossEntropy
@@ -133,8 +140,8 @@ class DataParallel:
             if self.sharded else ReplicatedStep(flat, self.comm, self.reducer, kind.block_sums)
         self.update.own_state(optimizer)  # sharded: each rank keeps its chunks of the state only (local, before
         # the optimizer's buffers are first made: the whole ones never are)
-        verify_same(self.comm, layout_digest(model_layout(self.replica, flat) + optimizer_layout(optimizer)),
-                    "the model (layers, shapes, dtype or state) or the optimizer (its kind and state buffers)")
+        verify_same_layout(self.comm, model_layout(self.replica, flat) | optimizer_layout(optimizer),
+                           "the model (layers, shapes, dtype or state) or the optimizer (its kind and state buffers)")
         kernels = getattr(getattr(model, "ctx", None), "kernels", None)  # mpisgd.kernels: portable ones need no check
         if getattr(kernels, "name", "fast") != "portable":  # ranks that round otherwise would drift apart
             same_arithmetic(self.comm, arithmetic(flat.params, getattr(optimizer, "blas", None) is not None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,17 +66,18 @@ def as_replica(model: ReplicaModel | BasicModel) -> ReplicaModel:
     return model if isinstance(model, ReplicaModel) else WithoutState(model)
 
 
-def model_layout(model: ReplicaModel, flat: FlatBuffer) -> str:
+def model_layout(model: ReplicaModel, flat: FlatBuffer) -> dict[str, Any]:
     """What every rank's replica must share: its layers, their parameter shapes, the dtype and the size of
     its state."""
     state = model.state
-    return f"{model!r} {flat.shapes} {flat.dtype} state {0 if state is None else state.size} stats {model.stat_size}"
+    return {"model": repr(model), "parameter shapes": [tuple(s) for s in flat.shapes], "dtype": str(flat.dtype),
+            "state size": 0 if state is None else int(state.size), "statistics": model.stat_size}
 
 
-def optimizer_layout(optimizer: Optimizer) -> str:
+def optimizer_layout(optimizer: Optimizer) -> dict[str, Any]:
     """What every rank's optimizer must share: its kind and its state buffers (broadcast and gathered
     by name, so a rank with other buffers would mismatch those collectives)."""
-    return f" {type(optimizer).__name__} {sorted(optimizer.state_buffers())}"
+    return {"optimizer": type(optimizer).__name__, "optimizer state": sorted(optimizer.state_buffers())}
 
 
 @dataclass

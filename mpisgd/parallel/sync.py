@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpisgd.agreement import bcast_, layout_digest, verify_same
+from mpisgd.agreement import bcast_, verify_same_layout
 from mpisgd.backend import is_device_array, to_numpy, xp_of
 from mpisgd.comm import Reducer, create_reducer
 from mpisgd.comm.base import Handle
@@ -54,14 +54,14 @@ def as_array(a: Any) -> Any:
                     "DLPack (PyTorch, JAX)")
 
 
-def _signature(views: list[Any]) -> str:
-    return layout_digest([(v.shape, v.dtype.str) for v in views])
+def _layout(views: list[Any]) -> list[tuple[tuple[int, ...], str]]:
+    return [(tuple(v.shape), str(v.dtype)) for v in views]
 
 
 def broadcast_(arrays: list[Any], comm: Any, root: int = 0) -> list[Any]:
     """Every rank takes ``root``'s values (collective); returns the arrays (new ones where read-only)."""
     views = [as_array(a) for a in arrays]
-    verify_same(comm, _signature(views), "the arrays to broadcast (their number, shapes or dtypes)")
+    verify_same_layout(comm, _layout(views), "the arrays to broadcast (their number, shapes or dtypes)", "array")
     out = []
     for v in views:
         if is_device_array(v) or (v.flags.writeable and v.flags.c_contiguous):
@@ -125,7 +125,8 @@ class GradientAverager:
                 raise TypeError(f"only floating-point arrays can be averaged, got {v.dtype}")
         self._calls += 1
         with self.watchdog.watching(f"GradientAverager.start call {self._calls}: comparing the arrays"):
-            verify_same(self.comm, _signature(views), "the arrays to average (their number, shapes or dtypes)")
+            verify_same_layout(self.comm, _layout(views), "the arrays to average (their number, shapes or dtypes)",
+                               "array")
         red = self.reducer(any(is_device_array(v) for v in views))
         base, group = len(self.results), []
         self.results += views

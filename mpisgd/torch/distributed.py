@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpisgd.agreement import ReplicaError, bcast_, layout_digest, verify_same
+from mpisgd.agreement import ReplicaError, bcast_, verify_same_layout
 from mpisgd.backend import is_device_array, peak_rss_mib
 from mpisgd.blas import finite_sq_norm
 from mpisgd.comm import Handle, Reducer, create_reducer
@@ -149,7 +149,8 @@ class DistributedModel(torch.nn.Module):
         self._every = np.zeros((self.k, 4), dtype=np.int64)
         self._checkin: Any = None  # its request, from the forward to the end of backward
         self._closed = False
-        verify_same(self.comm, layout_digest(_layout(module)), "the model (parameter and buffer names, shapes, dtypes)")
+        verify_same_layout(self.comm, _layout(module), "the model (parameter and buffer names, shapes, dtypes)",
+                           "tensor")
         self.groups = self._flatten_parameters()
         self.reducer = reducer if reducer is not None else create_reducer(
             "auto", self.comm, device=any(g.xp is not np for g in self.groups))
