@@ -362,16 +362,19 @@ def torch_missing() -> str | None:
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from mpisgd.config import at_least  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("impl", choices=["numpy", "torch", "torch-ddp", "torch-mpisgd", "side-by-side"])
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet", "gpt"], default="mlp")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N training samples")
+    parser.add_argument("--batch-size", type=at_least(1), default=128)
+    parser.add_argument("--warmup-steps", type=at_least(0), default=20)
+    parser.add_argument("--limit", type=at_least(1), default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--steps", type=int, default=40, help="side-by-side: the timed pairs of steps")
+    parser.add_argument("--steps", type=at_least(1), default=40, help="side-by-side: the timed pairs of steps")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()

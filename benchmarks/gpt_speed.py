@@ -71,11 +71,14 @@ def run(cmd: list[str]) -> dict[str, Any]:
 
 
 def main() -> None:
+    sys.path.insert(0, ROOT)
+    from mpisgd.config import at_least  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("compare", "mpisgd"))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--steps", type=at_least(1), default=15)
+    parser.add_argument("--warmup", type=at_least(0), default=3)
     args, rest = parser.parse_known_args()
     if "--data" not in rest:
         rest += ["--data", "/usr/local/share/mpisgd/kjv.txt"]

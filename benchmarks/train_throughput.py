@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from mpisgd.app.options import parse_config  # noqa: E402
-from mpisgd.config import Config  # noqa: E402
+from mpisgd.config import Config, at_least  # noqa: E402
 from mpisgd.errors import UsageError  # noqa: E402
 from mpisgd.files import atomic_write, check_output_file, replaceable  # noqa: E402
 
@@ -224,12 +224,6 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def positive_int(text: str) -> int:
-    if not re.fullmatch(r"\s*[1-9][0-9]*\s*", text):
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
 def train_config(argv: list[str], where: str) -> Config:
     """``argv`` parsed and checked as mpisgd.train does (``--model=cnn`` is ``--model cnn``, a --config file is
     read); UsageError naming ``where`` for what mpisgd.train would refuse, --help, --print-config, and the
@@ -304,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--model", choices=MODELS, default=None,
                         help="the workload of every side (default: --model among the train options, else mlp)")
     parser.add_argument("--ks", type=parse_ks, default=[1, 2], help="rank counts, comma-separated")
-    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--compare", action="store_true", help="add the NumPy loop and PyTorch DDP")
     parser.add_argument("--baselines", default=None,
                         help=f"with --compare, which of {', '.join(BASELINES)} (comma-separated; default "

@@ -50,6 +50,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from mpisgd.blas import finite_sq_norm
+from mpisgd.config import at_least
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, load_fashion_mnist
 from mpisgd.kernels import kernels_for
 from mpisgd.nn import SoftmaxCrossEntropy, build_model
@@ -81,11 +82,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet", "gpt"], default="mlp")
     parser.add_argument("--data", default="/usr/local/share/mpisgd/kjv.txt", help="--model gpt: the text")
-    parser.add_argument("--context", type=int, default=64, help="--model gpt: tokens per window")
+    parser.add_argument("--context", type=at_least(1), default=64, help="--model gpt: tokens per window")
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
-    parser.add_argument("--batch-size", type=int, default=None, help="default: 128, 32 for --model gpt")
+    parser.add_argument("--batch-size", type=at_least(1), default=None, help="default: 128, 32 for --model gpt")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--kernels", choices=["fast", "portable"], default="fast",
                         help="the layers' kernels: fast (the default run's) or portable (--reproducible portable's)")
     parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,6 +286,20 @@ class Config:
         """A short hash of the configuration, to compare across ranks."""
         d = {k: v for k, v in self.to_dict().items() if k not in exclude}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low`` (the scripts' counts: steps, repeats, batch sizes)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}")
+        return value
+
+    return parse
 
 
 def parse_int_tuple(text: str) -> tuple[int, ...]:

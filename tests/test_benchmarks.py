@@ -306,3 +306,18 @@ def test_throughput_reads_train_options_as_mpisgd_does(capsys, monkeypatch):
     tt.main()
     assert seen and all("mlp" not in args and "1" not in args for args in seen), seen
     assert "workload: LeNet-5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["benchmarks/gpt_speed.py", "compare", "--repeats", "0"],  # was statistics' "no median for empty data"
+    ["benchmarks/baselines.py", "side-by-side", "--model", "resnet", "--steps", "0"],  # "min() arg is an empty ..."
+    ["benchmarks/baselines.py", "numpy", "--batch-size", "-4"],
+    ["experiments/profile_step.py", "--model", "cnn", "--batch-size", "0"],  # profiled b = 128 instead
+    ["benchmarks/train_throughput.py", "--repeats", "two"],
+])
+def test_the_scripts_counts_are_checked_before_anything_runs(argv):
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=clean_env())
+    name = Path(argv[0]).name
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"{name}: error: argument "), r.stderr
+    assert "expected a whole number >= " in r.stderr and "Traceback" not in r.stderr, r.stderr
