@@ -206,5 +206,10 @@ def test_layout_names_and_errors():
     with pytest.raises(ValueError, match=r"Linear\(400, 10\) takes 400 features .* got shape \(4, 576\)"):
         Sequential(Flatten(), Linear(400, 10)).materialize(np).forward(np.zeros((4, 1, 24, 24)))
     assert Linear(8, 2).materialize(np).forward(np.zeros((2, 3, 8))).shape == (2, 3, 2)  # leading axes are rows
+    # raw uint8 pixels: a ufunc's casting error from inside the product
+    with pytest.raises(TypeError, match=r"Linear\(8, 2\) takes floating-point inputs, got uint8: .*astype"):
+        Linear(8, 2).materialize(np).forward(np.zeros((4, 8), np.uint8))
+    with pytest.raises(TypeError, match=r"Conv2d\(1, 2, .*\) takes floating-point inputs, got uint8"):
+        Sequential(Conv2d(1, 2, 3), Flatten()).materialize(np).forward(np.zeros((2, 1, 5, 5), np.uint8))
     with pytest.raises(ValueError, match="channels, kernel and stride must be >= 1"):
         Conv2d(1, 1, 3, stride=0)

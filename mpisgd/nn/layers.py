@@ -39,6 +39,13 @@ def window_view(a: Array, k: int, stride: int, ho: int, wo: int) -> Array:
         a, (a.shape[0], k, k, ho, wo, a.shape[3]), (sc, sh, sw, sh * stride, sw * stride, sn))
 
 
+def floating_input(layer: Module, x: Array) -> None:
+    """TypeError unless ``x`` holds floats (raw uint8 pixels or integer ids failed in a ufunc's casting)."""
+    if x.dtype.kind != "f":
+        raise TypeError(f"{layer!r} takes floating-point inputs, got {x.dtype}: convert them as training did, e.g. "
+                        "x.astype(np.float32) standardised (mpisgd.data.PIXEL_MEAN, PIXEL_STD for Fashion-MNIST)")
+
+
 class Linear(Module):
     """y = x W + b, with W of shape (in, out) so that forward is one GEMM with no transpose copy.
 
@@ -69,6 +76,7 @@ class Linear(Module):
         if x.ndim == 0 or x.shape[-1] != self.n_in:  # else reshape makes other rows, or fails obscurely
             raise ValueError(f"{self!r} takes {self.n_in} features on the input's last axis, got shape "
                              f"{tuple(x.shape)}")
+        floating_input(self, x)
         self._x = x.reshape(-1, self.n_in)  # a view (x itself when 2-D): rows of one GEMM
         self._w = self.ctx.kernels.weight(self.params["W"], self._w)
         y = self._buf("y", (*x.shape[:-1], self.n_out), x)
@@ -262,6 +270,7 @@ class Conv2d(SpatialModule):
 
     def forward_bl(self, x: Array) -> Array:
         c, h, w, n = x.shape
+        floating_input(self, x)
         if c != self.c_in:
             raise ValueError(f"{self!r} takes {self.c_in} channels, got {c} (input shape {tuple(x.shape)}, batch "
                              f"{'last' if self.batch_last else 'first'})")
