@@ -107,6 +107,9 @@ class PortableKernels:
     def __init__(self) -> None:
         native.wanted()  # a bad MPISGD_PORTABLE_PASSES: one UsageError at set-up
         self.workspace = gemm.Workspace()
+        # the convolutions' samples, shared by every layer (each set is used by the product that follows
+        # its prepare): one set per shape, not per layer and use (a ResNet-20 held 1.7 GiB of them)
+        self.sample_space = gemm.Workspace()
 
     def matmul(self, a: Array | gemm.Split, b: Array | gemm.Split | Weight, out: Array = None) -> Array:
         if isinstance(b, Weight):  # a layer's W, prepared in forward: its split for x @ W
@@ -130,7 +133,7 @@ class PortableKernels:
         products whose inner dimension k takes its windows (mpisgd.portable.samples): with ``window``
         (kh, stride, Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
         gradient too (two slices). ``previous``, this layer's last one, lends its arrays."""
-        return (previous if isinstance(previous, Samples) else Samples()).prepare(x, k, window)
+        return (previous if isinstance(previous, Samples) else Samples(self.sample_space)).prepare(x, k, window)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
         return reduce.tree_sum(a, axis, out=out, keepdims=keepdims)
@@ -162,8 +165,8 @@ class PortableKernels:
         return elementwise.rsqrt(x, out=out)
 
     def scratch_nbytes(self) -> int:
-        """Bytes of float64 scratch the GEMMs keep (the integer slices and their products)."""
-        return self.workspace.nbytes()
+        """Bytes of scratch the GEMMs keep (the integer slices and their products, the convolutions' samples)."""
+        return self.workspace.nbytes() + self.sample_space.nbytes()
 
 
 Kernels = FastKernels | PortableKernels

@@ -20,8 +20,9 @@ SAMPLE_BITS = 23.5  # a float32 sample takes a second slice where its first keep
 class Samples:
     """A batch-last array (..., N), a convolution's (padded) input, as integer slices with one power of two
     per sample: the im2col of the integers is the integer columns of the convolution's products, so the
-    columns (25 to 150 times the input) need no splitting of their own. Made by :meth:`prepare`; the
-    object owns its arrays (a layer keeps it from forward to backward).
+    columns (25 to 150 times the input) need no splitting of their own. Made by :meth:`prepare`, for the
+    product that follows at once: its arrays are scratch in ``ws``, which the model's convolutions share
+    (one set per shape, as the portable kernels give it), valid until the next prepare of that shape.
 
     Exactness. The columns enter W @ cols with the inner dimension k = c_in*kh*kw cut into chunks of kc
     (:func:`chunking`), each column a window of one sample n. The scale is s_n = 2^(GAMMA - e_n) with 2^e_n
@@ -49,8 +50,8 @@ class Samples:
     bounded by 2^GAMMA + sqrt(kc)/2 as :func:`split`'s, single integers only by 2^GAMMA (so no weight
     gradient from them). tests/test_portable.py checks every path against float32 BLAS."""
 
-    def __init__(self) -> None:
-        self.ws = Workspace()
+    def __init__(self, ws: Workspace | None = None) -> None:
+        self.ws = ws if ws is not None else Workspace()
         self.slices: list[tuple[Array, Array]] = []  # (q, x's shape, float64; its scale per sample, (N,))
         self.steps: list[float] = []  # each slice's scale over the first's: 1, s2
         self.dtype = np.dtype(np.float32)
