@@ -195,3 +195,21 @@ def test_warmup_from_zero():
     assert s(99) < 1e-5
     goyal = Schedule(base_lr=1e-3, peak_lr=1e-3, warmup_steps=10, total_steps=100, decay="cosine")
     assert goyal(0) == 1e-3  # without it: from min(eta0, eta), flat when the two are equal
+
+
+@pytest.mark.parametrize("make,x,says", [
+    # a negative id silently embedded the last token's row (take wraps); one past the vocabulary was an IndexError
+    (lambda: gpt(GPTShape(11, 8, 1, 2, 16, 0.0)), np.full((2, 8), -1), r"Embedding\(11, 16\) takes token ids 0..10, "
+                                                                        r"got -1..-1"),
+    (lambda: gpt(GPTShape(11, 8, 1, 2, 16, 0.0)), np.full((2, 8), 11), r"takes token ids 0..10, got 11..11"),
+    # one window without its batch axis: "16 positions, more than the model's context of 8"
+    (lambda: gpt(GPTShape(11, 8, 1, 2, 16, 0.0)), np.zeros(8, np.int64), r"takes \(N, T, 16\) inputs, got shape "
+                                                                          r"\(8, 16\)"),
+    (lambda: Sequential(LayerNorm(4)), np.zeros((2, 5)), r"LayerNorm\(4\) normalises 4 features on the last axis, "
+                                                         r"got shape \(2, 5\)"),  # a NumPy broadcasting error
+])
+def test_the_language_layers_refuse_inputs_they_would_misread_in_one_line(make, x, says):
+    with pytest.raises(ValueError, match=says):
+        make().materialize(np, "float64").forward(x)
+    with pytest.raises(ValueError, match=r"Embedding\(0, 4\): the vocabulary and the width must be >= 1"):
+        Embedding(0, 4)

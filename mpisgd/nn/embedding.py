@@ -28,6 +28,8 @@ class Embedding(Module):
 
     def __init__(self, vocab: int, dim: int, init_std: float = 0.02) -> None:
         super().__init__()
+        if vocab < 1 or dim < 1:
+            raise ValueError(f"Embedding({vocab}, {dim}): the vocabulary and the width must be >= 1")
         self.vocab, self.dim, self.init_std = vocab, dim, init_std
         self.param_shapes = [("W", (vocab, dim))]
         self._ids: Array = None
@@ -40,6 +42,9 @@ class Embedding(Module):
         if ids.dtype.kind not in "iu":
             raise TypeError(f"Embedding takes integer token ids, got {ids.dtype} (the data must be token ids: "
                             "a text file or an .npz of tokens, docs/data.md)")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):  # take would wrap a negative id
+            raise ValueError(f"{self!r} takes token ids 0..{self.vocab - 1}, got {int(ids.min())}..{int(ids.max())}: "
+                             "ids from another vocabulary?")
         self._ids = ids.reshape(-1)
         W = self.params["W"]
         y = self._buf("y", (*ids.shape, self.dim), W)
@@ -82,6 +87,9 @@ class PositionEmbedding(Module):
         return {"P": rng.normal(0.0, self.init_std, (self.context, self.dim)).astype(dtype)}
 
     def forward(self, x: Array) -> Array:
+        if x.ndim != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"PositionEmbedding takes (N, T, {self.dim}) inputs, got shape {tuple(x.shape)}: the "
+                             "model takes a batch of windows of token ids, (N, T)")
         t = x.shape[1]
         if t > self.context:
             raise ValueError(f"PositionEmbedding: {t} positions, more than the model's context of {self.context}")

@@ -35,6 +35,8 @@ class LayerNorm(Module):
         return {"gamma": np.ones(self.dim, dtype), "beta": np.zeros(self.dim, dtype)}
 
     def forward(self, x: Array) -> Array:
+        if x.ndim == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"{self!r} normalises {self.dim} features on the last axis, got shape {tuple(x.shape)}")
         xp = xp_of(x)
         xhat = self._buf("xhat", x.shape, x)
         ops = self.ctx.kernels  # means and sums: mpisgd.kernels
