@@ -7,8 +7,8 @@ machine noise and drift hit every side alike):
 
 - `ddp`: `benchmarks/baselines.py torch-ddp`, a plain DDP loop (torch SGD, momentum 0.9);
 - `wrap`: `benchmarks/baselines.py torch-mpisgd`, the same loop with `mpisgd.torch.wrap` in place of DDP;
-- `cli`: `python -m mpisgd.train --model examples.torch_models:NAME` (its defaults, `--no-overlap` unless
-  `--cli-overlap`; samples/s of the second of two epochs), the same model and batch.
+- `cli`: `python -m mpisgd.train --model examples.torch_models:NAME` (its defaults, overlap on unless
+  `--cli-no-overlap`; samples/s of the second of two epochs), the same model and batch.
 
 Models (examples/torch_models.py): `mlp` 784-1024-1024-10 (the reference W1 of docs/benchmarks.md), b =
 128 per rank; `resnet`, the small ResNet with BatchNorm and Dropout, b = 32; `gpt`, the decoder over image
@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import ENV, ROOT, launch_measured, median_ci, mpiexec  # noqa: E402
+
+from mpisgd.config import at_least  # noqa: E402
 
 BATCH = {"mlp": 128, "resnet": 32, "gpt": 64}
 LIMIT = {"mlp": 16384, "resnet": 2048, "gpt": 4096}  # samples per epoch: a timed epoch of tens of steps at k = 2
@@ -71,11 +73,11 @@ def loadavg() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,resnet,gpt")
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cli-overlap", action="store_true", help="the CLI with overlap (after DataParallel counts "
-                   "arrivals; today only models whose modules report in reverse order are safe)")
-    p.add_argument("--limit", type=int, default=0, help="samples per epoch (0: the model's default)")
+    p.add_argument("--k", type=at_least(1), default=2)
+    p.add_argument("--repeats", type=at_least(1), default=5)
+    p.add_argument("--cli-no-overlap", action="store_true", help="the CLI with --no-overlap (as measured before "
+                   "2026-12-04, when overlap was not yet safe for every module)")
+    p.add_argument("--limit", type=at_least(0), default=0, help="samples per epoch (0: the model's default)")
     p.add_argument("--json", default=None, help="write every launch here")
     args = p.parse_args()
     models = args.models.split(",")
@@ -88,7 +90,8 @@ def main() -> None:
                 order = SIDES[rep % 3:] + SIDES[:rep % 3]
                 for side in order:
                     if side == "cli":
-                        res, others = launch_measured(lambda m=model, n=limit: cli(m, args.k, n, tmp, args.cli_overlap))
+                        res, others = launch_measured(lambda m=model, n=limit, o=not args.cli_no_overlap:
+                                                      cli(m, args.k, n, tmp, o))
                     else:
                         impl = "torch-ddp" if side == "ddp" else "torch-mpisgd"
                         res, others = launch_measured(lambda i=impl, m=model, n=limit: baseline(i, m, args.k, n))
@@ -99,7 +102,7 @@ def main() -> None:
                           f"(other processes: {others:.2f} cores; load {loadavg()})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
-    print(f"\nk = {args.k}, one thread per rank; CLI {'with' if args.cli_overlap else '--no-overlap'}; "
+    print(f"\nk = {args.k}, one thread per rank; CLI {'--no-overlap' if args.cli_no_overlap else 'with overlap'}; "
           f"load average after: {loadavg()}\n")
     print("| model | b | DDP samples/s | wrap samples/s | CLI samples/s | wrap / DDP (median, range [95 % CI]) "
           "| CLI / DDP |")
