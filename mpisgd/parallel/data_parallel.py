@@ -209,12 +209,10 @@ class DataParallel:
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"train_step's lr must be a finite number >= 0, got {lr}")
         batches = micro_batches_of(micro_batches, self.rank, self.loss)
-        if self.check_in:  # the caller has not vouched for its batches: check them (on every rank at once)
-            problem = self._batch_problem(batches)
-            if self.k > 1:
-                self._check_in(0, batches, problem)
-            elif problem:
-                raise ValueError(f"train_step: {problem.says(self._n_classes, self._ignore)}")
+        if self.check_in and self.k > 1:  # the caller has not vouched for its batches: every rank checks them
+            self._check_in(0, batches)
+        elif self.check_in and (problem := self._batch_problem(batches)):
+            raise ValueError(f"train_step: {problem.says(self._n_classes, self._ignore)}")
         self.replica.train()
         targets = sum(b.count for b in batches)
         # every target weighs 1/(k*targets): with the same count on every rank (the check-in compares it)
@@ -306,17 +304,16 @@ class DataParallel:
         Allgather). Returns the largest ``stop`` any rank passed (0: none; a SIGTERM to stop at this step)."""
         if self.k == 1:
             return stop
-        batches = micro_batches_of(micro, self.rank, self.loss) if micro else []
-        return self._check_in(stop, batches, self._batch_problem(batches))
+        return self._check_in(stop, micro_batches_of(micro, self.rank, self.loss) if micro else [])
 
     def _batch_problem(self, batches: Sequence[MicroBatch]) -> BatchProblem:
         return batch_problem([(b.x, b.y) for b in batches], self._n_classes, self._ignore)
 
-    def _check_in(self, stop: int, batches: Sequence[MicroBatch], problem: BatchProblem) -> int:
+    def _check_in(self, stop: int, batches: Sequence[MicroBatch]) -> int:
         return step_check_in(self.comm, self.watchdog, self.timeline, self.meter, step=self.step_count,
                              size=self.flat.size, itemsize=self.flat.dtype.itemsize, buckets=len(self.buckets),
                              micro_batches=len(batches), targets=sum(b.count for b in batches), stop=stop,
-                             problem=problem, n_classes=self._n_classes, ignore=self._ignore)
+                             problem=self._batch_problem(batches), n_classes=self._n_classes, ignore=self._ignore)
 
     def grads_finite(self) -> bool:
         """Whether the reduced gradient is finite: the same answer on every rank (collective when sharded)."""
