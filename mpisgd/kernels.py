@@ -132,7 +132,8 @@ class PortableKernels:
         """A convolution's padded input (C, H, W, N) as integers with one power of two per sample, for
         products whose inner dimension k takes its windows (mpisgd.portable.samples): with ``window``
         (kh, stride, Ho, Wo), for W @ cols only (one slice, scaled by its largest window); without, for the weight
-        gradient too (two slices). ``previous``, this layer's last one, lends its arrays."""
+        gradient too (two slices). The arrays are scratch in ``sample_space``, shared by every convolution (one set
+        per shape); ``previous``, this layer's last one, is reused as the object."""
         return (previous if isinstance(previous, Samples) else Samples(self.sample_space)).prepare(x, k, window)
 
     def sum(self, a: Array, axis: int, out: Array = None, keepdims: bool = False) -> Array:
