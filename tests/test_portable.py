@@ -109,10 +109,10 @@ def test_the_convolutions_share_one_set_of_samples_per_shape_and_keep_their_bits
     does, and train to the bits of a model whose layers each have their own."""
     from mpisgd.portable.samples import Samples
 
-    def trained(layers: int, own: bool) -> tuple[np.ndarray, int]:
+    def trained(layers: int, own: bool, kernels: str = "portable") -> tuple[np.ndarray, int]:
         convs = [m for _ in range(layers) for m in (Conv2d(3, 3, 3, padding=1), ReLU())]
         model = Sequential(*convs, Flatten(), Linear(3 * 6 * 6, 4)).materialize(np, "float32", seed=1)
-        model.ctx.kernels = kernels_for("portable")
+        model.ctx.kernels = kernels_for(kernels)
         if own:  # the old way: a workspace per Samples
             model.ctx.kernels.sample_space = None
         rng = np.random.default_rng(3)
@@ -129,6 +129,7 @@ def test_the_convolutions_share_one_set_of_samples_per_shape_and_keep_their_bits
     own_grads, own_four = trained(4, own=True)
     assert four == one and own_four > 3 * one, (one, four, own_four)
     assert np.array_equal(grads, own_grads)
+    assert not np.array_equal(grads, trained(4, own=False, kernels="fast")[0])  # the comparison can fail
 
 
 def test_float64_operands_use_two_slices_to_float64_accuracy():
