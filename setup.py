@@ -34,6 +34,6 @@ setup(
                  "tensorboardX>=2.6", "tensorboard>=2.14"],
         "torch": ["torch"],  # PyTorch models (mpisgd.torch, docs/torch.md) and the comparison benchmarks
     },
-    entry_points={"console_scripts": ["mpisgd-train=mpisgd.app.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
+    entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
                                       "mpisgd-plan=mpisgd.app.plan:main", "mpisgd-sample=mpisgd.app.sample:main"]},
 )

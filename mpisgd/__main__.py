@@ -1,9 +1,7 @@
+"""``python -m mpisgd``: the training CLI, as ``python -m mpisgd.train``."""
+
 import sys
 
-from mpisgd.pinning import reexec_pinned
-
-reexec_pinned(sys.argv[1:])  # before NumPy loads (mpisgd.train)
-
-from mpisgd.app.train import main  # noqa: E402
+from mpisgd.train import main
 
 sys.exit(main())

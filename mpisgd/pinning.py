@@ -271,8 +271,8 @@ def reexec_pinned(argv: Sequence[str]) -> None:
     _exec_pinned()  # returns only where the exec failed: set-up's check says the process is not pinned
 
 
-HOW = ("start it with python -m mpisgd.train, which pins itself before NumPy loads, or set the variables "
-       "before Python starts (mpisgd.pinning.pinned_variables; then MPISGD_PINNED, their JSON)")
+HOW = ("start it with python -m mpisgd.train or mpisgd-train, which pin themselves before NumPy loads, or set the "
+       "variables before Python starts (mpisgd.pinning.pinned_variables; then MPISGD_PINNED, their JSON)")
 
 
 def problem(facts: Mapping[str, object], expected: Mapping[str, str], machine_problem: str | None = None) -> str:

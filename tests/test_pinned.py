@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,22 @@ def test_the_cli_pins_itself_and_the_checkpoint_records_it(tmp_path):
     env = checkpoint_environment(tmp_path / "portable")
     assert env["level"] == "portable" and env["pinned"] == ""  # nothing to pin: no re-exec
     assert "portable level: on any BLAS, CPU, thread count, NumPy version or GPU" in " ".join(r.stdout.split())
+
+
+@serial_only
+def test_the_console_script_pins_itself_as_python_m_does(tmp_path):
+    """``mpisgd-train``, as setup.py declares it (read from there: an installed script may be older), starts
+    the pinned level as ``python -m mpisgd.train`` does; a target that does not pin is refused at set-up."""
+    declared = re.search(r'"mpisgd-train=([\w.]+):(\w+)"', (ROOT / "setup.py").read_text())
+    assert declared, "setup.py declares the mpisgd-train console script"
+    module, function = declared.groups()
+    code = f"import sys; from {module} import {function}; sys.exit({function}())"
+    r = subprocess.run([sys.executable, "-c", code, *JOB[2:], "--reproducible", "--checkpoint-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env={**clean_env(), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    env = checkpoint_environment(tmp_path)
+    assert env["level"] == "pinned" and json.loads(env["pinned"]) == pinning.pinned_variables(
+        numpy_simd(enabled=False))
 
 
 @serial_only
