@@ -620,19 +620,29 @@ def _written(path: Path, text: str) -> Path:
 
 
 @serial_only  # one rank's run, in this process
-def test_a_full_disk_while_checkpointing_warns_and_training_goes_on(tmp_path: Path) -> None:
-    """A real full file system: the checkpoint directory on a 256 KiB tmpfs, each checkpoint 400 KB. The
-    writes fail with a warning naming the free space, training finishes, no temporary file is left."""
+def test_a_full_disk_while_checkpointing_warns_and_the_lost_last_checkpoint_fails_the_run(tmp_path: Path) -> None:
+    """A real full file system: the checkpoint directory on a small tmpfs, each checkpoint 400 KB. The writes
+    fail with a warning naming the free space and training finishes, no temporary file is left; but a run
+    whose last step has no checkpoint exits 1, its last line saying which checkpoint a resume would start
+    from (none; or the one that fit, when the disk filled up later)."""
     ck = tmp_path / "ck"
+    run = [*TINY, "--max-steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--hidden", "64"]
     with small_tmpfs(ck, "256k"):
-        r = train_here([*TINY, "--max-steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-                        "--hidden", "64"])
+        r = train_here(run)
         left = sorted(p.name for p in ck.iterdir())
-    assert r.status == 0, r
+    assert r.status == 1, r
     warned = [line for line in r.out.splitlines() if line.startswith("warning: checkpoint of step")]
     assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.out
     assert "final test accuracy" in r.out
+    assert r.err.splitlines()[-1] == (f"mpisgd: error: the checkpoint of the last step (6) was not written in {ck} "
+                                      "(the warning above says why); there is none"), r.err
     assert left == [".mpisgd.lock", "config.toml"]  # no checkpoint, no temporary (the effective configuration fit)
+    with small_tmpfs(ck, "640k"):  # room for one checkpoint, not for its successor beside it
+        r = train_here([*run, "--checkpoint-keep", "1"])
+        left = sorted(p.name for p in ck.iterdir())
+    assert r.status == 1 and r.err.splitlines()[-1].endswith(
+        "the newest there is of step 2, so a --resume auto repeats steps 3 to 6"), r
+    assert left == [".mpisgd.lock", "ckpt-000000002.npz", "config.toml"]
 
 
 # -- a checkpoint directory belongs to one run (rank 0's: one rank shows it) ------------------------

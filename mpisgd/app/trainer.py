@@ -132,6 +132,7 @@ class Trainer:
         self.global_step = plan.global_step if plan else 0
         self.start_epoch, self.start_step = (plan.epoch, plan.step_in_epoch) if plan else (0, 0)
         self.saved_at = plan.global_step if plan else -1  # the step of the newest checkpoint this run wrote
+        self.written_at = self.saved_at  # ... and that is on disk (rank 0's: a write may fail)
         self.clock = Clock(self.comm) if run.k > 1 and run.cfg.straggler_report else None  # the report's time base
         self.history: list[EpochRecord] = []
         self.final_test: TestRecord | None = None  # with --val-split: the test set, scored once at the end
@@ -258,12 +259,14 @@ class Trainer:
             environment=run.environment, structure=run.structure, model=model_record(run),
             model_state=None if run.model.state is None else to_numpy(run.model.state))
         try:
-            return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
+            path = run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
                      f"free in {cfg.checkpoint_dir}); the earlier checkpoints are kept and training goes on")
             return None
+        self.written_at = self.global_step
+        return path
 
     # -- the end of an epoch --------------------------------------------------------------
     def evaluate(self) -> float:
@@ -381,9 +384,13 @@ class Trainer:
         return held / 2**20
 
     def _finish(self) -> int:
-        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere."""
+        """Save the model and the timeline, print the closing lines; 1 if the model could be written nowhere,
+        or the last step's checkpoint was not written (rank 0)."""
         run, cfg = self.run, self.cfg
         status, where = self._save_model()
+        lost = self._last_checkpoint_lost()
+        if lost:
+            status, where = 1, "\n".join(line for line in (where, lost) if line)
         if cfg.timeline:
             path = f"{cfg.timeline}.rank{run.rank}.json"
             try:
@@ -396,6 +403,17 @@ class Trainer:
         if where:  # the last line: where the model is, when not where asked
             print(where, file=sys.stderr if status else sys.stdout, flush=True)
         return status
+
+    def _last_checkpoint_lost(self) -> str:
+        """Rank 0's error line where --checkpoint-dir holds no checkpoint of the last step (its write failed:
+        a warning said why), "" otherwise: the run did not leave what it was asked to, so it does not exit 0."""
+        run, cfg = self.run, self.cfg
+        if not (cfg.checkpoint_dir and run.is_root) or self.written_at == self.global_step:
+            return ""
+        newest = (f"the newest there is of step {self.written_at}, so a --resume auto repeats steps "
+                  f"{self.written_at + 1} to {self.global_step}") if self.written_at > 0 else "there is none"
+        return (f"mpisgd: error: the checkpoint of the last step ({self.global_step}) was not written in "
+                f"{cfg.checkpoint_dir} (the warning above says why); {newest}")
 
     def _save_model(self) -> tuple[int, str]:
         """Rank 0 writes --save-model, or where that fails beside the checkpoints or in the temporary
