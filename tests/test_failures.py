@@ -344,13 +344,19 @@ def test_non_finite_gradient_stops_every_rank(tag: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
-def test_non_finite_gradient_skip_counts_the_skipped_steps(shared_tmp: Path) -> None:
+def test_non_finite_gradient_skip_counts_the_skipped_steps_and_gives_up_when_diverged(shared_tmp: Path) -> None:
+    """--lr 1e30 makes the parameters huge after the first step: every later step is non-finite. Ten steps
+    are skipped and counted (exit 0); forty give up at the twentieth skipped in a row, exit 1 on every rank."""
     metrics = shared_tmp / "m.jsonl"
-    r = train_here([*TINY, "--max-steps", "20", "--lr", "1e30", "--on-nan", "skip", "--metrics-file", str(metrics)])
+    run = [*TINY, "--lr", "1e30", "--on-nan", "skip"]
+    r = train_here([*run, "--max-steps", "10", "--metrics-file", str(metrics)])
     assert r.statuses == (0,) * len(r.statuses), r
     assert "warning: non-finite gradient at step" in r.out and "step skipped (--on-nan skip;" in r.out, r.out
     epochs = [rec for rec in map(json.loads, metrics.read_text().splitlines()) if rec["kind"] == "epoch"]
     assert epochs and epochs[-1]["skipped_steps"] > 0, epochs
+    r = train_here([*run, "--max-steps", "40"])
+    assert r.statuses == (1,) * len(r.statuses), r
+    assert "non-finite gradients at 20 steps in a row" in r.err and "the run has diverged; lower --lr" in r.err, r
 
 
 def test_clean_shm_removes_only_leftovers_no_process_holds(tmp_path):

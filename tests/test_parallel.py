@@ -185,6 +185,32 @@ def test_nonfinite_gradient_stops_every_rank_together():
     dp.close()
 
 
+def test_skipping_gives_up_after_twenty_skipped_steps_in_a_row():
+    """on_nan="skip" skips isolated steps; SKIPS_IN_A_ROW of them in a row (the same parameters every time)
+    end the run with NonFiniteError on every rank, and a finite step between them starts the count again."""
+    from mpisgd.parallel import NonFiniteError
+    from mpisgd.parallel.data_parallel import SKIPS_IN_A_ROW
+
+    comm = world()
+    dp = train(comm, 8, 1)
+    dp.on_nan = "skip"
+    x, y = BatchLoader(synthetic(64, seed=2), np, "float64").batch(np.arange(8))
+    bad = x.copy()
+    if comm.Get_rank() == comm.Get_size() - 1:
+        bad[0, 0, 0, 0] = np.inf  # one rank's data: after the all-reduce every rank's gradient
+    for _ in range(SKIPS_IN_A_ROW - 1):
+        dp.train_step([(bad, y)], lr=0.1)
+    dp.train_step([(x, y)], lr=0.1)  # finite: the count starts again
+    for _ in range(SKIPS_IN_A_ROW - 1):
+        dp.train_step([(bad, y)], lr=0.1)
+    assert dp.skipped_steps == 2 * (SKIPS_IN_A_ROW - 1)
+    last = dp.step_count
+    says = rf"at {SKIPS_IN_A_ROW} steps in a row \(steps {last - SKIPS_IN_A_ROW + 1} to {last}\)"
+    with pytest.raises(NonFiniteError, match=says):
+        dp.train_step([(bad, y)], lr=0.1)
+    dp.close()
+
+
 def test_a_rank_out_of_step_fails_fast_on_every_rank():
     """A rank one step ahead is named before any gradient of the step is reduced."""
     comm = world()

@@ -54,6 +54,10 @@ from mpisgd.parallel.stats import Meter, StepStats
 from mpisgd.timeline import NullTimeline
 from mpisgd.watchdog import default_watchdog
 
+# on_nan="skip" gives up after this many skipped steps in a row: a skipped step changes nothing, so these were
+# as many batches on the same parameters, none of them finite; the run has diverged
+SKIPS_IN_A_ROW = 20
+
 __all__ = ["CHECK_IN_WORDS", "DataParallel", "NonFiniteError", "ReplicaError", "StepStats", "verify_same"]
 
 
@@ -120,6 +124,7 @@ class DataParallel:
         self._grad_norm: float | None = None
         self.skipped_steps = 0
         self.step_skipped = False  # whether the last train_step skipped its update (--on-nan skip)
+        self.skips_in_a_row = 0  # SKIPS_IN_A_ROW of them end the run
         self.step_count = 0
         self.meter = Meter()
         self.timeline: Timeline = timeline or NullTimeline()
@@ -236,6 +241,12 @@ class DataParallel:
                                      "lower --lr, or pass --on-nan skip to skip such steps")
             self.step_skipped = not verdict.finite
             self.skipped_steps += not verdict.finite
+            self.skips_in_a_row = 0 if verdict.finite else self.skips_in_a_row + 1
+            if self.skips_in_a_row >= SKIPS_IN_A_ROW:  # every rank alike: the verdict is
+                first = self.step_count - SKIPS_IN_A_ROW + 1
+                raise NonFiniteError(f"non-finite gradients at {SKIPS_IN_A_ROW} steps in a row (steps {first} to "
+                                     f"{self.step_count}), all on the same parameters (a skipped step changes "
+                                     "nothing): the run has diverged; lower --lr")
         self.times.optimizer_s += time.perf_counter() - t0
         if verdict.finite:
             if measure and produced.small_sq is not None:
