@@ -13,6 +13,8 @@ returns a torch.nn.Module is a model factory; docs/torch.md):
   tokens of W features (28 x 28 Fashion-MNIST: 28 tokens), classified from the last position;
 - `gpt_tokens`: the same decoder over integer token ids (an embedding, weights tied with the output
   head), one next-token prediction per position: logits (N, T, vocabulary) for per-token targets.
+- `lstm`: recurrent layers over the rows of an image (28 steps of 28 features for Fashion-MNIST): a
+  two-layer LSTM, a bidirectional GRU, a linear classifier of the last step.
 
 The same definitions serve benchmarks/baselines.py's DDP side of the comparison.
 """
@@ -153,3 +155,25 @@ class Rows(nn.Module):
 def gpt_tokens(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
     """Next-token prediction over sequences of ``in_shape[0]`` integer ids below ``n_classes``."""
     return GPT(in_shape[0], 0, n_classes, vocab=n_classes)
+
+
+class Recurrent(nn.Module):
+    """Recurrent layers over an image's rows: an LSTM of ``layers`` layers, then a bidirectional GRU, both
+    batch first; the GRU's last position (both directions) classified by a linear head."""
+
+    def __init__(self, features: int, n_classes: int, hidden: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.rows = Rows()
+        self.lstm = nn.LSTM(features, hidden, num_layers=layers, batch_first=True)
+        self.gru = nn.GRU(hidden, hidden, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.rows(x))
+        h, _ = self.gru(h)
+        return self.head(h[:, -1])
+
+
+def lstm(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
+    """(C x) H x W samples as H steps of C*W features through LSTM and GRU layers (:class:`Recurrent`)."""
+    return Recurrent(in_shape[-1] * (in_shape[0] if len(in_shape) == 3 else 1), n_classes)

@@ -107,6 +107,13 @@ def tiny_gpt(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
     return nn.Sequential(Rows(), GPT(t, w, n_classes, dim=16, layers=1, heads=2))
 
 
+def tiny_lstm(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
+    """examples/torch_models.py's recurrent model (an LSTM of two layers, a bidirectional GRU), 8 wide."""
+    from examples.torch_models import Recurrent  # noqa: PLC0415 - the repository root on PYTHONPATH
+
+    return Recurrent(in_shape[-1] * (in_shape[0] if len(in_shape) == 3 else 1), n_classes, hidden=8)
+
+
 def gloo(comm: Any) -> None:
     """One gloo process group over comm's ranks for the whole process (a free port chosen by rank 0). It is
     never destroyed: destroy_process_group can deadlock on a gloo thread that needs the GIL at teardown."""
