@@ -65,6 +65,7 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     (["NO_NEWLINE", "--tokens", "3"], "the default prompt, a new line, is not in the model's vocabulary of 4 "
                                       "characters (its training text had none): give --prompt TEXT"),
     (["MODEL", "--prompt", "xyz"], "--prompt holds 3 character(s)"),
+    (["MODEL", "--top-k", "-1"], "--top-k must be >= 0 (0: every token), got -1"),
 ])
 def test_sample_refuses_in_one_line(tmp_path, capsys, monkeypatch, no_launcher, args, says):
     load = sample.load
@@ -87,6 +88,23 @@ def test_sample_with_a_subnormal_temperature_takes_the_most_likely_token(tmp_pat
     greedy = capsys.readouterr().out
     assert sample.main([model, "--prompt", "ab", "--tokens", "12", "--temperature", "1e-320"]) == 0
     assert capsys.readouterr().out == greedy and len(greedy) == 15
+
+
+def test_top_k_draws_among_the_k_most_likely_tokens_only(tmp_path, capsys, no_launcher):
+    """Over many draws: --top-k 3 gives only the three largest logits (the two tied at the third both kept), 0
+    or a K of the whole vocabulary every token with the same draws as no --top-k; through the CLI --top-k 1 is
+    the greedy text."""
+    logits = np.array([0.5, 2.0, -1.0, 1.5, 1.0, 1.0, 0.0])
+    def drawn(top_k, seed=0):
+        rng = np.random.default_rng(seed)
+        return [sample.next_token(logits, 2.0, rng, top_k) for _ in range(3000)]
+    assert set(drawn(3)) == {1, 3, 4, 5} and set(drawn(2)) == {1, 3} and set(drawn(1)) == {1}
+    assert set(drawn(0)) == set(range(7)) and drawn(0) == drawn(7) == drawn(100)
+    model = gpt_file(tmp_path / "g.npz")
+    assert sample.main([model, "--prompt", "ab", "--tokens", "12", "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert sample.main([model, "--prompt", "ab", "--tokens", "12", "--top-k", "1", "--seed", "5"]) == 0
+    assert capsys.readouterr().out == greedy
 
 
 def test_sample_streams_each_token_and_ctrl_c_keeps_what_was_printed(tmp_path, capsys, monkeypatch, no_launcher):

@@ -6,10 +6,11 @@ PATH is a ``--save-model`` file, a checkpoint or a checkpoint directory of a lan
 prompt is encoded with the vocabulary the model was trained with (a prompt with a character it lacks
 is refused, naming the character); then, N times, the model reads the last ``context`` tokens (eval
 mode: no dropout) and the next token is drawn from softmax(logits / temperature) with a generator
-seeded by --seed (--temperature 0, or one so small that logits / temperature overflows: the most likely
-token). It prints the prompt, then each token as it is drawn (flushed), so a long run shows its progress;
-Ctrl-C stops it with one line and exit 130, what was printed kept. One process, no MPI: a launch of
-several ranks (mpiexec) is refused on every rank. Bad input: one line, exit 2.
+seeded by --seed, among the --top-k most likely tokens where it is given (--temperature 0, or one so small
+that logits / temperature overflows, or --top-k 1: the most likely token). It prints the prompt, then each
+token as it is drawn (flushed), so a long run shows its progress; Ctrl-C stops it with one line and exit
+130, what was printed kept. One process, no MPI: a launch of several ranks (mpiexec) is refused on every
+rank. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="divides the logits before the softmax: "
                         "below 1 more likely tokens, above 1 more varied ones; 0 (or one so small that the "
                         "division overflows) takes the most likely (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="draw among the K most likely tokens only (those tied with the K-th kept too); 0: "
+                        "among all (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
     parser.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION", default=None,
                         help="build a language model of your own (a file whose model is package.module:function, "
@@ -87,20 +91,23 @@ def load(path: str, factory: str | None = None) -> tuple[Any, Any, int]:
     return saved.model, vocab, int(saved.meta["in_shape"][0])
 
 
-def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """A draw from softmax(logits / temperature); the most likely token at 0, or where the division overflows
-    (a temperature of 1e-320: inf / inf would make the probabilities NaN)."""
+def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator, top_k: int = 0) -> int:
+    """A draw from softmax(logits / temperature), over the ``top_k`` largest logits where it is > 0 (and those
+    equal to the k-th: no tie is broken by position); the most likely token at 0, or where the division
+    overflows (a temperature of 1e-320: inf / inf would make the probabilities NaN)."""
     if temperature > 0:
         with np.errstate(over="ignore"):
             z = logits / temperature
         if np.isfinite(z).all():
             p = np.exp(z - z.max())
+            if 0 < top_k < len(logits):
+                p[logits < np.partition(logits, -top_k)[-top_k]] = 0.0
             return int(rng.choice(len(p), p=p / p.sum()))
     return int(np.argmax(logits))
 
 
 def draw(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature: float,
-         rng: np.random.Generator) -> Iterator[int]:
+         rng: np.random.Generator, top_k: int = 0) -> Iterator[int]:
     """The ``tokens`` ids that follow the prompt's, one at a time as each is drawn (eval mode; the mode is put
     back when the iterator ends or is closed). Keeps only the last ``context`` ids."""
     window: deque[int] = deque((int(i) for i in prompt), maxlen=context)
@@ -109,7 +116,7 @@ def draw(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature:
     try:
         for _ in range(tokens):
             logits = np.asarray(model.forward(np.asarray(window, dtype=np.int64)[None, :])[0, -1], dtype=np.float64)
-            token = next_token(logits, temperature, rng)
+            token = next_token(logits, temperature, rng, top_k)
             window.append(token)
             yield token
     finally:
@@ -117,9 +124,9 @@ def draw(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature:
 
 
 def generate(model: Any, prompt: np.ndarray, tokens: int, context: int, temperature: float,
-             rng: np.random.Generator) -> np.ndarray:
+             rng: np.random.Generator, top_k: int = 0) -> np.ndarray:
     """The prompt's ids followed by ``tokens`` drawn one at a time (eval mode; the mode is put back)."""
-    drawn = list(draw(model, prompt, tokens, context, temperature, rng))
+    drawn = list(draw(model, prompt, tokens, context, temperature, rng, top_k))
     return np.asarray([*(int(i) for i in prompt), *drawn], dtype=np.int64)
 
 
@@ -131,6 +138,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--tokens must be from 0 to {MAX_TOKENS:,}, got {args.tokens}")
     if not (args.temperature >= 0 and np.isfinite(args.temperature)):
         raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.prompt is not None and not args.prompt:
@@ -204,7 +213,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     text = decoder(vocab)
     _write(vocab.decode(prompt))
-    for token in draw(model, prompt, args.tokens, context, args.temperature, np.random.default_rng(args.seed)):
+    rng = np.random.default_rng(args.seed)
+    for token in draw(model, prompt, args.tokens, context, args.temperature, rng, args.top_k):
         _write(text(token))
     _write("\n")
     return 0
