@@ -324,3 +324,23 @@ def test_evaluate_ctrl_c_ends_every_rank_with_one_line_and_130(long_evaluation, 
     while _ranks(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _ranks(tag), "ranks still running after mpiexec returned"
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "plan", "sample", "plot"])
+def test_every_command_says_its_version_and_its_libraries(command):
+    """--version: one line on standard output, exit 0, the version setup.py installs (one version, not two)
+    and NumPy's; under mpiexec the training command says it once."""
+    import re
+
+    import mpisgd
+
+    declared = re.search(r'version="([^"]+)"', (ROOT / "setup.py").read_text())
+    assert declared and declared.group(1) == mpisgd.__version__
+    r = subprocess.run([sys.executable, "-m", f"mpisgd.{command}", "--version"], capture_output=True, text=True,
+                       timeout=60, env=clean_env(), cwd=ROOT)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith(f"mpisgd {mpisgd.__version__} (Python ") and f"numpy {np.__version__}" in r.stdout
+    assert r.stdout.count("\n") == 1, r.stdout
+    if command == "train":
+        r = run_mpi(2, "-m", "mpisgd.train", "--version", timeout=60)
+        assert r.returncode == 0 and r.stdout.count(f"mpisgd {mpisgd.__version__} ") == 1, r.stdout + r.stderr

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mpisgd.app.options import _add_option, _Parser
+from mpisgd.app.options import _add_option, _Parser, add_version
 from mpisgd.config import Config
 from mpisgd.errors import ModelOutputError, UsageError
 from mpisgd.model_file import ModelFileError
@@ -51,6 +51,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                         help="build a model of your own (a file whose model is package.module:function, PyTorch's "
                         "included) with this factory; it is imported and run, so name only code you trust (a file "
                         "never runs code by itself)")
+    add_version(parser)
     return parser
 
 

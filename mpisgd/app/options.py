@@ -40,6 +40,29 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
+def version_line() -> str:
+    """What ``--version`` prints: mpisgd's version and those of the libraries a bug report needs (read from the
+    installed packages' metadata: nothing is imported, so MPI does not start and the pinning still holds)."""
+    from importlib import metadata  # noqa: PLC0415 - only to print the version
+
+    from mpisgd import __version__  # noqa: PLC0415
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    found = ", ".join(installed(name) for name in ("numpy", "mpi4py", "torch"))
+    return f"mpisgd {__version__} (Python {sys.version.split()[0]}; {found})"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: :func:`version_line`, then exit 0 (argparse's SystemExit, as --help)."""
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print mpisgd's version and its libraries', and exit")
+
+
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m mpisgd.train",
@@ -56,6 +79,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                        "by their long names (limit-train = 4096); the command line overrides it (docs/api.md)")
     files.add_argument("--print-config", action="store_true", help="print the effective configuration as "
                        "TOML that --config reads, and exit")
+    add_version(parser)
     return parser
 
 

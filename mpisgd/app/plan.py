@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from mpisgd.app.options import add_version
 from mpisgd.app.planner import model as planmodel
 from mpisgd.app.planner import report
 from mpisgd.app.planner import topology as topo
@@ -114,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, help="write the rows and the recommendation here")
     g.add_argument("--plot", default=None, help="write a plot of samples/s, goodput and efficiency against k "
                                                 "(.png, .pdf, .svg)")
+    add_version(p)
     return p
 
 

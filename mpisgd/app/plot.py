@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mpisgd.app.options import parse_config
+from mpisgd.app.options import add_version, parse_config
 from mpisgd.app.records import EpochRecord
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m mpisgd.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_version(p)
     sub = p.add_subparsers(dest="what", required=True)
     p_lr = sub.add_parser("lr", allow_abbrev=False, help="the learning-rate schedule of a training command")
     p_lr.add_argument("--ranks", type=int, default=1, help="ranks k the run would use (B = k*b*m)")

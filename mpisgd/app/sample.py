@@ -37,7 +37,7 @@ LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mpisgd.app.options import _Parser  # noqa: PLC0415
+    from mpisgd.app.options import _Parser, add_version  # noqa: PLC0415
 
     parser = _Parser(prog="python -m mpisgd.sample", allow_abbrev=False,
                      description="Generate text from a trained language model (--model gpt, or your own "
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build a language model of your own (a file whose model is package.module:function, "
                         "PyTorch's included) with this factory; it is imported and run, so name only code you "
                         "trust (a file never runs code by itself)")
+    add_version(parser)
     return parser
 
 
