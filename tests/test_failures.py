@@ -641,13 +641,13 @@ def test_a_full_disk_while_checkpointing_warns_and_the_lost_last_checkpoint_fail
     assert len(warned) == 3 and "MiB free in" in warned[0] and "training goes on" in warned[0], r.out
     assert "final test accuracy" in r.out
     assert r.err.splitlines()[-1] == (f"mpisgd: error: the checkpoint of the last step (6) was not written in {ck} "
-                                      "(the warning above says why); there is none"), r.err
+                                      "(the warning above says why); there is no checkpoint"), r.err
     assert left == [".mpisgd.lock", "config.toml"]  # no checkpoint, no temporary (the effective configuration fit)
     with small_tmpfs(ck, "640k"):  # room for one checkpoint, not for its successor beside it
         r = train_here([*run, "--checkpoint-keep", "1"])
         left = sorted(p.name for p in ck.iterdir())
     assert r.status == 1 and r.err.splitlines()[-1].endswith(
-        "the newest there is of step 2, so a --resume auto repeats steps 3 to 6"), r
+        "the newest checkpoint is of step 2, so a resume repeats steps 3 to 6"), r
     assert left == [".mpisgd.lock", "ckpt-000000002.npz", "config.toml"]
 
 

@@ -57,10 +57,21 @@ def version_line() -> str:
     return f"mpisgd {__version__} (Python {sys.version.split()[0]}; {found})"
 
 
+class _Version(argparse.Action):
+    """argparse's version action, its line made only when asked (the packages' metadata is read then)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any,
+                 option_string: str | None = None) -> None:
+        parser._print_message(version_line() + "\n", sys.stdout)
+        parser.exit()
+
+
 def add_version(parser: argparse.ArgumentParser) -> None:
     """``--version``: :func:`version_line`, then exit 0 (argparse's SystemExit, as --help)."""
-    parser.add_argument("--version", action="version", version=version_line(),
-                        help="print mpisgd's version and its libraries', and exit")
+    parser.add_argument("--version", action=_Version, help="print mpisgd's version and its libraries', and exit")
 
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:

@@ -410,8 +410,8 @@ class Trainer:
         run, cfg = self.run, self.cfg
         if not (cfg.checkpoint_dir and run.is_root) or self.written_at == self.global_step:
             return ""
-        newest = (f"the newest there is of step {self.written_at}, so a --resume auto repeats steps "
-                  f"{self.written_at + 1} to {self.global_step}") if self.written_at > 0 else "there is none"
+        newest = (f"the newest checkpoint is of step {self.written_at}, so a resume repeats steps "
+                  f"{self.written_at + 1} to {self.global_step}") if self.written_at > 0 else "there is no checkpoint"
         return (f"mpisgd: error: the checkpoint of the last step ({self.global_step}) was not written in "
                 f"{cfg.checkpoint_dir} (the warning above says why); {newest}")
 
