@@ -16,13 +16,14 @@ import numpy as np
 from mpi4py import MPI
 
 import mpisgd
+from mpisgd.config import at_least
 from mpisgd.data import load_fashion_mnist, synthetic
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--steps", type=at_least(1), default=300)
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="per rank")
     p.add_argument("--synthetic", action="store_true", help="no Fashion-MNIST needed")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
