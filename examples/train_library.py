@@ -14,13 +14,14 @@ import numpy as np
 from mpi4py import MPI
 
 import mpisgd
+from mpisgd.config import at_least
 from mpisgd.data import BatchLoader, GlobalBatches, epoch_permutation, load_fashion_mnist, synthetic
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--steps", type=at_least(1), default=200)
+    parser.add_argument("--batch-size", type=at_least(1), default=64, help="per rank")
     parser.add_argument("--synthetic", action="store_true", help="no Fashion-MNIST needed")
     args = parser.parse_args()
 
