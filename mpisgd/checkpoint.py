@@ -284,7 +284,7 @@ def find_resume(resume: str, directory: str | None, overwrite: bool = False
         try:
             return load_checkpoint(path), str(path), warnings
         except CheckpointError as exc:
-            warnings.append(f"skipping {exc}")
+            warnings.append(f"skipping an unreadable checkpoint: {exc}")
             reasons.append(str(exc))
     if found and not overwrite:
         raise CheckpointError(f"--resume auto: none of the {len(found)} checkpoint(s) in {directory} can be read "
