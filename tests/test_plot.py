@@ -52,6 +52,33 @@ def test_lr_plot_bad_input_exits_2(tmp_path, argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what", ["lr", "curves"])
+def test_out_takes_a_figure_type_writes_it_whole_and_refuses_the_rest_in_one_line(tmp_path, capsys, what):
+    """--out by its name's type: .svg and .pdf are written as such, whole (into a new directory too); another
+    type or none, a directory, a place it cannot write: one line, exit 2, nothing written. Before, a name
+    without a type wrote NAME.png and said "wrote NAME", and a type matplotlib lacks was a traceback."""
+    src = [write(tmp_path / "m.jsonl", [epoch_record(e, 10 * e, test_acc=0.8) for e in (1, 2)])] if what == "curves" \
+        else []
+    svg = tmp_path / "deeper" / "f.svg"
+    assert main([what, *src, "--out", str(svg)]) == 0 and svg.read_text().lstrip().startswith(("<?xml", "<svg"))
+    pdf = tmp_path / "f.pdf"
+    assert main([what, *src, "--out", str(pdf)]) == 0 and pdf.read_bytes().startswith(b"%PDF")
+    capsys.readouterr()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for out, says in ((tmp_path / "f.txt", "the file type '.txt' is not one of .png, .pdf, .svg"),
+                      (tmp_path / "noext", "the file type '(none)' is not one of"),
+                      (tmp_path / "dir.png", "is a directory: give a file name"),
+                      (blocked / "f.png", "not written (")):
+        if out.name == "dir.png":
+            out.mkdir()
+        assert main([what, *src, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"mpisgd.plot: error: --out {out}") and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["deeper", "f.pdf", "file", "dir.png",
+                                                                 *(["m.jsonl"] if src else [])])
+
+
 def test_curves_from_metrics_files(tmp_path):
     paths = []
     for name, scale in (("a", 1.0), ("b", 2.0)):

@@ -12,18 +12,44 @@ Schedule the run would use (for K ranks), with no MPI and no training. matplotli
 from __future__ import annotations
 
 import argparse
+import io
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from mpisgd.app.options import add_version, parse_config
+from mpisgd.app.planner.report import PLOT_TYPES
 from mpisgd.app.records import EpochRecord
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
+from mpisgd.files import atomic_write
 from mpisgd.schedule import Schedule, effective_batch, total_steps
 
 FASHION_MNIST_TRAIN = 60000
+
+
+def check_out(out: str) -> str:
+    """--out's file type (png, pdf or svg: by its name), UsageError in one line for another or a directory."""
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in PLOT_TYPES:
+        raise UsageError(f"--out {out}: the file type {ext or '(none)'!r} is not one of {', '.join(PLOT_TYPES)}")
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out} is a directory: give a file name")
+    return ext[1:]
+
+
+def save_figure(fig: Any, out: str) -> None:
+    """``fig`` into ``out`` all or nothing (mpisgd.files.atomic_write), in the type its name gives; the figure
+    is closed. UsageError naming --out where it cannot be written."""
+    image = io.BytesIO()
+    fig.savefig(image, format=check_out(out), dpi=100)
+    _pyplot().close(fig)
+    try:
+        atomic_write(out, lambda f: f.write(image.getvalue()))
+    except OSError as exc:
+        raise UsageError(f"--out {out}: not written ({exc.strerror or exc})") from None
 
 
 def _pyplot() -> Any:
@@ -71,8 +97,7 @@ def plot_lr(cfg: Config, ranks: int, out: str, samples: int | None = None) -> st
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -129,8 +154,7 @@ def curves_figure(paths: Sequence[str], labels: Sequence[str] | None = None) -> 
 
 def plot_curves(paths: Sequence[str], out: str, labels: Sequence[str] | None = None) -> str:
     fig = curves_figure(paths, labels)
-    fig.savefig(out, dpi=100)
-    _pyplot().close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -165,8 +189,7 @@ def plot_error_vs_batch(series: dict[str, list[tuple[int, float, bool]]], out: s
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -180,20 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     p_lr.add_argument("--ranks", type=int, default=1, help="ranks k the run would use (B = k*b*m)")
     p_lr.add_argument("--train-samples", type=int, default=None,
                       help="training samples per epoch (default: from --dataset/--limit-train)")
-    p_lr.add_argument("--out", default="lr.png", help="PNG to write")
+    p_lr.add_argument("--out", default="lr.png", help="the figure to write: .png, .pdf or .svg")
     p_c = sub.add_parser("curves", allow_abbrev=False, help="training curves from --metrics-file outputs")
     p_c.add_argument("metrics", nargs="+", help="metrics JSONL file(s)")
     p_c.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
-    p_c.add_argument("--out", default="curves.png", help="PNG to write")
+    p_c.add_argument("--out", default="curves.png", help="the figure to write: .png, .pdf or .svg")
     try:
         if argv[:1] == ["lr"]:
             ns, rest = p.parse_known_args(argv)
+            check_out(ns.out)
             if ns.ranks < 1:
                 raise UsageError(f"--ranks must be >= 1, got {ns.ranks}")
             cfg = parse_config(rest)
             out = plot_lr(cfg, ns.ranks, ns.out, ns.train_samples)
         else:
             ns = p.parse_args(argv)
+            check_out(ns.out)
             out = plot_curves(ns.metrics, ns.out, ns.labels.split(",") if ns.labels else None)
     except UsageError as exc:
         print(f"mpisgd.plot: error: {exc}", file=sys.stderr)
