@@ -247,6 +247,16 @@ def test_evaluate_warns_of_options_its_data_ignores(tmp_path, capsys):
         "--seed has no effect with --dataset fashion-mnist: it seeds --dataset synthetic's test set"]
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--seed", "-1", "--dataset", "synthetic"], "--seed must be >= 0, got -1"),  # NumPy's traceback before
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--limit-test", "-1"], "--limit-test must be >= 1, got -1"),
+])
+def test_evaluate_refuses_numbers_out_of_range_in_one_line(tmp_path, capsys, args, says):
+    assert evaluate.main([gpt_file(tmp_path / "g.npz"), *args]) == 2
+    one_line(capsys.readouterr().err, "mpisgd-evaluate: error: ", says)
+
+
 def test_evaluate_puts_the_signal_mask_back(tmp_path):
     """In-process, main blocks SIGINT only while it runs (its thread takes Ctrl-C meanwhile)."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())

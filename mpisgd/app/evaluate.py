@@ -281,6 +281,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, ...]:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.limit_test is not None and args.limit_test < 1:
         raise UsageError(f"--limit-test must be >= 1, got {args.limit_test}")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.data and args.dataset == "synthetic":
         raise UsageError("--data and --dataset synthetic: choose one")
     language = _language_model(args)
