@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -318,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                        "replaced, any other file refused)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: options for mpisgd.train")
     args = parser.parse_args(argv)
+    if args.max_others is not None and not (math.isfinite(args.max_others) and args.max_others >= 0):
+        parser.error(f"--max-others must be a number of cores >= 0, got {args.max_others}")
     try:
         train_args, cfg = train_options(args.train_args, args.model, args.device)
         for v in args.variant:

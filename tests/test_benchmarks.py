@@ -269,6 +269,8 @@ def tt_refuses(capsys, monkeypatch, *argv: str) -> str:
     (["--variant", "x=--metrics-file=user.jsonl"], "--metrics-file is the benchmark's own"),
     (["--", "--model", "resnet"], "mlp and cnn only"), (["--", "--model=gpt"], "mlp and cnn only"),
     (["--model", "cnn", "--", "--model=mlp"], "differ"), (["--", "--no-such-option"], "train options:"),
+    (["--max-others", "-1"], "--max-others must be a number of cores >= 0"),  # reran every launch 4 times
+    (["--max-others", "nan"], "--max-others must be a number of cores >= 0"),
 ])
 def test_throughput_refuses_bad_options_before_any_launch(capsys, monkeypatch, argv, says):
     assert says in tt_refuses(capsys, monkeypatch, *argv)
