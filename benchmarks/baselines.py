@@ -375,7 +375,7 @@ def main() -> None:
     parser.add_argument("--limit", type=at_least(1), default=None, help="use only the first N training samples")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--steps", type=at_least(1), default=40, help="side-by-side: the timed pairs of steps")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
+    parser.add_argument("--profile", type=at_least(0), default=0, metavar="N",
                         help="torch, torch-ddp: then N steps under torch.profiler, its table on stderr")
     args = parser.parse_args()
     # under mpiexec every rank gets here: only the first one speaks

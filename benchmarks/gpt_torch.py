@@ -34,6 +34,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from mpisgd.app.options import parse_config  # noqa: E402
+from mpisgd.config import at_least  # noqa: E402
 from mpisgd.data import epoch_permutation  # noqa: E402
 from mpisgd.nn.gpt import GPTShape, gpt  # noqa: E402
 from mpisgd.schedule import Schedule, total_steps  # noqa: E402
@@ -209,9 +210,9 @@ def speed(argv: list[str], steps: int, warmup: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("train", "speed"))
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--steps", type=int, default=20, help="speed: timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="speed: untimed steps first")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="speed: timed steps")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="speed: untimed steps first")
     args, rest = parser.parse_known_args()
     metrics = None
     if "--metrics-file" in rest:

@@ -316,6 +316,9 @@ def test_throughput_reads_train_options_as_mpisgd_does(capsys, monkeypatch):
     ["benchmarks/baselines.py", "numpy", "--batch-size", "-4"],
     ["experiments/profile_step.py", "--model", "cnn", "--batch-size", "0"],  # profiled b = 128 instead
     ["benchmarks/train_throughput.py", "--repeats", "two"],
+    ["benchmarks/gpt_torch.py", "speed", "--steps", "0"],  # an AssertionError's traceback
+    ["benchmarks/gpt_torch.py", "speed", "--threads", "0"],  # torch's RuntimeError
+    ["benchmarks/baselines.py", "side-by-side", "--profile", "-1"],  # profiled nothing, silently
 ])
 def test_the_scripts_counts_are_checked_before_anything_runs(argv):
     r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
