@@ -47,8 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--delete", action="store_true", help="remove them (default: only list them)")
     parser.add_argument("--dir", default="/dev/shm")
-    parser.add_argument("--pattern", default="mpich_shm_*")
+    parser.add_argument("--pattern", default="mpich_shm_*", help="file names in --dir to consider (a glob, no '/')")
     args = parser.parse_args()
+    if not args.pattern or "/" in args.pattern or args.pattern in (".", ".."):
+        parser.error(f"--pattern must be a file-name pattern within --dir (no '/'), got {args.pattern!r}")
+    if not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir} is not a directory")
     found = leftovers(Path(args.dir), args.pattern)
     total = sum(p.stat().st_size for p in found)
     for p in found:

@@ -382,6 +382,25 @@ def test_clean_shm_removes_only_leftovers_no_process_holds(tmp_path):
     assert held.exists() and mapped.exists() and (tmp_path / "other").exists() and not left.exists()
 
 
+def test_clean_shm_never_reaches_outside_its_directory(tmp_path):
+    """A --pattern with a '/' ('../*' removed the parent's unheld files with --delete) or an empty one (a
+    traceback), and a --dir that is no directory (0 files, as if clean): one line, exit 2, nothing removed."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    outside = tmp_path / "mpich_shm_outside"
+    outside.write_bytes(b"x")
+    script = [sys.executable, str(ROOT / "scripts" / "clean_shm.py"), "--delete"]
+    for args, says in ((["--dir", str(shm), "--pattern", "../*"], "--pattern must be a file-name pattern"),
+                       (["--dir", str(shm), "--pattern", "../mpich_shm_*"], "--pattern must be a file-name pattern"),
+                       (["--dir", str(shm), "--pattern", ""], "--pattern must be a file-name pattern"),
+                       (["--dir", str(tmp_path / "none")], "is not a directory"),
+                       (["--dir", str(outside)], "is not a directory")):
+        r = subprocess.run([*script, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("clean_shm.py: error: ") \
+            and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert outside.exists()
+
+
 def test_fresh_debian_check_refuses_before_touching_anything(tmp_path):
     """scripts/fresh_debian_check.sh builds a whole system; bad input must stop it with one clear line and
     exit 2 before debootstrap starts: a target that exists, or no debootstrap, or not root."""
