@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import numpy as np  # noqa: E402
 
+from mpisgd.config import at_least  # noqa: E402
 from mpisgd.data import BatchLoader, Dataset, epoch_permutation, load_fashion_mnist, synthetic  # noqa: E402
 from mpisgd.nn import SoftmaxCrossEntropy, scoring  # noqa: E402
 from mpisgd.nn.models import cnn, mlp  # noqa: E402
@@ -719,21 +720,21 @@ def report(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="64,128,256,512,1024,2048,4096,8192", help="effective batches B")
-    p.add_argument("--lars-from", type=int, default=2048, help="B from which the recipe is LARS instead of SGD")
+    p.add_argument("--lars-from", type=at_least(1), default=2048, help="B from which the recipe is LARS instead of SGD")
     p.add_argument("--both", default="2048", help="B at which both optimizers get a grid (the switch)")
     p.add_argument("--mults", default="0.5,1,2", help="the rate grid: multiples of the recipe's eta0")
-    p.add_argument("--extend", type=int, default=2, help="factors of 2 the grid may grow by while the best is at "
-                                                         "an edge")
+    p.add_argument("--extend", type=at_least(0), default=2,
+                   help="factors of 2 the grid may grow by while the best is at an edge")
     p.add_argument("--targets", default="0.45,0.4,0.35,0.3", help="training-loss targets (the lowest ends a run)")
-    p.add_argument("--max-epochs", type=int, default=40, help="epoch budget of a run that does not reach them")
+    p.add_argument("--max-epochs", type=at_least(1), default=40, help="epoch budget of a run that does not reach them")
     p.add_argument("--prune", type=float, default=2.0,
                    help="stop a run past this many times the steps another rate at its B needed")
     p.add_argument("--warmup-epochs", type=float, default=0.5, help="SGD's warmup (from eta0 up to the scaled rate)")
     p.add_argument("--lars-warmup-epochs", type=float, default=0.0, help="LARS's warmup")
-    p.add_argument("--eval-samples", type=int, default=5000, help="size of the fixed training subset evaluated")
-    p.add_argument("--eval-every", type=int, default=7500, help="samples between evaluations (at least a step)")
+    p.add_argument("--eval-samples", type=at_least(1), default=5000, help="size of the fixed training subset evaluated")
+    p.add_argument("--eval-every", type=at_least(1), default=7500, help="samples between evaluations (at least a step)")
     p.add_argument("--noise-tau", type=float, default=15000, help="time constant of the noise averages, samples")
-    p.add_argument("--max-micro", type=int, default=512, help="largest micro-batch b")
+    p.add_argument("--max-micro", type=at_least(1), default=512, help="largest micro-batch b")
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     p.add_argument("--hidden", default="1024,1024", help="MLP widths")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -741,16 +742,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sgd-lr", type=float, default=RECIPES["sgd"]["eta0"], help="SGD's eta0 for B0 = 256 (the grid "
                                                                              "multiplies it)")
     p.add_argument("--lars-lr", type=float, default=RECIPES["lars"]["eta0"], help="LARS's eta0 for B0 = 256")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-samples", type=int, default=60000, help="use the first N training images")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--train-samples", type=at_least(1), default=60000, help="use the first N training images")
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX directory (default: mpisgd's search)")
-    p.add_argument("--jobs", type=int, default=1, help="(B, optimizer) grids run side by side, one process each")
-    p.add_argument("--threads", type=int, default=1, help="BLAS threads per process")
+    p.add_argument("--jobs", type=at_least(1), default=1,
+                   help="(B, optimizer) grids run side by side, one process each")
+    p.add_argument("--threads", type=at_least(1), default=1, help="BLAS threads per process")
     p.add_argument("--out", default=str(ROOT / "results" / "critical_batch"), help="output directory")
     p.add_argument("--trainer-batches", default="256,1024",
                    help="B at which a real mpisgd.train run measures the trainer's own noise scale (empty: none)")
-    p.add_argument("--trainer-ranks", type=int, default=2, help="ranks of those runs")
-    p.add_argument("--trainer-epochs", type=int, default=8, help="epochs of those runs")
+    p.add_argument("--trainer-ranks", type=at_least(1), default=2, help="ranks of those runs")
+    p.add_argument("--trainer-epochs", type=at_least(1), default=8, help="epochs of those runs")
     p.add_argument("--trainer-only", action="store_true", help="skip the sweep: only the trainer's runs, then the "
                                                                "report")
     p.add_argument("--noise-metrics", nargs="*", default=[],

@@ -15,15 +15,16 @@ import time
 import numpy as np
 
 from mpisgd.blas import finite_sq_norm
+from mpisgd.config import at_least
 from mpisgd.nn import models
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", default="1024,1024", help="the MLP's hidden widths")
-    parser.add_argument("--every", type=int, default=4, help="--noise-scale-every of the run")
+    parser.add_argument("--every", type=at_least(1), default=4, help="--noise-scale-every of the run")
     parser.add_argument("--bucket-mb", type=float, default=4.04, help="the first bucket's size (the rest is one)")
-    parser.add_argument("--repeats", type=int, default=400)
+    parser.add_argument("--repeats", type=at_least(1), default=400)
     args = parser.parse_args(argv)
     model = models.mlp(tuple(int(h) for h in args.hidden.split(","))).materialize(np, "float32", seed=0)
     grads = np.random.default_rng(0).standard_normal(model.flat.size).astype(np.float32)

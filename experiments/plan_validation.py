@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpisgd.app.metrics import read_metrics  # noqa: E402
 from mpisgd.app.records import to_json  # noqa: E402
+from mpisgd.config import at_least  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "MPISGD_PLAN_FILE": "off"}
@@ -244,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,cnn", help="mlp (--hidden), cnn (LeNet-5)")
     p.add_argument("--hidden", default="1024,1024", help="the MLP's widths")
-    p.add_argument("--batch", type=int, default=128, help="per-rank micro-batch b (the same at k = 1 and 2)")
-    p.add_argument("--limit-train", type=int, default=15360, help="training images per epoch")
-    p.add_argument("--repeats", type=int, default=3, help="(profile, k = 2 run) pairs per row")
+    p.add_argument("--batch", type=at_least(1), default=128, help="per-rank micro-batch b (the same at k = 1 and 2)")
+    p.add_argument("--limit-train", type=at_least(1), default=15360, help="training images per epoch")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="(profile, k = 2 run) pairs per row")
     p.add_argument("--cluster", action="store_true", help="also the emulated 2-host cluster (root, ip netns)")
     p.add_argument("--no-local", action="store_true", help="skip this machine's rows")
     p.add_argument("--links", default=",".join(LINKS), help="emulated link rates")
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-others", type=float, default=None, metavar="CORES",
                    help="measure a (profile, k = 2) pair again when other processes kept more than CORES cores "
                         "busy during it (on the emulated cluster the kernel's own network work counts too)")
-    p.add_argument("--retries", type=int, default=3, help="how often, at most, with --max-others")
+    p.add_argument("--retries", type=at_least(0), default=3, help="how often, at most, with --max-others")
     p.add_argument("--out", default=str(ROOT / "results" / "plan"), help="output directory (a folder per run)")
     p.add_argument("--quick", action="store_true", help="smoke run: MLP 784-64-10, 1 repeat, few steps")
     p.add_argument("--from-runs", default=None, metavar="DIR",

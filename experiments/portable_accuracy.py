@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mpisgd.config import at_least  # noqa: E402
 from mpisgd.data import BatchLoader, load_fashion_mnist  # noqa: E402
 from mpisgd.kernels import kernels_for  # noqa: E402
 from mpisgd.nn import Conv2d, Linear, Sequential, SoftmaxCrossEntropy, cnn, mlp  # noqa: E402
@@ -156,9 +157,9 @@ def training(seeds: list[int], epochs: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["layers", "training"])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=at_least(1), default=300)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=at_least(1), default=3)
     parser.add_argument("--out", default=str(ROOT / "results" / "portable"))
     args = parser.parse_args(argv)
     date = datetime.date.today().isoformat()

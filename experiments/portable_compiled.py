@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from mpisgd.config import at_least
 from mpisgd.kernels import kernels_for
 from mpisgd.portable import elementwise, passes
 
@@ -60,8 +61,8 @@ def model_step(name: str, batch: int, data: str) -> Any:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["mlp", "cnn", "resnet", "gpt"], default="cnn")
-    p.add_argument("--steps", type=int, default=60, help="steps per strategy (after one of each untimed)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 128, 32 for the GPT")
+    p.add_argument("--steps", type=at_least(1), default=60, help="steps per strategy (after one of each untimed)")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="default: 128, 32 for the GPT")
     p.add_argument("--only", choices=["passes", "functions"], default=None)
     p.add_argument("--data", default="/usr/local/share/mpisgd/kjv.txt", help="--model gpt: the text")
     args = p.parse_args()

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from mpisgd.config import at_least
 from mpisgd.kernels import kernels_for
 from mpisgd.nn import SoftmaxCrossEntropy, build_model
 from mpisgd.portable import gemm
@@ -103,8 +104,8 @@ def product_table(rng: np.random.Generator, batch: int, repeats: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--batch-size", type=at_least(1), default=128)
+    p.add_argument("--repeats", type=at_least(1), default=30)
     args = p.parse_args()
     rng = np.random.default_rng(0)
     if args.model == "mlp":

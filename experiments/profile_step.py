@@ -85,11 +85,11 @@ def main() -> None:
     parser.add_argument("--context", type=at_least(1), default=64, help="--model gpt: tokens per window")
     parser.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(1024, 1024))
     parser.add_argument("--batch-size", type=at_least(1), default=None, help="default: 128, 32 for --model gpt")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=at_least(1), default=200)
     parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--kernels", choices=["fast", "portable"], default="fast",
                         help="the layers' kernels: fast (the default run's) or portable (--reproducible portable's)")
-    parser.add_argument("--lines", type=int, default=0, help="also show the N costliest lines of the layers")
+    parser.add_argument("--lines", type=at_least(0), default=0, help="also show the N costliest lines of the layers")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with this thread's CPU clock: on a machine shared with others, the time the "
                              "process waits for a core is left out")
