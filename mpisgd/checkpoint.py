@@ -274,6 +274,9 @@ def find_resume(resume: str, directory: str | None, overwrite: bool = False
     if resume != "auto":
         if not Path(resume).exists():
             raise CheckpointError(f"--resume {resume}: no such file")
+        if Path(resume).is_dir():
+            raise CheckpointError(f"--resume {resume} is a directory: give one of its checkpoints "
+                                  f"(ckpt-<step>.npz), or --checkpoint-dir {resume} --resume auto for its newest")
         if not Path(resume).is_file():
             raise CheckpointError(f"--resume {resume}: not a regular file")
         return load_checkpoint(resume), resume, []

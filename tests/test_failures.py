@@ -179,6 +179,8 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank(args: tuple[str, ...], s
      "/nonexistent"),  # back to the default, which Fashion-MNIST does not read
     (("--limit-train", "10", "--batch-size", "64"), "fewer than one global batch"),
     (("--resume", "/nonexistent/ckpt.npz"), "--resume /nonexistent/ckpt.npz: no such file"),
+    (("--resume", "/tmp"), "--resume /tmp is a directory: give one of its checkpoints (ckpt-<step>.npz), or "
+                           "--checkpoint-dir /tmp --resume auto for its newest"),  # "not a regular file" before
     (("--epochs", "x"), "invalid int value: 'x'"),  # argparse's refusal, agreed before set-up
     (("--lr", "1e308", "--batch-size", "512", "--base-batch", "1"), "learning rates must be finite"),
     (("--allreduce", "nccl"), "needs GPU buffers"),
