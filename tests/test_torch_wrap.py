@@ -342,3 +342,23 @@ def test_a_rank_with_another_model_is_refused_naming_the_tensor_that_differs():
                                            rf"rank {odd} has \('{first}', .*'torch.float32'.* where rank 0 has "
                                            r".*'torch.float64'"):
         wrap(module, comm)
+
+
+@pytest.mark.mpi
+def test_a_module_is_wrapped_once_and_a_closed_wrapper_says_so():
+    """Two wrappers over the same parameters (the module twice, or a DistributedModel wrapped) would average
+    each gradient twice: refused on every rank before any collective. A closed wrapper's forward names the
+    close (it was MPI's 'Invalid communicator' error stack); after close the module can be wrapped again."""
+    comm = MPI.COMM_WORLD
+    module = net(bn=False)
+    model = wrap(module, comm)
+    for again in (module, model):
+        with pytest.raises(ValueError, match="the module's parameters are wrapped already"):
+            wrap(again, comm)
+    x, y = data(8)
+    model.close()
+    with pytest.raises(RuntimeError, match=r"this DistributedModel is closed \(close\(\) frees its communicator\)"):
+        model(x)
+    model = wrap(module, comm)  # closed: its parameters are free again
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    model.close()

@@ -125,6 +125,10 @@ class DistributedModel(torch.nn.Module):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if metrics_every < 1:
             raise ValueError(f"metrics_every must be >= 1, got {metrics_every}")
+        if any(_wrapped(p) for p in module.parameters()):  # every rank alike: before any collective
+            raise ValueError("the module's parameters are wrapped already (mpisgd.torch.wrap of the same module, or "
+                             "of a DistributedModel): two wrappers would average each gradient twice; wrap a "
+                             "module once, or close() the other wrapper first")
         self.module = module
         self.comm = comm.Dup()
         self.k, self.rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -166,6 +170,8 @@ class DistributedModel(torch.nn.Module):
         # closed at exit if the caller does not (every rank exits alike; before mpi4py finalises MPI)
         self._at_exit = _closer(weakref.ref(self))
         atexit.register(self._at_exit)
+        for p in module.parameters():
+            _WRAPPED[id(p)] = weakref.ref(p)
 
     # -- layout ------------------------------------------------------------------------------
     def _flatten_parameters(self) -> list[_Group]:
@@ -289,6 +295,9 @@ class DistributedModel(torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's forward; when gradients are enabled, also what the coming backward needs: the
         gradient views in place, and outside no_sync the check-in."""
+        if self._closed:
+            raise RuntimeError("this DistributedModel is closed (close() frees its communicator): wrap the module "
+                               "again to go on training it")
         t0 = time.perf_counter()
         if torch.is_grad_enabled():
             self._close_interval(t0)
@@ -516,6 +525,8 @@ class DistributedModel(torch.nn.Module):
             self.write_metrics()
         for h in self._hooks:
             h.remove()
+        for p in self.module.parameters():
+            _WRAPPED.pop(id(p), None)
         self.watchdog.close()
         if self._shared:
             g = self.groups[0]
@@ -524,6 +535,17 @@ class DistributedModel(torch.nn.Module):
             self._shared = False
         self.reducer.close()
         self.comm.Free()
+
+
+# the parameters of every open DistributedModel, by id (a tensor's == is elementwise: no dictionary key), each
+# with a weak reference that tells a live parameter from a new tensor given the id of one gone
+_WRAPPED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _wrapped(p: torch.Tensor) -> bool:
+    """Whether parameter ``p`` belongs to an open DistributedModel."""
+    ref = _WRAPPED.get(id(p))
+    return ref is not None and ref() is p
 
 
 def _closer(ref: Any) -> Callable[[], None]:
