@@ -27,6 +27,20 @@ from mpisgd.errors import UsageError
 TMP_SUFFIX = ".tmp."  # + pid: what an interrupted write leaves behind
 
 
+FIGURE_TYPES = (".png", ".pdf", ".svg")  # the figures the tools write, by their names' type
+
+
+def figure_problem(path: str, what: str) -> str:
+    """Why ``path`` cannot take a figure ("" when it can): a type not among FIGURE_TYPES, or a directory;
+    the line names ``what`` (an option). The caller raises it as its own error."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FIGURE_TYPES:
+        return f"{what} {path}: the file type {ext or '(none)'!r} is not one of {', '.join(FIGURE_TYPES)}"
+    if os.path.isdir(path):
+        return f"{what} {path} is a directory: give a file name"
+    return ""
+
+
 def _not_regular(path: Path) -> bool:
     return path.exists() and not path.is_file()
 

@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpisgd.app.options import add_version, parse_config
-from mpisgd.app.planner.report import PLOT_TYPES
 from mpisgd.app.records import EpochRecord
 from mpisgd.config import Config
 from mpisgd.errors import UsageError
-from mpisgd.files import atomic_write
+from mpisgd.files import atomic_write, figure_problem
 from mpisgd.schedule import Schedule, effective_batch, total_steps
 
 FASHION_MNIST_TRAIN = 60000
@@ -32,12 +31,10 @@ FASHION_MNIST_TRAIN = 60000
 
 def check_out(out: str) -> str:
     """--out's file type (png, pdf or svg: by its name), UsageError in one line for another or a directory."""
-    ext = os.path.splitext(out)[1].lower()
-    if ext not in PLOT_TYPES:
-        raise UsageError(f"--out {out}: the file type {ext or '(none)'!r} is not one of {', '.join(PLOT_TYPES)}")
-    if os.path.isdir(out):
-        raise UsageError(f"--out {out} is a directory: give a file name")
-    return ext[1:]
+    problem = figure_problem(out, "--out")
+    if problem:
+        raise UsageError(problem)
+    return os.path.splitext(out)[1][1:].lower()
 
 
 def save_figure(fig: Any, out: str) -> None:

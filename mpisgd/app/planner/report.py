@@ -13,9 +13,7 @@ from mpisgd.app.planner.errors import PlanError
 from mpisgd.app.planner.model import Recommendation, Row
 from mpisgd.app.planner.topology import Cluster, size_text
 from mpisgd.app.planner.workload import Rules, Workload
-from mpisgd.files import atomic_write
-
-PLOT_TYPES = (".png", ".pdf", ".svg")
+from mpisgd.files import atomic_write, figure_problem
 
 
 def _duration(s: float | None) -> str:
@@ -124,11 +122,9 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 
 def check_plot_path(path: str) -> None:
     """--plot's file type, and matplotlib, before any work."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in PLOT_TYPES:
-        raise PlanError(f"--plot {path}: the file type {ext or '(none)'!r} is not one of {', '.join(PLOT_TYPES)}")
-    if os.path.isdir(path):
-        raise PlanError(f"--plot {path} is a directory: give a file name")
+    problem = figure_problem(path, "--plot")
+    if problem:
+        raise PlanError(problem)
     try:
         import matplotlib  # noqa: F401, PLC0415 - only for --plot
     except ImportError:
