@@ -30,7 +30,7 @@ from mpisgd.app.straggler import REPORT_SHARE, Clock, analyse
 from mpisgd.app.straggler import describe as describe_straggler
 from mpisgd.app.tensorboard import open_writer
 from mpisgd.backend import peak_rss_mib, to_numpy
-from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path
+from mpisgd.checkpoint import SaveError, TrainState, checkpoint_path, list_checkpoints, step_of
 from mpisgd.data import epoch_permutation
 from mpisgd.files import free_bytes
 from mpisgd.model_file import model_fallbacks, save_params
@@ -132,7 +132,6 @@ class Trainer:
         self.global_step = plan.global_step if plan else 0
         self.start_epoch, self.start_step = (plan.epoch, plan.step_in_epoch) if plan else (0, 0)
         self.saved_at = plan.global_step if plan else -1  # the step of the newest checkpoint this run wrote
-        self.written_at = self.saved_at  # ... and that is on disk (rank 0's: a write may fail)
         self.clock = Clock(self.comm) if run.k > 1 and run.cfg.straggler_report else None  # the report's time base
         self.history: list[EpochRecord] = []
         self.final_test: TestRecord | None = None  # with --val-split: the test set, scored once at the end
@@ -259,14 +258,12 @@ class Trainer:
             environment=run.environment, structure=run.structure, model=model_record(run),
             model_state=None if run.model.state is None else to_numpy(run.model.state))
         try:
-            path = run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
+            return run.run_dir.save(state, keep=cfg.checkpoint_keep)  # type: ignore[union-attr]
         except OSError as exc:
             free = free_bytes(cfg.checkpoint_dir)  # type: ignore[arg-type]
             self.log(f"warning: checkpoint of step {self.global_step} not written ({exc}; {free / 2**20:.0f} MiB "
                      f"free in {cfg.checkpoint_dir}); the earlier checkpoints are kept and training goes on")
             return None
-        self.written_at = self.global_step
-        return path
 
     # -- the end of an epoch --------------------------------------------------------------
     def evaluate(self) -> float:
@@ -408,10 +405,11 @@ class Trainer:
         """Rank 0's error line where --checkpoint-dir holds no checkpoint of the last step (its write failed:
         a warning said why), "" otherwise: the run did not leave what it was asked to, so it does not exit 0."""
         run, cfg = self.run, self.cfg
-        if not (cfg.checkpoint_dir and run.is_root) or self.written_at == self.global_step:
+        if not (cfg.checkpoint_dir and run.is_root) or checkpoint_path(cfg.checkpoint_dir, self.global_step).is_file():
             return ""
-        newest = (f"the newest checkpoint is of step {self.written_at}, so a resume repeats steps "
-                  f"{self.written_at + 1} to {self.global_step}") if self.written_at > 0 else "there is no checkpoint"
+        found = list_checkpoints(cfg.checkpoint_dir)  # newest first
+        newest = (f"the newest checkpoint is of step {step_of(found[0])}, so a resume repeats steps "
+                  f"{step_of(found[0]) + 1} to {self.global_step}") if found else "there is no checkpoint"
         return (f"mpisgd: error: the checkpoint of the last step ({self.global_step}) was not written in "
                 f"{cfg.checkpoint_dir} (the warning above says why); {newest}")
 
