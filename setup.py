@@ -35,5 +35,6 @@ setup(
         "torch": ["torch"],  # PyTorch models (mpisgd.torch, docs/torch.md) and the comparison benchmarks
     },
     entry_points={"console_scripts": ["mpisgd-train=mpisgd.train:main", "mpisgd-evaluate=mpisgd.app.evaluate:main",
-                                      "mpisgd-plan=mpisgd.app.plan:main", "mpisgd-sample=mpisgd.app.sample:main"]},
+                                      "mpisgd-plan=mpisgd.app.plan:main", "mpisgd-sample=mpisgd.app.sample:main",
+                                      "mpisgd-plot=mpisgd.app.plot:main"]},
 )

@@ -5,7 +5,9 @@ input: one line, exit 2; Ctrl-C: one line, exit 130; no traceback, no hang."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -354,3 +356,13 @@ def test_every_command_says_its_version_and_its_libraries(command):
     if command == "train":
         r = run_mpi(2, "-m", "mpisgd.train", "--version", timeout=60)
         assert r.returncode == 0 and r.stdout.count(f"mpisgd {mpisgd.__version__} ") == 1, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("tool", ["train", "evaluate", "plan", "sample", "plot"])
+def test_every_python_m_tool_has_its_console_script_running_the_same_main(tool):
+    """``pip install`` gives ``mpisgd-TOOL`` for each ``python -m mpisgd.TOOL``, and both run the same ``main``
+    (read from setup.py: an installed script may be older)."""
+    declared = dict(re.findall(r'"(mpisgd-\w+)=([\w.:]+)"', (ROOT / "setup.py").read_text()))
+    assert f"mpisgd-{tool}" in declared, sorted(declared)
+    module, function = declared[f"mpisgd-{tool}"].split(":")
+    assert getattr(importlib.import_module(module), function) is importlib.import_module(f"mpisgd.{tool}").main
